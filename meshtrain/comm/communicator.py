@@ -1,0 +1,235 @@
+"""The collectives strategies call, with exact byte accounting.
+
+Strategies never touch torch.distributed. They call a :class:`Communicator`, which
+
+* buckets many tensors into one flat buffer per collective,
+* stages accelerator tensors through CPU where the backend needs it (gloo on MPS),
+* counts the bytes this node sends and receives, per collective, and
+* delegates the data movement to a backend (threads in one process, or
+  torch.distributed point-to-point over gloo/nccl).
+
+All-reduce is a ring (reduce-scatter then all-gather) in both backends, with the
+same chunking and the same summation order, so results are bit-identical whether
+nodes are threads or processes, and the byte counts are exactly the payload that
+crosses the wire: for S bytes over g nodes, ``2 * (g - 1) / g * S`` per node when
+S splits evenly.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+ReduceOp = Literal["mean", "sum", "max"]
+Group = Sequence[int]
+
+
+@dataclass(frozen=True)
+class CommRecord:
+    """One collective as this node saw it."""
+
+    step: int
+    kind: str  # "all_reduce" | "all_gather" | "broadcast"
+    bytes_sent: int
+    bytes_received: int
+    group_size: int
+
+
+@dataclass
+class CommLog:
+    """Every recorded collective of one node, plus running totals."""
+
+    records: list[CommRecord] = field(default_factory=list)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+
+    def add(self, record: CommRecord) -> None:
+        self.records.append(record)
+        self.bytes_sent += record.bytes_sent
+        self.bytes_received += record.bytes_received
+
+
+def ring_chunk_sizes(numel: int, group_size: int) -> list[int]:
+    """Element counts of the ``group_size`` ring chunks of a flat buffer (torch.tensor_split)."""
+    base, extra = divmod(numel, group_size)
+    return [base + 1 if i < extra else base for i in range(group_size)]
+
+
+def ring_all_reduce_bytes(numel: int, element_size: int, position: int, group_size: int) -> tuple[int, int]:
+    """Bytes (sent, received) by the node at ``position`` of a ring all-reduce.
+
+    Reduce-scatter: the node sends every chunk but ``position + 1`` and receives every
+    chunk but ``position``. All-gather: it sends every chunk but ``position + 2`` and
+    receives every chunk but ``position + 1``.
+    """
+    if group_size == 1:
+        return 0, 0
+    sizes = ring_chunk_sizes(numel, group_size)
+    total = numel
+    g = group_size
+    sent = (total - sizes[(position + 1) % g]) + (total - sizes[(position + 2) % g])
+    received = (total - sizes[position % g]) + (total - sizes[(position + 1) % g])
+    return sent * element_size, received * element_size
+
+
+def ring_reduce(chunks_by_position: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:
+    """Reduce equal-shaped flat tensors exactly as the ring does.
+
+    Chunk ``c`` is accumulated starting at position ``c`` and going round the ring:
+    ``((x[c] + x[c+1]) + x[c+2]) + ...``. Both backends use this order, which is what
+    makes threads and processes bit-identical.
+    """
+    g = len(chunks_by_position)
+    pieces = [x.tensor_split(g) for x in chunks_by_position]
+    out = []
+    for c in range(g):
+        acc = pieces[c][c].clone()
+        for k in range(1, g):
+            _combine_(acc, pieces[(c + k) % g][c], op)
+        out.append(acc)
+    result = torch.cat(out)
+    if op == "mean":
+        result.div_(g)
+    return result
+
+
+def _combine_(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
+    if op == "max":
+        torch.maximum(acc, other, out=acc)
+    else:
+        acc.add_(other)
+
+
+class NodeAborted(RuntimeError):
+    """Raised inside a node when another node failed and the run is stopping."""
+
+
+class Communicator(ABC):
+    """Collectives over a set of nodes (ranks ``0 .. world_size - 1``).
+
+    ``group`` arguments are sorted lists of global ranks; ``None`` means every node.
+    A group costs nothing to create: islands can change every round.
+    Every collective is recorded in :attr:`log` unless ``record=False`` (metrics
+    traffic that a real deployment would not need is never counted).
+    """
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.log = CommLog()
+        self.step = 0  # set by the trainer so records carry the training step
+
+    # ----------------------------------------------------------------- public API
+    def all_reduce(
+        self,
+        tensors: torch.Tensor | Sequence[torch.Tensor],
+        op: ReduceOp = "mean",
+        group: Group | None = None,
+        *,
+        record: bool = True,
+    ) -> None:
+        """Reduce tensors in place over ``group``, in one flat bucket."""
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if not tensors:
+            return
+        members = self._members(group)
+        flat = _flatten(tensors)
+        if len(members) > 1:
+            reduced = self._ring_all_reduce(flat.to(self.staging_device(flat)), op, members)
+            flat.copy_(reduced)
+            _unflatten_into(flat, tensors)
+        if record:
+            sent, received = ring_all_reduce_bytes(
+                flat.numel(), flat.element_size(), members.index(self.rank), len(members)
+            )
+            self._record("all_reduce", sent, received, len(members))
+
+    def all_gather(
+        self, tensor: torch.Tensor, group: Group | None = None, *, record: bool = True
+    ) -> list[torch.Tensor]:
+        """Every member's ``tensor`` (same shape and dtype everywhere), in group order."""
+        members = self._members(group)
+        if len(members) == 1:
+            out = [tensor.clone()]
+        else:
+            staged = tensor.to(self.staging_device(tensor))
+            out = [t.to(tensor.device) for t in self._all_gather(staged.contiguous(), members)]
+        if record:
+            nbytes = tensor.numel() * tensor.element_size() * (len(members) - 1)
+            self._record("all_gather", nbytes, nbytes, len(members))
+        return out
+
+    def broadcast(
+        self, tensors: torch.Tensor | Sequence[torch.Tensor], src: int = 0,
+        group: Group | None = None, *, record: bool = True,
+    ) -> None:
+        """Copy ``src``'s tensors into every member's, in place (one flat bucket)."""
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        members = self._members(group)
+        flat = _flatten(tensors)
+        if len(members) > 1:
+            received = self._broadcast(flat.to(self.staging_device(flat)), src, members)
+            flat.copy_(received)
+            _unflatten_into(flat, tensors)
+        if record:
+            nbytes = flat.numel() * flat.element_size()
+            if self.rank == src:
+                self._record("broadcast", nbytes * (len(members) - 1), 0, len(members))
+            else:
+                self._record("broadcast", 0, nbytes, len(members))
+
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        """Rank 0 gets every node's picklable ``obj``; others get None. Never recorded."""
+        return self._gather_objects(obj)
+
+    def staging_device(self, tensor: torch.Tensor) -> torch.device:
+        """Where a tensor must be for this backend to move it (CPU unless overridden)."""
+        return tensor.device
+
+    def abort(self, error: BaseException) -> None:  # noqa: B027 - optional hook
+        """Tell waiting peers to stop (in-process backends); default does nothing."""
+
+    # ------------------------------------------------------------ backend hooks
+    @abstractmethod
+    def _ring_all_reduce(self, flat: torch.Tensor, op: ReduceOp, members: list[int]) -> torch.Tensor:
+        """Return the reduction of ``flat`` over members (same order as :func:`ring_reduce`)."""
+
+    @abstractmethod
+    def _all_gather(self, flat: torch.Tensor, members: list[int]) -> list[torch.Tensor]: ...
+
+    @abstractmethod
+    def _broadcast(self, flat: torch.Tensor, src: int, members: list[int]) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _gather_objects(self, obj: Any) -> list[Any] | None: ...
+
+    # ------------------------------------------------------------------ helpers
+    def _members(self, group: Group | None) -> list[int]:
+        if group is None:
+            return list(range(self.world_size))
+        members = sorted(group)
+        if self.rank not in members:
+            raise ValueError(f"rank {self.rank} is not in group {members}")
+        return members
+
+    def _record(self, kind: str, sent: int, received: int, group_size: int) -> None:
+        self.log.add(CommRecord(self.step, kind, sent, received, group_size))
+
+
+def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    if len(tensors) == 1:
+        return tensors[0].detach().reshape(-1).clone()
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def _unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    with torch.no_grad():
+        for t in tensors:
+            n = t.numel()
+            t.copy_(flat[offset : offset + n].view_as(t))
+            offset += n

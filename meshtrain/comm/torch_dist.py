@@ -1,0 +1,111 @@
+"""Collectives over torch.distributed (gloo on CPU/MPS, nccl on CUDA).
+
+The ring is written with point-to-point send/recv on the default group, so
+
+* any subset of ranks can form a group with no ``new_group`` call (islands that
+  change every round cost nothing to set up), and
+* chunks are summed in exactly the order :func:`ring_reduce` uses, which makes a
+  run on processes or real hosts bit-identical to one on threads.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.comm.communicator import Communicator, ReduceOp, _combine_
+
+
+class TorchDistCommunicator(Communicator):
+    """A node's collectives over an initialised torch.distributed default group."""
+
+    def __init__(self) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: call init_process_group first")
+        super().__init__(dist.get_rank(), dist.get_world_size())
+        self.backend = dist.get_backend()
+
+    def staging_device(self, tensor: torch.Tensor) -> torch.device:
+        # gloo moves CPU tensors only: MPS (and CUDA under gloo) go through one CPU buffer.
+        if self.backend == "gloo" and tensor.device.type != "cpu":
+            return torch.device("cpu")
+        return tensor.device
+
+    def _exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
+        reqs = [dist.isend(send, dst), dist.irecv(recv, src)]
+        for r in reqs:
+            r.wait()
+
+    def _ring_all_reduce(self, flat: torch.Tensor, op: ReduceOp, members: list[int]) -> torch.Tensor:
+        g = len(members)
+        pos = members.index(self.rank)
+        nxt, prv = members[(pos + 1) % g], members[(pos - 1) % g]
+        chunks = list(flat.clone().tensor_split(g))
+        # Reduce-scatter: after g-1 steps this node holds the full chunk pos+1.
+        for s in range(g - 1):
+            send_c, recv_c = (pos - s) % g, (pos - s - 1) % g
+            incoming = torch.empty_like(chunks[recv_c])
+            self._exchange(chunks[send_c].contiguous(), nxt, incoming, prv)
+            # incoming holds ((x[c] + ...) + x[pos-1]); adding ours continues the ring order.
+            _combine_(incoming, chunks[recv_c], op)
+            chunks[recv_c] = incoming
+        # All-gather the reduced chunks round the ring.
+        for s in range(g - 1):
+            send_c, recv_c = (pos + 1 - s) % g, (pos - s) % g
+            incoming = torch.empty_like(chunks[recv_c])
+            self._exchange(chunks[send_c].contiguous(), nxt, incoming, prv)
+            chunks[recv_c] = incoming
+        result = torch.cat(chunks)
+        if op == "mean":
+            result.div_(g)
+        return result
+
+    def _all_gather(self, flat: torch.Tensor, members: list[int]) -> list[torch.Tensor]:
+        g = len(members)
+        pos = members.index(self.rank)
+        nxt, prv = members[(pos + 1) % g], members[(pos - 1) % g]
+        blocks: list[torch.Tensor | None] = [None] * g
+        blocks[pos] = flat.clone()
+        for s in range(g - 1):
+            send_b, recv_b = (pos - s) % g, (pos - s - 1) % g
+            incoming = torch.empty_like(flat)
+            self._exchange(blocks[send_b], nxt, incoming, prv)  # type: ignore[arg-type]
+            blocks[recv_b] = incoming
+        return blocks  # type: ignore[return-value]
+
+    def _broadcast(self, flat: torch.Tensor, src: int, members: list[int]) -> torch.Tensor:
+        if self.rank == src:
+            reqs = [dist.isend(flat, m) for m in members if m != src]
+            for r in reqs:
+                r.wait()
+            return flat
+        out = torch.empty_like(flat)
+        dist.recv(out, src)
+        return out
+
+    def _gather_objects(self, obj: Any) -> list[Any] | None:
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+
+def init_process_group(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    device: torch.device,
+    timeout_s: float = 1800.0,
+) -> None:
+    """Join the TCP rendezvous at ``master_addr:master_port`` (nccl for CUDA, else gloo)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )

@@ -1,0 +1,140 @@
+"""Each node's stream of training batches: sharding, seeded shuffling, collation.
+
+A node's whole data position is (epoch, position) plus the run seed, so a stream can
+be rebuilt exactly (checkpoints) and two runtimes read the same samples in the same
+order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch.utils.data import Dataset, TensorDataset, default_collate
+
+from meshtrain.seeding import seeded_generator
+
+Collate = Callable[[list[Any]], Any]
+
+
+class DataFactory(Protocol):
+    """Builds one node's dataset inside that node: ``f(rank, nodes, split)``, split "train"/"val"."""
+
+    def __call__(self, rank: int, nodes: int, split: str) -> Dataset: ...
+
+
+def resolve_dataset(
+    data: Dataset | DataFactory, rank: int, nodes: int, split: str
+) -> tuple[Dataset, bool]:
+    """The dataset a node reads, and whether it still has to be sharded."""
+    if isinstance(data, Dataset):
+        return data, True
+    if callable(data):
+        return data(rank, nodes, split), False
+    raise TypeError(f"{split} data must be a torch Dataset or a factory f(rank, nodes, split)")
+
+
+def fetch(dataset: Dataset, indices: Sequence[int], collate_fn: Collate | None) -> Any:
+    """Collate the samples at ``indices`` (one tensor index for a TensorDataset)."""
+    if collate_fn is None and isinstance(dataset, TensorDataset):
+        idx = torch.as_tensor(indices)
+        return tuple(t[idx] for t in dataset.tensors)  # what default_collate would build
+    samples = [dataset[i] for i in indices]
+    return (collate_fn or default_collate)(samples)
+
+
+class NodeBatches:
+    """Batches of one node: its shard (every nodes-th sample from rank), reshuffled each epoch.
+
+    The last incomplete batch of an epoch is dropped so every step sees ``batch_size``
+    samples on every node.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        rank: int,
+        nodes: int,
+        batch_size: int,
+        seed: int,
+        shuffle: bool,
+        shard: bool,
+    ) -> None:
+        size = len(dataset)  # type: ignore[arg-type]
+        if shard:
+            usable = size - size % nodes  # equal shards
+            self.indices = torch.arange(rank, usable, nodes)
+        else:
+            self.indices = torch.arange(size)
+        if batch_size > len(self.indices):
+            where = f"shard of node {rank} ({len(self.indices)} samples of {size} over {nodes} nodes)"
+            raise ValueError(f"batch size {batch_size} is larger than the {where}")
+        self.dataset = dataset
+        self.rank = rank
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.position = 0
+        self._order = self._epoch_order()
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        return len(self.indices) // self.batch_size
+
+    def _epoch_order(self) -> torch.Tensor:
+        if not self.shuffle:
+            return self.indices
+        g = seeded_generator(self.seed, self.rank, self.epoch)
+        return self.indices[torch.randperm(len(self.indices), generator=g)]
+
+    def next_indices(self) -> list[int]:
+        """Sample indices of the next batch (starts a new epoch when this one runs out)."""
+        if self.position + self.batch_size > len(self._order):
+            self.epoch += 1
+            self.position = 0
+            self._order = self._epoch_order()
+        batch = self._order[self.position : self.position + self.batch_size]
+        self.position += self.batch_size
+        return batch.tolist()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._order = self._epoch_order()
+
+
+def split_microbatches(indices: list[int], microbatch_size: int | None) -> Iterator[list[int]]:
+    """Consecutive pieces of a batch for gradient accumulation."""
+    size = microbatch_size or len(indices)
+    for start in range(0, len(indices), size):
+        yield indices[start : start + size]
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move every tensor inside a batch (tuples, lists, dicts, objects with .to)."""
+    if device.type == "cpu" and not _has_non_cpu(batch):
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    if hasattr(batch, "to"):
+        return batch.to(device)
+    return batch
+
+
+def _has_non_cpu(batch: Any) -> bool:
+    if isinstance(batch, torch.Tensor):
+        return batch.device.type != "cpu"
+    if isinstance(batch, dict):
+        return any(_has_non_cpu(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return any(_has_non_cpu(v) for v in batch)
+    return hasattr(batch, "to")

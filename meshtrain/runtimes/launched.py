@@ -1,0 +1,43 @@
+"""This process is one rank of a launched run (``meshtrain launch`` or torchrun).
+
+Reads the torchrun variables RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (and
+MESHTRAIN_TIMEOUT, seconds a collective may wait), joins the TCP rendezvous, trains
+its node, and leaves the group.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group
+from meshtrain.devices import resolve_device
+from meshtrain.trainer import FitResult, NodeJob, node_seed, train_node
+
+REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def run_launched_rank(job: NodeJob) -> FitResult:
+    missing = [k for k in REQUIRED if k not in os.environ]
+    if missing:
+        raise RuntimeError(f"launched rank is missing environment variables: {', '.join(missing)}")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = float(os.environ.get("MESHTRAIN_TIMEOUT", job.config.timeout_s))
+    return join_and_train(job, rank, world, os.environ["MASTER_ADDR"],
+                          int(os.environ["MASTER_PORT"]), timeout, verify_replicas=True)
+
+
+def join_and_train(
+    job: NodeJob, rank: int, world: int, addr: str, port: int, timeout_s: float,
+    *, verify_replicas: bool,
+) -> FitResult:
+    """Join the group as ``rank`` and train; used by launched ranks and local processes."""
+    device = resolve_device(job.config.device)
+    init_process_group(rank, world, addr, port, device, timeout_s)
+    try:
+        torch.manual_seed(node_seed(job.config.seed, rank))
+        return train_node(job, TorchDistCommunicator(), verify_replicas=verify_replicas)
+    finally:
+        dist.destroy_process_group()

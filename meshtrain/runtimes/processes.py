@@ -1,0 +1,114 @@
+"""One process per node, torch.distributed over gloo (nccl for CUDA) on loopback.
+
+This is the code path real hosts use, run locally: the parent spawns the nodes,
+watches them, and stops them all as soon as one fails, so no node waits forever on
+a peer that is gone.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import multiprocessing as mp
+import queue
+import socket
+import traceback
+from typing import Any
+
+import torch
+
+from meshtrain.runtimes.launched import join_and_train
+from meshtrain.trainer import FitResult, NodeFailed, NodeJob
+
+POLL_SECONDS = 0.2
+
+
+def free_loopback_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node_process(job: NodeJob, rank: int, port: int, results: Any) -> None:
+    torch.set_num_threads(1)  # N processes share the cores: one intra-op thread each
+    try:
+        result = join_and_train(job, rank, job.config.nodes, "127.0.0.1", port,
+                                job.config.timeout_s, verify_replicas=False)
+        payload = None
+        if rank == 0:
+            payload = {
+                # Bytes, not tensors: torch would share tensors through file descriptors
+                # that vanish when this process exits.
+                "state_dict": _to_bytes(result.model.state_dict()),
+                "history": result.history,
+                "run_dir": result.run_dir,
+                "summary": result.summary,
+            }
+        results.put((rank, "done", payload))
+    except BaseException as exc:  # noqa: BLE001 - sent to the parent
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        raise SystemExit(1) from None
+
+
+def _to_bytes(state: dict[str, torch.Tensor]) -> bytes:
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    return buf.getvalue()
+
+
+def run_processes(job: NodeJob) -> FitResult:
+    """Spawn ``job.config.nodes`` processes and return rank 0's result."""
+    n = job.config.nodes
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_loopback_port()
+    procs = [
+        ctx.Process(target=_node_process, args=(job, r, port, results),
+                    name=f"meshtrain-node-{r}", daemon=True)
+        for r in range(n)
+    ]
+    try:
+        for p in procs:
+            p.start()
+    except Exception as exc:
+        _stop(procs)
+        raise RuntimeError(
+            f"could not start node processes ({exc}); the model, data and strategy must be "
+            "picklable (top-level functions, no lambdas) for runtime='processes'"
+        ) from exc
+    done: dict[int, Any] = {}
+    try:
+        while len(done) < n:
+            try:
+                rank, status, payload = results.get(timeout=POLL_SECONDS)
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if r not in done and p.exitcode not in (None, 0):
+                        raise NodeFailed(r, f"process exited with code {p.exitcode}") from None
+                continue
+            if status == "error":
+                first_line = payload.splitlines()[0]
+                raise NodeFailed(rank, first_line)
+            done[rank] = payload
+        for p in procs:
+            p.join()
+    finally:
+        _stop(procs)
+    rank0 = done[0]
+    model = copy.deepcopy(job.model)
+    model.load_state_dict(torch.load(io.BytesIO(rank0["state_dict"]), weights_only=True))
+    return FitResult(model=model, history=rank0["history"], run_dir=rank0["run_dir"],
+                     summary=rank0["summary"])
+
+
+def _stop(procs: list[Any]) -> None:
+    started = [p for p in procs if p.pid is not None]
+    for p in started:
+        if p.is_alive():
+            p.terminate()
+    for p in started:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+            p.join()

@@ -1,0 +1,267 @@
+"""What every strategy shares: the local optimizer, the LR schedule, clipping, hooks.
+
+A training step on a node is::
+
+    loss.backward()                       # the trainer
+    strategy.before_optimizer_step(step)  # e.g. average gradients (DDP)
+    strategy.optimizer_step(step)         # clip, local optimizer step, zero grads
+    strategy.after_optimizer_step(step)   # e.g. sync parameters (DiLoCo, SPARTA)
+
+A strategy is built from :class:`CommunicationModule` pieces whose hooks run in
+order, so "SPARTA + DiLoCo" is two modules on one strategy. A custom strategy
+subclasses :class:`Strategy` and overrides a hook (see examples/custom_strategy.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from meshtrain.comm import Communicator
+
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+    "sgd": torch.optim.SGD,
+    "adam": torch.optim.Adam,
+    "adamw": torch.optim.AdamW,
+}
+LR_SCHEDULES = ("constant", "cosine")
+
+
+@dataclass(frozen=True)
+class Optim:
+    """An optimizer by name plus keyword arguments, e.g. ``Optim("adamw", weight_decay=0.1)``."""
+
+    name: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __init__(self, name: str, **kwargs: Any) -> None:
+        if name not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}")
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "kwargs", dict(kwargs))
+
+    def build(self, params: Sequence[nn.Parameter], lr: float) -> torch.optim.Optimizer:
+        return OPTIMIZERS[self.name](params, lr=lr, **self.kwargs)
+
+    def __repr__(self) -> str:
+        args = "".join(f", {k}={v!r}" for k, v in self.kwargs.items())
+        return f"Optim({self.name!r}{args})"
+
+
+def as_optim(spec: str | Optim) -> Optim:
+    """Accept ``"adamw"`` or an :class:`Optim`."""
+    return spec if isinstance(spec, Optim) else Optim(spec)
+
+
+class CommunicationModule:
+    """One piece of communication a strategy is built from (hooks default to no-ops)."""
+
+    def setup(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+
+    def before_optimizer_step(self, step: int) -> None:
+        """Runs after backward, before the local optimizer step (gradients are set)."""
+
+    def after_optimizer_step(self, step: int) -> None:
+        """Runs after the local optimizer step."""
+
+    def finish(self, step: int) -> bool:
+        """Runs once after the last step; return True if it left every node in sync."""
+        return False
+
+    def global_parameters(self) -> list[torch.Tensor] | None:
+        """The global model's trainable parameters, if this module keeps them."""
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class Strategy:
+    """Local training plus the communication modules that tie the nodes together.
+
+    Args:
+        optim: local optimizer, a name ("sgd", "adam", "adamw") or an :class:`Optim`.
+        lr: peak learning rate of the local optimizer.
+        max_norm: clip the gradient to this global norm before each local step.
+        warmup_steps: linear warmup from 0 to ``lr``.
+        lr_schedule: "constant" or "cosine" (decays to ``min_lr`` at the last step).
+        min_lr: floor of the cosine schedule.
+    """
+
+    name: ClassVar[str] = "custom"
+    #: True when every node holds the same parameters after every step (DDP, DeMo).
+    replicas_in_sync: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        optim: str | Optim = "adamw",
+        lr: float = 1e-3,
+        *,
+        max_norm: float | None = None,
+        warmup_steps: int = 0,
+        lr_schedule: str = "constant",
+        min_lr: float = 0.0,
+        modules: Sequence[CommunicationModule] = (),
+    ) -> None:
+        if lr <= 0:
+            raise ValueError(f"lr must be > 0, got {lr}")
+        if lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {lr_schedule!r}")
+        if max_norm is not None and max_norm <= 0:
+            raise ValueError(f"max_norm must be > 0, got {max_norm}")
+        self.optim = as_optim(optim)
+        self.lr = lr
+        self.max_norm = max_norm
+        self.warmup_steps = warmup_steps
+        self.lr_schedule = lr_schedule
+        self.min_lr = min_lr
+        self.modules = list(modules)
+
+    # ---------------------------------------------------------------- set-up
+    def setup(
+        self, model: nn.Module, comm: Communicator, *, seed: int, max_steps: int,
+        num_samples: int = 0,
+    ) -> None:
+        """Bind to one node's model and communicator. Called once per node before step 0.
+
+        ``num_samples`` is the size of this node's training data (FedAvg's weights).
+        """
+        self.model = model
+        self.comm = comm
+        self.seed = seed
+        self.max_steps = max_steps
+        self.num_samples = num_samples
+        # Only trainable parameters are optimised and communicated (LoRA sends adapters only).
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = self.build_optimizer()
+        for module in self.modules:
+            module.setup(self)
+
+    def build_optimizer(self) -> torch.optim.Optimizer | None:
+        return self.optim.build(self.params, self.lr)
+
+    # ------------------------------------------------------------------ step
+    def lr_at(self, step: int) -> float:
+        """Learning rate for ``step`` (0-based) under warmup and the schedule."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.lr_schedule == "cosine":
+            span = max(1, self.max_steps - self.warmup_steps)
+            progress = min(1.0, (step - self.warmup_steps) / span)
+            return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
+        return self.lr
+
+    def step(self, step: int) -> None:
+        """Everything after backward for one training step."""
+        self.before_optimizer_step(step)
+        self.optimizer_step(step)
+        self.after_optimizer_step(step)
+
+    def before_optimizer_step(self, step: int) -> None:
+        for module in self.modules:
+            module.before_optimizer_step(step)
+
+    def optimizer_step(self, step: int) -> None:
+        assert self.optimizer is not None
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(step)
+        if self.max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def after_optimizer_step(self, step: int) -> None:
+        for module in self.modules:
+            module.after_optimizer_step(step)
+
+    def finish(self, step: int) -> None:
+        """After the last step: final syncs, so every node ends holding the global model."""
+        in_sync = self.replicas_in_sync
+        for module in self.modules:
+            in_sync = module.finish(step) or in_sync
+        if not in_sync:
+            # Nodes still differ (SPARTA): one last full average produces the global model.
+            self.comm.all_reduce(self.params_data(), op="mean")
+
+    # --------------------------------------------------------------- queries
+    def params_data(self) -> list[torch.Tensor]:
+        return [p.data for p in self.params]
+
+    def grads(self) -> list[torch.Tensor]:
+        """Gradients of the trainable parameters (zeros where a parameter got none)."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        return [p.grad for p in self.params]  # type: ignore[misc]
+
+    def global_parameters(self) -> list[torch.Tensor]:
+        """The global model's trainable parameters now (for evaluation mid-training).
+
+        Modules that keep them (DiLoCo's outer parameters) answer first; replicas in sync
+        use their own; otherwise the mean of the nodes, through an unrecorded collective
+        (it is a measurement, not part of training).
+        """
+        for module in reversed(self.modules):
+            kept = module.global_parameters()
+            if kept is not None:
+                return kept
+        if self.replicas_in_sync:
+            return self.params_data()
+        averaged = [p.detach().clone() for p in self.params]
+        self.comm.all_reduce(averaged, op="mean", record=False)
+        return averaged
+
+    # ------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """All strategy state of this node: optimizer and module buffers."""
+        return {
+            "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+            "modules": [m.state_dict() for m in self.modules],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.optimizer is not None and state["optimizer"] is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        for module, module_state in zip(self.modules, state["modules"], strict=True):
+            module.load_state_dict(module_state)
+
+    @classmethod
+    def parameters(cls) -> dict[str, inspect.Parameter]:
+        """Constructor parameters by name (what `meshtrain strategies` lists and --set sets).
+
+        Subclasses list their own parameters and pass the shared ones (optim, lr, ...)
+        through ``**common``; this merges both, the subclass's first.
+        """
+        found: dict[str, inspect.Parameter] = {}
+        for klass in cls.__mro__:
+            if not (isinstance(klass, type) and issubclass(klass, Strategy)):
+                continue
+            if "__init__" not in vars(klass):
+                continue
+            for n, p in inspect.signature(klass.__init__).parameters.items():
+                if n in ("self", "modules") or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+                    continue
+                found.setdefault(n, p)
+        return found
+
+    def config(self) -> dict[str, Any]:
+        """Constructor arguments (each stored under its own name), for config.yaml."""
+        values = {}
+        for n in self.parameters():
+            v = getattr(self, n)
+            values[n] = {"name": v.name, **v.kwargs} if isinstance(v, Optim) else v
+        return {"name": self.name, **values}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.parameters())
+        return f"{type(self).__name__}({args})"

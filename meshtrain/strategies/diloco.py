@@ -1,0 +1,111 @@
+"""DiLoCo (Douillard et al. 2023, arXiv 2311.08105).
+
+Each node runs H inner steps from the shared parameters theta, then::
+
+    delta = theta - mean_i(theta_i)           # the outer gradient, ONE all-reduce
+    theta = OuterSGD(theta, grad=delta)       # Nesterov momentum, on every node
+
+Every node holds the outer optimizer and applies the identical step, so no broadcast
+is needed. The inner optimizer state is never reset.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from meshtrain.strategies.base import CommunicationModule, Optim, Strategy
+
+
+class OuterSync(CommunicationModule):
+    """The outer loop of DiLoCo: every ``H`` steps, average the outer gradient and step."""
+
+    def __init__(self, H: int, outer_lr: float, outer_momentum: float, nesterov: bool) -> None:
+        if H < 1:
+            raise ValueError(f"H must be >= 1, got {H}")
+        self.H = H
+        self.outer_lr = outer_lr
+        self.outer_momentum = outer_momentum
+        self.nesterov = nesterov
+
+    def setup(self, strategy: Strategy) -> None:
+        super().setup(strategy)
+        # theta lives in its own storage: aliasing the worker's tensors would make delta 0.
+        self.outer = [p.detach().clone() for p in strategy.params]
+        self.outer_optimizer = torch.optim.SGD(
+            self.outer,
+            lr=self.outer_lr,
+            momentum=self.outer_momentum,
+            nesterov=self.nesterov and self.outer_momentum > 0,
+        )
+        self.last_sync = -1
+
+    def after_optimizer_step(self, step: int) -> None:
+        if (step + 1) % self.H == 0:
+            self.sync(step)
+
+    def finish(self, step: int) -> bool:
+        if self.last_sync != step:  # no inner steps are left unsynchronised
+            self.sync(step)
+        return True
+
+    @torch.no_grad()
+    def sync(self, step: int) -> None:
+        """One outer step: all-reduce theta - theta_i, step theta, restart from it."""
+        workers = self.strategy.params
+        deltas = [theta - p for theta, p in zip(self.outer, workers, strict=True)]
+        self.strategy.comm.all_reduce(deltas, op="mean")
+        for theta, delta in zip(self.outer, deltas, strict=True):
+            theta.grad = delta
+        self.outer_optimizer.step()
+        for theta, p in zip(self.outer, workers, strict=True):
+            p.copy_(theta)
+            theta.grad = None
+        self.last_sync = step
+
+    def global_parameters(self) -> list[torch.Tensor]:
+        return self.outer
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "outer": [t.clone() for t in self.outer],
+            "outer_optimizer": self.outer_optimizer.state_dict(),
+            "last_sync": self.last_sync,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for theta, saved in zip(self.outer, state["outer"], strict=True):
+            theta.copy_(saved)
+        self.outer_optimizer.load_state_dict(state["outer_optimizer"])
+        self.last_sync = state["last_sync"]
+
+
+class DiLoCo(Strategy):
+    """DiLoCo: H local steps of an inner optimizer, then one outer Nesterov step.
+
+    Args:
+        H: inner steps between syncs (500 in the paper; 20-100 in small experiments).
+        outer_lr, outer_momentum, nesterov: the outer SGD (paper: 0.7, 0.9, True).
+        optim, lr: the inner optimizer (paper: AdamW, lr 4e-4, wd 0.1, betas 0.9/0.95).
+    """
+
+    name = "diloco"
+
+    def __init__(
+        self,
+        H: int = 100,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        optim: str | Optim = Optim("adamw", weight_decay=0.1, betas=(0.9, 0.95)),
+        lr: float = 4e-4,
+        **common: Any,
+    ) -> None:
+        self.H = H
+        self.outer_lr = outer_lr
+        self.outer_momentum = outer_momentum
+        self.nesterov = nesterov
+        super().__init__(
+            optim, lr, modules=[OuterSync(H, outer_lr, outer_momentum, nesterov)], **common
+        )

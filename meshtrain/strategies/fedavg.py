@@ -1,0 +1,102 @@
+"""FedAvg / local SGD (McMahan et al. 2017), optionally within random islands.
+
+Every H steps the nodes average their parameters. With ``island_size`` they are
+split each round into random groups that average only among themselves (group-sized
+traffic); the split comes from a generator seeded by (run seed, round), so every
+node computes the same one and nothing is broadcast.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from meshtrain.seeding import seeded_generator
+from meshtrain.strategies.base import CommunicationModule, Optim, Strategy
+
+
+class ModelAveraging(CommunicationModule):
+    """Average parameters every ``H`` steps, globally or within seeded islands."""
+
+    def __init__(self, H: int, island_size: int | None, weighted: bool) -> None:
+        if H < 1:
+            raise ValueError(f"H must be >= 1, got {H}")
+        if island_size is not None and island_size < 2:
+            raise ValueError(f"island_size must be >= 2 (or None), got {island_size}")
+        self.H = H
+        self.island_size = island_size
+        self.weighted = weighted
+        self.last_average = -1
+
+    def islands(self, sync_round: int) -> list[list[int]]:
+        """The groups of ``sync_round``: a seeded shuffle cut into island_size pieces."""
+        n = self.strategy.comm.world_size
+        if self.island_size is None or self.island_size >= n:
+            return [list(range(n))]
+        order = torch.randperm(n, generator=seeded_generator(self.strategy.seed, sync_round)).tolist()
+        return [sorted(order[i : i + self.island_size]) for i in range(0, n, self.island_size)]
+
+    def my_island(self, sync_round: int) -> list[int]:
+        rank = self.strategy.comm.rank
+        return next(g for g in self.islands(sync_round) if rank in g)
+
+    @torch.no_grad()
+    def average(self, step: int, group: list[int] | None) -> None:
+        params = self.strategy.params_data()
+        if self.weighted:
+            # One bucket: [w * theta_i ..., w]; sum, then divide by the total weight.
+            weight = float(max(1, self.strategy.num_samples))
+            buffers = [p * weight for p in params] + [torch.tensor([weight], dtype=params[0].dtype)]
+            self.strategy.comm.all_reduce(buffers, op="sum", group=group)
+            total = buffers[-1]
+            for p, b in zip(params, buffers[:-1], strict=True):
+                p.copy_(b / total)
+        else:
+            self.strategy.comm.all_reduce(params, op="mean", group=group)
+        self.last_average = step
+
+    def after_optimizer_step(self, step: int) -> None:
+        if (step + 1) % self.H == 0:
+            self.average(step, self.my_island(step // self.H))
+
+    def finish(self, step: int) -> bool:
+        if self.island_size is not None:
+            return False  # islands differ: the strategy's final full average follows
+        if self.last_average != step:
+            self.average(step, None)
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_average": self.last_average}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_average = state["last_average"]
+
+
+class FedAvg(Strategy):
+    """Local SGD with parameter averaging every H steps.
+
+    Args:
+        H: local steps between averages (H=1 with SGD and equal shards is DDP).
+        island_size: average within random groups of this size each round.
+        weighted: weight each node by its number of training samples (McMahan et al.).
+    """
+
+    name = "fedavg"
+
+    def __init__(
+        self,
+        H: int = 1,
+        island_size: int | None = None,
+        weighted: bool = False,
+        optim: str | Optim = "sgd",
+        lr: float = 0.05,
+        **common: Any,
+    ) -> None:
+        self.H = H
+        self.island_size = island_size
+        self.weighted = weighted
+        super().__init__(
+            optim, lr, modules=[ModelAveraging(H, island_size, weighted)], **common
+        )

@@ -1,0 +1,45 @@
+"""SPARTA + DiLoCo: sparse averaging every few steps inside DiLoCo's inner loop.
+
+Built from the two communication modules: the sparse exchange keeps the workers
+close, which is reported to allow a much larger H.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshtrain.strategies.base import Optim, Strategy
+from meshtrain.strategies.diloco import OuterSync
+from meshtrain.strategies.sparta import SparseAveraging
+
+
+class SPARTADiLoCo(Strategy):
+    """SPARTA every ``sparse_interval`` steps, DiLoCo outer sync every ``H`` steps."""
+
+    name = "sparta-diloco"
+
+    def __init__(
+        self,
+        p: float = 0.005,
+        sparse_interval: int = 1,
+        selector: str = "random",
+        H: int = 100,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        optim: str | Optim = Optim("adamw", weight_decay=0.1, betas=(0.9, 0.95)),
+        lr: float = 4e-4,
+        **common: Any,
+    ) -> None:
+        self.p = p
+        self.sparse_interval = sparse_interval
+        self.selector = selector
+        self.H = H
+        self.outer_lr = outer_lr
+        self.outer_momentum = outer_momentum
+        self.nesterov = nesterov
+        modules = [
+            SparseAveraging(p, selector, sparse_interval),
+            OuterSync(H, outer_lr, outer_momentum, nesterov),
+        ]
+        super().__init__(optim, lr, modules=modules, **common)

@@ -1,0 +1,530 @@
+"""The Trainer: one training loop that every node runs, whatever runtime hosts it.
+
+    trainer = Trainer(model, train_data, val_data)
+    result = trainer.fit(strategy=DiLoCo(H=50), nodes=4, max_steps=200)
+
+``fit`` hands a :class:`NodeJob` to a runtime (threads, processes, or the rank this
+process already is under ``meshtrain launch``/torchrun). Each node runs
+:func:`train_node`; rank 0 collects the nodes' reports and writes the run directory.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from meshtrain.comm import Communicator
+from meshtrain.data import (
+    Collate,
+    DataFactory,
+    NodeBatches,
+    fetch,
+    resolve_dataset,
+    split_microbatches,
+    to_device,
+)
+from meshtrain.devices import resolve_device
+from meshtrain.progress import Progress
+from meshtrain.run_dir import RunDirectory, new_run_id
+from meshtrain.seeding import mix_seed
+from meshtrain.strategies import DiLoCo, Strategy
+
+RUNTIMES = ("threads", "processes")
+
+
+@dataclass
+class TrainConfig:
+    """Everything about a run except the model, the data and the strategy."""
+
+    nodes: int = 1
+    max_steps: int | None = None
+    epochs: float | None = None
+    batch_size: int = 32
+    microbatch_size: int | None = None
+    seed: int = 0
+    device: str = "cpu"
+    runtime: str = "threads"
+    shuffle: bool = True
+    val_interval: int | None = None
+    val_size: int | None = None
+    out_dir: str = "runs"
+    run_id: str | None = None
+    progress: bool = True
+    timeout_s: float = 1800.0  # a collective waiting longer than this fails the run
+    extra_config: dict[str, Any] = field(default_factory=dict)  # recorded in config.yaml
+
+    def validate(self) -> None:
+        if self.nodes < 1:
+            raise ValueError(f"nodes must be >= 1, got {self.nodes}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.microbatch_size is not None and not 1 <= self.microbatch_size <= self.batch_size:
+            raise ValueError(
+                f"microbatch_size must be between 1 and batch_size ({self.batch_size}), "
+                f"got {self.microbatch_size}"
+            )
+        if (self.max_steps is None) == (self.epochs is None):
+            raise ValueError("give exactly one of max_steps and epochs")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.epochs is not None and self.epochs <= 0:
+            raise ValueError(f"epochs must be > 0, got {self.epochs}")
+        if self.runtime not in RUNTIMES + ("launched",):
+            raise ValueError(f"runtime must be one of {RUNTIMES}, got {self.runtime!r}")
+        if self.val_interval is not None and self.val_interval < 1:
+            raise ValueError(f"val_interval must be >= 1, got {self.val_interval}")
+
+
+@dataclass
+class NodeJob:
+    """What every node needs to train (picklable for the processes runtime)."""
+
+    model: nn.Module
+    train_data: Dataset | DataFactory
+    val_data: Dataset | DataFactory | None
+    collate_fn: Collate | None
+    strategy: Strategy
+    config: TrainConfig
+    run_id: str
+    started: float
+
+
+@dataclass
+class FitResult:
+    """What :meth:`Trainer.fit` returns."""
+
+    model: nn.Module  # the global model
+    history: list[dict[str, Any]]  # one record per step (rank 0; empty on other launched ranks)
+    run_dir: Path | None  # where config, metrics and the model were written (rank 0)
+    summary: dict[str, Any]
+
+
+class NodeFailed(RuntimeError):
+    """A node raised: the run stopped, and this names the node and its error."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(f"node {rank} failed: {message}")
+        self.rank = rank
+        self.message = message
+
+
+class Trainer:
+    """Trains a model on N nodes with a communication strategy.
+
+    Args:
+        model: ``model(batch)`` returns a scalar loss. Optional hooks:
+            ``validation_metrics(batches) -> dict[str, float]`` (e.g. accuracy, WER),
+            evaluated on the global model; ``save_pretrained(dir)`` for saving.
+        train_data: a Dataset (sharded across nodes, seeded shuffle each epoch) or a
+            factory ``f(rank, nodes, split)`` returning each node's Dataset, used as-is.
+        val_data: the same kinds, for validation (never sharded).
+        collate_fn: turns a list of samples into a batch (default: torch's default_collate).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        train_data: Dataset | DataFactory,
+        val_data: Dataset | DataFactory | None = None,
+        collate_fn: Collate | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        self.model = model
+        self.train_data = train_data
+        self.val_data = val_data
+        self.collate_fn = collate_fn
+
+    def fit(
+        self,
+        strategy: Strategy | None = None,
+        nodes: int | None = None,
+        max_steps: int | None = None,
+        batch_size: int = 32,
+        *,
+        epochs: float | None = None,
+        microbatch_size: int | None = None,
+        seed: int = 0,
+        device: str = "cpu",
+        runtime: str = "threads",
+        shuffle: bool = True,
+        val_interval: int | None = None,
+        val_size: int | None = None,
+        out_dir: str | os.PathLike[str] = "runs",
+        run_id: str | None = None,
+        progress: bool = True,
+        timeout_s: float = 1800.0,
+        extra_config: dict[str, Any] | None = None,
+    ) -> FitResult:
+        """Train and return the global model, per-step history and the run directory.
+
+        Inside a launched rank (RANK and WORLD_SIZE set, as by ``meshtrain launch`` or
+        torchrun) this process joins the group as that rank instead of spawning nodes.
+        """
+        strategy = strategy if strategy is not None else DiLoCo()
+        launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+        if launched:
+            world = int(os.environ["WORLD_SIZE"])
+            if nodes is not None and nodes != world:
+                raise ValueError(f"nodes={nodes} but this launched run has WORLD_SIZE={world}")
+            nodes, runtime = world, "launched"
+        config = TrainConfig(
+            nodes=nodes if nodes is not None else 1,
+            max_steps=max_steps if (max_steps is not None or epochs is not None) else 100,
+            epochs=epochs,
+            batch_size=batch_size,
+            microbatch_size=microbatch_size,
+            seed=seed,
+            device=device,
+            runtime=runtime,
+            shuffle=shuffle,
+            val_interval=val_interval,
+            val_size=val_size,
+            out_dir=str(out_dir),
+            run_id=run_id,
+            progress=progress,
+            timeout_s=timeout_s,
+            extra_config=dict(extra_config or {}),
+        )
+        config.validate()
+        out = Path(config.out_dir)
+        job = NodeJob(
+            model=self.model,
+            train_data=self.train_data,
+            val_data=self.val_data,
+            collate_fn=self.collate_fn,
+            strategy=strategy,
+            config=config,
+            run_id=run_id or os.environ.get("MESHTRAIN_RUN_ID") or new_run_id(
+                strategy.name, config.nodes, out
+            ),
+            started=time.time(),
+        )
+        from meshtrain import runtimes  # runtimes import this module
+
+        return runtimes.run(job)
+
+
+# --------------------------------------------------------------------------- nodes
+@dataclass
+class NodeState:
+    """All training state of one node, in one place (what a checkpoint holds)."""
+
+    rank: int
+    model: nn.Module
+    strategy: Strategy
+    batches: NodeBatches
+    step: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "strategy": self.strategy.state_dict(),
+            "data": self.batches.state_dict(),
+            "rng": torch.get_rng_state(),
+        }
+
+
+@dataclass
+class NodeReport:
+    """What a node sends rank 0 at the end: its per-step numbers."""
+
+    losses: list[float]
+    seconds: list[float]  # since the run started, at the end of each step
+    bytes_sent: list[int]
+    bytes_received: list[int]
+    startup_bytes_sent: int
+
+
+def node_seed(seed: int, rank: int) -> int:
+    """Seed of a node's own randomness (dropout): different per node, reproducible."""
+    return mix_seed(seed, rank, 0xD20)
+
+
+def train_node(
+    job: NodeJob,
+    comm: Communicator,
+    *,
+    rng_guard: Callable[[], Any] | None = None,
+    verify_replicas: bool = False,
+) -> FitResult:
+    """The training loop every node runs. Returns the global model on every node;
+    history, summary and the run directory on rank 0 only.
+
+    ``rng_guard`` (threads runtime) is a context manager giving this node exclusive use
+    of torch's global generator, holding the node's own stream, around forward passes.
+    """
+    cfg, rank = job.config, comm.rank
+    device = resolve_device(cfg.device)
+    model = copy.deepcopy(job.model).to(device)
+    model.train()
+    train_set, shard = resolve_dataset(job.train_data, rank, cfg.nodes, "train")
+    batches = NodeBatches(train_set, rank=rank, nodes=cfg.nodes, batch_size=cfg.batch_size,
+                          seed=cfg.seed, shuffle=cfg.shuffle, shard=shard)
+    max_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * len(batches)))  # type: ignore[operator]
+    strategy = copy.deepcopy(job.strategy)
+    comm.step = -1  # start-up traffic
+    if verify_replicas:
+        _verify_replicas(model, comm)
+    strategy.setup(model, comm, seed=cfg.seed, max_steps=max_steps,
+                   num_samples=len(batches.indices))
+    node = NodeState(rank, model, strategy, batches)
+    startup_sent = comm.log.bytes_sent
+
+    val_batches = _validation_batches(job, rank, device)
+    evaluator = _GlobalEvaluator(model, val_batches) if rank == 0 and val_batches else None
+    history_val: dict[int, dict[str, float]] = {}
+    losses: list[float] = []
+    seconds: list[float] = []
+    progress = Progress(max_steps, enabled=cfg.progress and rank == 0, title=strategy.name)
+
+    with progress:
+        for step in range(max_steps):
+            node.step = comm.step = step
+            indices = batches.next_indices()
+            loss_value = 0.0
+            for micro in split_microbatches(indices, cfg.microbatch_size):
+                batch = to_device(fetch(train_set, micro, job.collate_fn), device)
+                weight = len(micro) / len(indices)
+                if rng_guard is not None:
+                    with rng_guard():
+                        loss = model(batch)
+                else:
+                    loss = model(batch)
+                (loss * weight).backward()
+                loss_value += loss.item() * weight
+            strategy.step(step)
+            losses.append(loss_value)
+            seconds.append(time.time() - job.started)
+            last = step == max_steps - 1
+            if cfg.val_interval and (step + 1) % cfg.val_interval == 0 and not last and val_batches:
+                history_val[step] = _validate(strategy, model, comm, evaluator, val_batches)
+            progress.update(step + 1, loss_value, comm.log.bytes_sent)
+        strategy.finish(max_steps - 1)
+    # After finish every node holds the global model: node val loss equals the global one.
+    final = evaluator.evaluate(strategy.params_data()) if evaluator else {}
+
+    report = NodeReport(losses, seconds, *_bytes_per_step(comm, max_steps), startup_sent)
+    reports = comm.gather_objects(report)
+    if rank != 0:
+        return FitResult(model=model, history=[], run_dir=None, summary={})
+    assert reports is not None
+    history = _history(job, strategy, reports, history_val, final, max_steps)
+    summary = _summary(job, strategy, history, final, reports, model)
+    run_dir = _write_run(job, strategy, model, history, summary)
+    return FitResult(model=model, history=history, run_dir=run_dir, summary=summary)
+
+
+def _verify_replicas(model: nn.Module, comm: Communicator) -> None:
+    """Frozen weights must already match on every node (checked by hash, never sent);
+    trainable ones that differ are replaced by rank 0's (one broadcast)."""
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    digests = torch.stack([_digest(frozen), _digest(trainable)])
+    everyone = comm.all_gather(digests, record=False)
+    for rank, theirs in enumerate(everyone):
+        if not torch.equal(theirs[0], everyone[0][0]):
+            raise RuntimeError(
+                f"frozen weights on node {rank} differ from node 0: load the same base "
+                "checkpoint on every host"
+            )
+    if any(not torch.equal(theirs[1], everyone[0][1]) for theirs in everyone):
+        comm.broadcast([p.data for p in trainable], src=0)
+
+
+def _digest(params: list[torch.Tensor]) -> torch.Tensor:
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8)
+
+
+def _validation_batches(job: NodeJob, rank: int, device: torch.device) -> list[Any]:
+    if job.val_data is None:
+        return []
+    cfg = job.config
+    val_set, _ = resolve_dataset(job.val_data, rank, cfg.nodes, "val")
+    n = len(val_set)  # type: ignore[arg-type]
+    if cfg.val_size is not None:
+        n = min(n, cfg.val_size)
+    return [
+        to_device(fetch(val_set, list(range(s, min(n, s + cfg.batch_size))), job.collate_fn), device)
+        for s in range(0, n, cfg.batch_size)
+    ]
+
+
+@torch.no_grad()
+def mean_loss(model: nn.Module, batches: list[Any]) -> float:
+    """Mean loss of ``model`` over ``batches`` (weighted by batch length), in eval mode."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for batch in batches:
+        n = _batch_len(batch)
+        total += float(model(batch)) * n
+        count += n
+    model.train(was_training)
+    return total / max(1, count)
+
+
+def _batch_len(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return len(batch)
+    if isinstance(batch, (tuple, list)) and batch:
+        return _batch_len(batch[0])
+    if isinstance(batch, dict) and batch:
+        return _batch_len(next(iter(batch.values())))
+    return 1
+
+
+class _GlobalEvaluator:
+    """Rank 0's scratch copy of the model, loaded with global parameters to evaluate."""
+
+    def __init__(self, model: nn.Module, batches: list[Any]) -> None:
+        self.model = copy.deepcopy(model)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.batches = batches
+
+    @torch.no_grad()
+    def evaluate(self, global_params: list[torch.Tensor]) -> dict[str, float]:
+        for p, g in zip(self.params, global_params, strict=True):
+            p.copy_(g)
+        out = {"val_loss": mean_loss(self.model, self.batches)}
+        hook = getattr(self.model, "validation_metrics", None)
+        if callable(hook):
+            self.model.eval()
+            out.update({f"val_{k}": float(v) for k, v in hook(self.batches).items()})
+            self.model.train()
+        return out
+
+
+def _validate(
+    strategy: Strategy,
+    model: nn.Module,
+    comm: Communicator,
+    evaluator: _GlobalEvaluator | None,
+    val_batches: list[Any],
+) -> dict[str, float]:
+    """Global-model metrics (rank 0) and the mean of the node models' val losses."""
+    global_params = strategy.global_parameters()
+    node_loss = torch.tensor([mean_loss(model, val_batches)], dtype=torch.float64)
+    comm.all_reduce(node_loss, op="mean", record=False)
+    out = evaluator.evaluate(global_params) if evaluator else {}
+    out["node_val_loss"] = float(node_loss)
+    return out
+
+
+def _bytes_per_step(comm: Communicator, steps: int) -> tuple[list[int], list[int]]:
+    sent, received = [0] * steps, [0] * steps
+    for r in comm.log.records:
+        if 0 <= r.step < steps:
+            sent[r.step] += r.bytes_sent
+            received[r.step] += r.bytes_received
+    return sent, received
+
+
+def _history(
+    job: NodeJob,
+    strategy: Strategy,
+    reports: list[NodeReport],
+    val: dict[int, dict[str, float]],
+    final: dict[str, float],
+    steps: int,
+) -> list[dict[str, Any]]:
+    """Per-step records: losses averaged over nodes, bytes as the per-node mean."""
+    n = len(reports)
+    history: list[dict[str, Any]] = []
+    total_sent = total_received = 0.0
+    for step in range(steps):
+        sent = sum(r.bytes_sent[step] for r in reports) / n
+        received = sum(r.bytes_received[step] for r in reports) / n
+        total_sent += sent
+        total_received += received
+        row: dict[str, Any] = {
+            "step": step + 1,
+            "train_loss": sum(r.losses[step] for r in reports) / n,
+            "val_loss": None,
+            "node_val_loss": None,
+            "lr": strategy.lr_at(step),
+            "bytes_sent": sent,
+            "bytes_received": received,
+            "total_bytes_sent": total_sent,
+            "total_bytes_received": total_received,
+            "examples": (step + 1) * job.config.batch_size * n,
+            "seconds": reports[0].seconds[step],
+        }
+        row.update(val.get(step, {}))
+        history.append(row)
+    if final:
+        history[-1].update(final)
+        history[-1]["node_val_loss"] = final["val_loss"]
+    return history
+
+
+def _summary(
+    job: NodeJob,
+    strategy: Strategy,
+    history: list[dict[str, Any]],
+    final: dict[str, float],
+    reports: list[NodeReport],
+    model: nn.Module,
+) -> dict[str, Any]:
+    cfg = job.config
+    last = history[-1]
+    summary: dict[str, Any] = {
+        "run_id": job.run_id,
+        "strategy": strategy.name,
+        "nodes": cfg.nodes,
+        "runtime": cfg.runtime,
+        "steps": len(history),
+        "final_train_loss": last["train_loss"],
+        "final_val_loss": final.get("val_loss"),
+        "bytes_sent_per_node": last["total_bytes_sent"],
+        "bytes_received_per_node": last["total_bytes_received"],
+        "startup_bytes_sent_per_node": sum(r.startup_bytes_sent for r in reports) / len(reports),
+        "examples": last["examples"],
+        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "wall_seconds": time.time() - job.started,
+    }
+    for k, v in final.items():
+        if k.startswith("val_") and k != "val_loss":
+            summary[f"final_{k[4:]}"] = v
+    return summary
+
+
+def _write_run(
+    job: NodeJob,
+    strategy: Strategy,
+    model: nn.Module,
+    history: list[dict[str, Any]],
+    summary: dict[str, Any],
+) -> Path:
+    cfg = job.config
+    run = RunDirectory(Path(cfg.out_dir), job.run_id)
+    try:
+        train = {k: v for k, v in asdict(cfg).items() if k not in ("extra_config", "progress")}
+        run.write_config({**cfg.extra_config, "strategy": strategy.config(), "train": train,
+                          "model": type(model).__name__})
+        run.write_metrics(history)
+        run.write_model(model)
+        run.write_plot(history, f"{strategy.name}, {cfg.nodes} nodes")
+        summary["wall_seconds"] = time.time() - job.started
+        run.write_summary(summary)
+        return run.commit()
+    except BaseException:
+        run.discard()
+        raise
