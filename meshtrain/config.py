@@ -1,0 +1,202 @@
+"""A run described as data: the :class:`RunSpec`, profiles, and ``--set key=value``.
+
+Layers, later ones win: RunSpec defaults < the task's suggested settings < a profile
+(which may extend another with ``base:``) < command-line flags < ``--set``.
+A run's config.yaml is itself a profile: ``meshtrain simulate --profile runs/ID/config.yaml``
+repeats it.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from meshtrain.strategies import STRATEGIES, Optim, Strategy
+
+PROFILE_DIRS = [Path.cwd() / "profiles", Path(__file__).resolve().parent.parent / "profiles"]
+
+
+class ConfigError(ValueError):
+    """A bad profile, key or value: shown as one line naming it, exit 2."""
+
+
+@dataclass
+class RunSpec:
+    """Every setting of a run (the keys of a profile)."""
+
+    description: str = ""
+    task: str = "digits"
+    task_options: dict[str, Any] = field(default_factory=dict)
+    data: str | None = None
+    strategy: str = "diloco"
+    strategy_options: dict[str, Any] = field(default_factory=dict)
+    nodes: int = 4
+    steps: int | None = None
+    epochs: float | None = None
+    batch_size: int = 32
+    microbatch_size: int | None = None
+    lr: float | None = None
+    seed: int = 0
+    device: str = "cpu"
+    runtime: str = "threads"
+    shuffle: bool = True
+    val_interval: int | None = None
+    val_size: int | None = None
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def find_profile(name: str) -> Path:
+    """A profile by name (``profiles/NAME.yaml``) or by path."""
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ConfigError(f"profile file {name} does not exist")
+        return path
+    for folder in PROFILE_DIRS:
+        candidate = folder / f"{name}.yaml"
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"no profile named {name!r}; `meshtrain profiles` lists them")
+
+
+def list_profiles() -> dict[str, Path]:
+    """Every profile found, by name (the working directory's profiles/ first)."""
+    found: dict[str, Path] = {}
+    for folder in PROFILE_DIRS:
+        for path in sorted(folder.glob("*.yaml")):
+            found.setdefault(path.stem, path)
+    return found
+
+
+def load_profile(name: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A profile's settings with its ``base:`` chain merged in (nested dicts merge)."""
+    path = find_profile(name)
+    key = str(path.resolve())
+    if key in _seen:
+        raise ConfigError(f"profile {path}: 'base' chain loops back to itself")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"profile {path}: not valid YAML ({exc.__class__.__name__})") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(f"profile {path}: expected a mapping of settings")
+    raw = _strip_run_record(raw)
+    base = raw.pop("base", None)
+    unknown = sorted(set(raw) - set(RunSpec.field_names()))
+    if unknown:
+        raise ConfigError(f"profile {path}: unknown key {unknown[0]!r}")
+    if base is None:
+        return raw
+    return merge(load_profile(str(base), _seen + (key,)), raw)
+
+
+def _strip_run_record(raw: dict[str, Any]) -> dict[str, Any]:
+    """A run's config.yaml also records what the run resolved; keep only the spec."""
+    if "train" in raw and "spec" in raw:
+        return dict(raw["spec"])
+    return raw
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on top of ``base``, merging nested dicts."""
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def parse_set(items: list[str], strategy_name: str) -> dict[str, Any]:
+    """``--set key=value`` items as a nested override dict.
+
+    ``key`` is a RunSpec field (``steps=100``), a dotted path (``task_options.lora.r=16``),
+    or a bare parameter of the strategy (``H=50`` means ``strategy_options.H=50``).
+    Values are read as YAML: ``1e-3`` is a float, ``true`` a bool, ``[a, b]`` a list.
+    """
+    out: dict[str, Any] = {}
+    strategy_params = set(strategy_class(strategy_name).parameters())
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected key=value")
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError:
+            value = text
+        path = key.split(".")
+        if path[0] not in RunSpec.field_names():
+            if path[0] in strategy_params:
+                path = ["strategy_options", *path]
+            else:
+                raise ConfigError(
+                    f"--set {key}: not a setting or a parameter of strategy {strategy_name!r} "
+                    f"(its parameters: {', '.join(sorted(strategy_params))})"
+                )
+        elif len(path) > 1 and path[0] not in ("task_options", "strategy_options"):
+            raise ConfigError(f"--set {key}: {path[0]!r} has no sub-keys")
+        node = out
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = value
+    return out
+
+
+def resolve_spec(layers: list[dict[str, Any]]) -> RunSpec:
+    """Merge settings layers (earliest first) into a checked :class:`RunSpec`."""
+    merged: dict[str, Any] = {}
+    for layer in layers:
+        merged = merge(merged, {k: v for k, v in layer.items() if v is not None or k == "data"})
+    unknown = sorted(set(merged) - set(RunSpec.field_names()))
+    if unknown:
+        raise ConfigError(f"unknown setting {unknown[0]!r}")
+    spec = RunSpec(**merged)
+    if spec.nodes < 1:
+        raise ConfigError(f"nodes must be >= 1, got {spec.nodes}")
+    if spec.batch_size < 1:
+        raise ConfigError(f"batch size must be >= 1, got {spec.batch_size}")
+    strategy_class(spec.strategy)
+    return spec
+
+
+def strategy_class(name: str) -> type[Strategy]:
+    if name not in STRATEGIES:
+        raise ConfigError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]
+
+
+def build_strategy(spec: RunSpec) -> Strategy:
+    """The strategy a spec names, with its options (and ``lr`` if set); errors name the key."""
+    cls = strategy_class(spec.strategy)
+    options = dict(spec.strategy_options)
+    if spec.lr is not None:
+        options["lr"] = spec.lr
+    params = cls.parameters()
+    for key in options:
+        if key not in params:
+            raise ConfigError(
+                f"strategy {spec.strategy!r} has no parameter {key!r} "
+                f"(its parameters: {', '.join(params)})"
+            )
+    optim = options.get("optim")
+    if isinstance(optim, dict):
+        optim = dict(optim)
+        if "name" not in optim:
+            raise ConfigError("strategy_options.optim needs a 'name' (sgd, adam or adamw)")
+        options["optim"] = Optim(optim.pop("name"), **optim)
+    try:
+        return cls(**options)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"strategy {spec.strategy!r}: {exc}") from exc

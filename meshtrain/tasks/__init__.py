@@ -1,0 +1,87 @@
+"""Built-in tasks: a model plus its data, by name (`meshtrain tasks` lists them).
+
+A task module exposes ``TASK = Task(...)``. The registry names the module instead of
+importing it, so listing tasks never imports transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from torch.utils.data import Dataset
+
+from meshtrain.data import Collate, DataFactory
+
+
+class TaskError(ValueError):
+    """Bad task input (missing data file, unknown option): shown as one line, exit 2."""
+
+
+@dataclass
+class TaskOptions:
+    """What a task is built from: ``--data``, the run seed, and its own options."""
+
+    data: str | None = None
+    seed: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TaskBundle:
+    """A built task: what :class:`meshtrain.Trainer` takes."""
+
+    model: nn.Module
+    train_data: Dataset | DataFactory
+    val_data: Dataset | DataFactory | None = None
+    collate_fn: Collate | None = None
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    description: str
+    build: Callable[[TaskOptions], TaskBundle]
+    #: Suggested run settings (any RunSpec field, e.g. steps, batch_size, strategy_options).
+    defaults: dict[str, Any] = field(default_factory=dict)
+    #: Options this task understands, with their defaults (for `meshtrain tasks`).
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class TaskEntry:
+    name: str
+    description: str
+    module: str
+
+
+TASKS: dict[str, TaskEntry] = {
+    e.name: e
+    for e in (
+        TaskEntry("digits", "scikit-learn's 8x8 handwritten digits (1797 images), MLP or CNN",
+                  "meshtrain.tasks.digits"),
+        TaskEntry("gpt", "character-level GPT on a text file given by --data",
+                  "meshtrain.tasks.gpt"),
+        TaskEntry("whisper", "fine-tune a Hugging Face Whisper model on a folder of recordings",
+                  "meshtrain.tasks.whisper"),
+    )
+}
+
+
+def get_task(name: str) -> Task:
+    """The task called ``name``; :class:`TaskError` naming the choices if there is none."""
+    if name not in TASKS:
+        raise TaskError(f"unknown task {name!r}; choose one of: {', '.join(TASKS)}")
+    return importlib.import_module(TASKS[name].module).TASK
+
+
+def check_options(task: Task, options: dict[str, Any]) -> dict[str, Any]:
+    """The task's option defaults overlaid with ``options``; unknown names are errors."""
+    unknown = sorted(set(options) - set(task.options))
+    if unknown:
+        known = ", ".join(task.options) or "none"
+        raise TaskError(f"task {task.name!r} has no option {unknown[0]!r} (options: {known})")
+    return {**task.options, **options}
