@@ -177,6 +177,24 @@ def strategy_class(name: str) -> type[Strategy]:
     return STRATEGIES[name]
 
 
+def _check_type(strategy: str, key: str, value: Any, default: Any) -> None:
+    """Reject a value whose type cannot be what the parameter's default suggests."""
+    if default is None or value is None or key == "optim":
+        return
+    expected: tuple[type, ...]
+    if isinstance(default, bool):
+        expected = (bool,)
+    elif isinstance(default, int):
+        expected = (int,)
+    elif isinstance(default, float):
+        expected = (int, float)
+    else:
+        expected = (type(default),)
+    if not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected):
+        kind = " or ".join(t.__name__ for t in expected)
+        raise ConfigError(f"strategy {strategy!r}: {key} must be {kind}, got {value!r}")
+
+
 def build_strategy(spec: RunSpec) -> Strategy:
     """The strategy a spec names, with its options (and ``lr`` if set); errors name the key."""
     cls = strategy_class(spec.strategy)
@@ -190,6 +208,8 @@ def build_strategy(spec: RunSpec) -> Strategy:
                 f"strategy {spec.strategy!r} has no parameter {key!r} "
                 f"(its parameters: {', '.join(params)})"
             )
+    for key, value in options.items():
+        _check_type(spec.strategy, key, value, params[key].default)
     optim = options.get("optim")
     if isinstance(optim, dict):
         optim = dict(optim)

@@ -45,8 +45,10 @@ class Task:
     name: str
     description: str
     build: Callable[[TaskOptions], TaskBundle]
-    #: Suggested run settings (any RunSpec field, e.g. steps, batch_size, strategy_options).
+    #: Suggested run settings (RunSpec fields such as steps, batch_size, val_interval).
     defaults: dict[str, Any] = field(default_factory=dict)
+    #: Suggested strategy options, by strategy name (e.g. {"diloco": {"H": 25}}).
+    strategy_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: Options this task understands, with their defaults (for `meshtrain tasks`).
     options: dict[str, Any] = field(default_factory=dict)
 

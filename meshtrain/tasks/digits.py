@@ -1,0 +1,89 @@
+"""Handwritten digits (scikit-learn's load_digits): real data that ships with a dependency.
+
+1797 grey 8x8 images of the digits 0-9. A fixed seeded split keeps 297 for validation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from meshtrain.tasks import Task, TaskBundle, TaskError, TaskOptions
+
+VAL_SAMPLES = 297
+
+
+class DigitsMLP(nn.Module):
+    """64 -> hidden -> 10, returning the cross-entropy of a (pixels, labels) batch."""
+
+    def __init__(self, hidden: int = 128) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.logits(x), y)
+
+    @torch.no_grad()
+    def validation_metrics(self, batches: list[Any]) -> dict[str, float]:
+        """Classification accuracy over the validation batches."""
+        correct = total = 0
+        for x, y in batches:
+            correct += int((self.logits(x).argmax(dim=1) == y).sum())
+            total += len(y)
+        return {"accuracy": correct / max(1, total)}
+
+
+class DigitsCNN(DigitsMLP):
+    """Two small convolutions, then a linear classifier."""
+
+    def __init__(self, hidden: int = 32) -> None:
+        nn.Module.__init__(self)
+        self.net = nn.Sequential(
+            nn.Unflatten(1, (1, 8, 8)),
+            nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(16, hidden, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(hidden * 16, 10),
+        )
+
+
+def load_digits_split(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    """(train, val) tensors: pixels scaled to [0, 1], split by a fixed seeded permutation."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.long)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(1234 + seed))
+    val, train = order[:VAL_SAMPLES], order[VAL_SAMPLES:]
+    return TensorDataset(x[train], y[train]), TensorDataset(x[val], y[val])
+
+
+def build(opts: TaskOptions) -> TaskBundle:
+    arch, hidden = opts.options["arch"], opts.options["hidden"]
+    if arch not in ("mlp", "cnn"):
+        raise TaskError(f"task 'digits': option arch must be 'mlp' or 'cnn', got {arch!r}")
+    train, val = load_digits_split()
+    torch.manual_seed(opts.seed)  # the same initial weights for the same seed
+    model = DigitsMLP(hidden) if arch == "mlp" else DigitsCNN(hidden)
+    return TaskBundle(model=model, train_data=train, val_data=val)
+
+
+TASK = Task(
+    name="digits",
+    description="scikit-learn's 8x8 handwritten digits (1797 images), MLP or CNN",
+    build=build,
+    defaults={"steps": 300, "batch_size": 32, "val_interval": 50},
+    strategy_defaults={
+        "diloco": {"H": 25, "lr": 2e-3},
+        "sparta-diloco": {"H": 25, "lr": 2e-3},
+        "fedavg": {"lr": 0.1},
+    },
+    options={"arch": "mlp", "hidden": 128},
+)

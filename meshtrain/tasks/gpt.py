@@ -1,0 +1,105 @@
+"""A small character-level GPT on any text file (``--data FILE``).
+
+The model is a plain pre-norm transformer decoder; every window of ``block_size``
+characters is a sample, the last 10% of the text is the validation split.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from meshtrain.tasks import Task, TaskBundle, TaskError, TaskOptions
+
+
+class CharWindows(Dataset):
+    """(input, target) pairs: ``block_size`` characters and the same shifted by one."""
+
+    def __init__(self, ids: torch.Tensor, block_size: int) -> None:
+        self.ids = ids
+        self.block_size = block_size
+
+    def __len__(self) -> int:
+        return max(0, len(self.ids) - self.block_size - 1)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chunk = self.ids[i : i + self.block_size + 1]
+        return chunk[:-1], chunk[1:]
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, dropout=dropout, batch_first=True)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim),
+                                 nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class CharGPT(nn.Module):
+    """Token + position embeddings, causal blocks, a tied output head."""
+
+    def __init__(self, vocab_size: int, block_size: int = 64, layers: int = 2, heads: int = 4,
+                 dim: int = 128, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.block_size = block_size
+        self.tokens = nn.Embedding(vocab_size, dim)
+        self.positions = nn.Embedding(block_size, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        self.head.weight = self.tokens.weight  # weight tying, as in GPT-2
+        mask = torch.triu(torch.full((block_size, block_size), float("-inf")), diagonal=1)
+        self.register_buffer("mask", mask, persistent=False)
+        for p in self.parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
+        t = x.shape[1]
+        h = self.tokens(x) + self.positions(torch.arange(t, device=x.device))
+        for block in self.blocks:
+            h = block(h, self.mask[:t, :t])
+        logits = self.head(self.norm(h))
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def build(opts: TaskOptions) -> TaskBundle:
+    if not opts.data:
+        raise TaskError("task 'gpt' needs a text file: --data FILE")
+    path = Path(opts.data).expanduser()
+    if not path.is_file():
+        raise TaskError(f"task 'gpt': data file {path} does not exist")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    block = int(opts.options["block_size"])
+    if len(text) < 20 * block:
+        raise TaskError(f"task 'gpt': {path} has {len(text)} characters; need at least {20 * block}")
+    vocab = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(vocab)}
+    ids = torch.tensor([lookup[c] for c in text], dtype=torch.long)
+    cut = math.floor(len(ids) * 0.9)
+    torch.manual_seed(opts.seed)
+    o = opts.options
+    model = CharGPT(len(vocab), block, o["layers"], o["heads"], o["dim"], o["dropout"])
+    return TaskBundle(model, CharWindows(ids[:cut], block), CharWindows(ids[cut:], block))
+
+
+TASK = Task(
+    name="gpt",
+    description="character-level GPT on a text file given by --data",
+    build=build,
+    defaults={"steps": 200, "batch_size": 16, "val_interval": 50, "val_size": 256},
+    strategy_defaults={"diloco": {"H": 20}, "sparta-diloco": {"H": 20}, "fedavg": {"lr": 0.1}},
+    options={"block_size": 64, "layers": 2, "heads": 4, "dim": 128, "dropout": 0.0},
+)
