@@ -1,0 +1,150 @@
+"""Shared test fixtures: tiny models and datasets.
+
+Everything here is module-level so it pickles for the processes runtime.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+IN_FEATURES = 6
+HIDDEN = 8
+OUT_FEATURES = 2
+
+
+class MLP(nn.Module):
+    """A small regression MLP; ``model((x, y))`` returns the mean squared error."""
+
+    def __init__(self, seed: int = 0, dropout: float = 0.0, activation: str = "tanh") -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc1 = nn.Linear(IN_FEATURES, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, OUT_FEATURES)
+        self.act = nn.Tanh() if activation == "tanh" else nn.ReLU()
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        x, y = batch[0], batch[1]
+        out = self.fc2(self.drop(self.act(self.fc1(x))))
+        return ((out - y) ** 2).mean()
+
+
+def mlp_param_count() -> int:
+    return IN_FEATURES * HIDDEN + HIDDEN + HIDDEN * OUT_FEATURES + OUT_FEATURES
+
+
+def regression_data(n: int = 96, seed: int = 1) -> TensorDataset:
+    """``n`` samples (x, y) of a fixed random nonlinear map."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, IN_FEATURES, generator=g)
+    w = torch.randn(IN_FEATURES, OUT_FEATURES, generator=g)
+    y = torch.sin(x @ w) + 0.1 * torch.randn(n, OUT_FEATURES, generator=g)
+    return TensorDataset(x, y)
+
+
+class Scalar(nn.Module):
+    """One scalar parameter ``theta`` with loss ``theta`` (gradient exactly 1)."""
+
+    def __init__(self, value: float = 0.0) -> None:
+        super().__init__()
+        self.theta = nn.Parameter(torch.tensor(value))
+
+    def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.theta * batch[0].new_ones(()).mean()
+
+
+class Sized(nn.Module):
+    """A linear map with exactly ``rows * cols`` trainable parameters (no bias) and a
+    frozen buffer-like parameter that must never be communicated."""
+
+    def __init__(self, rows: int = 8, cols: int = IN_FEATURES, frozen: int = 5) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(rows, cols) * 0.1)
+        self.frozen = nn.Parameter(torch.randn(frozen), requires_grad=False)
+
+    def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        x = batch[0]
+        return ((x @ self.weight.T) ** 2).mean() + 0 * self.frozen.sum()
+
+
+class RankedData(Dataset):
+    """Samples (x, y, rank): every item carries the rank of the node that built it."""
+
+    def __init__(self, rank: int, n: int = 32) -> None:
+        self.rank = rank
+        self.data = regression_data(n, seed=10 + rank)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, y = self.data[i]
+        return x, y, torch.tensor(self.rank)
+
+
+def ranked_factory(rank: int, nodes: int, split: str) -> Dataset:
+    """A data factory ``f(rank, nodes, split)``: each node gets its own RankedData."""
+    return RankedData(rank, n=32 if split == "train" else 8)
+
+
+class FailOnRank(MLP):
+    """An MLP whose forward raises on the node whose data carries ``rank`` at ``at_call``."""
+
+    def __init__(self, rank: int = 1, at_call: int = 3) -> None:
+        super().__init__()
+        self.fail_rank = rank
+        self.at_call = at_call
+        self.calls = 0
+
+    def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if self.training and int(batch[2][0]) == self.fail_rank:
+            if self.calls == self.at_call:
+                raise RuntimeError(f"boom on rank {self.fail_rank} at step {self.calls}")
+            self.calls += 1
+        return super().forward(batch)
+
+
+class IndexData(Dataset):
+    """Item i is the tensor [i] (to see exactly which samples a node reads)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i])
+
+
+def state_of(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_states_equal(a: nn.Module, b: nn.Module) -> None:
+    """Every tensor bit-identical."""
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), f"{k} differs: max |diff| {(sa[k] - sb[k]).abs().max()}"
+
+
+def run_jobs_as_nodes(jobs: list, ports: list[int], rank: int, results: object) -> None:
+    """One node process of the processes runtime, running several jobs back to back.
+
+    Each job goes through the runtime's own node entry point (``_node_process``: one
+    intra-op thread, a fresh gloo group, the node seed), so only the process start-up
+    is shared between jobs.
+    """
+    from meshtrain.runtimes.processes import _node_process
+
+    for job, port in zip(jobs, ports, strict=True):
+        _node_process(job, rank, port, results)
+
+
+def unequal_factory(rank: int, nodes: int, split: str) -> Dataset:
+    """Node r gets 16 + 8 r samples of its own (FedAvg's weighted average matters)."""
+    return regression_data(16 + 8 * rank, seed=20 + rank)

@@ -1,0 +1,169 @@
+"""Threads and processes runtimes give bit-identical weights; seeding is reproducible."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import time
+
+import pytest
+import torch
+from helpers import MLP, assert_states_equal, regression_data, run_jobs_as_nodes, unequal_factory
+
+from meshtrain import Trainer
+from meshtrain.runtimes.processes import free_loopback_port
+from meshtrain.strategies import DDP, SPARTA, DeMo, DiLoCo, FedAvg, Optim, SPARTADiLoCo
+from meshtrain.trainer import NodeJob, TrainConfig
+
+NODES = 3
+STEPS = 20
+BATCH = 4
+
+# Every strategy, with settings that make each one communicate several times in 20 steps.
+CONFIGS = {
+    "ddp": lambda: DDP("adamw", 0.01),
+    "diloco": lambda: DiLoCo(H=6, lr=0.01),  # 20 % 6 != 0: the final sync runs too
+    "sparta-random": lambda: SPARTA(p=0.3, selector="random", lr=0.01),
+    "sparta-partitioned": lambda: SPARTA(p=0.25, selector="partitioned", lr=0.01),
+    "sparta-diloco": lambda: SPARTADiLoCo(p=0.2, sparse_interval=2, H=5, lr=0.01),
+    "fedavg-islands": lambda: FedAvg(H=3, island_size=2, optim=Optim("sgd", momentum=0.9), lr=0.05),
+    "fedavg-weighted": lambda: FedAvg(H=4, weighted=True, lr=0.05),
+    "demo": lambda: DeMo(lr=0.003, compression_topk=4, compression_chunk=4),
+    "ddp-dropout": lambda: DDP("sgd", 0.05),
+}
+
+
+def _model(name: str) -> MLP:
+    return MLP(dropout=0.3) if name.endswith("dropout") else MLP()
+
+
+def _data(name: str):
+    # 97 samples: 3 shards of 32, one left over. Weighted FedAvg gets shards of unequal size.
+    return unequal_factory if name == "fedavg-weighted" else regression_data(97)
+
+
+def _threads_result(name: str, tmp_path, seed: int = 0):
+    return Trainer(_model(name), _data(name)).fit(
+        CONFIGS[name](), nodes=NODES, max_steps=STEPS, batch_size=BATCH, seed=seed,
+        runtime="threads", out_dir=tmp_path / "threads", progress=False,
+    )
+
+
+def _process_job(name: str, tmp_path) -> NodeJob:
+    config = TrainConfig(nodes=NODES, max_steps=STEPS, batch_size=BATCH, runtime="processes",
+                         out_dir=str(tmp_path / "processes"), progress=False)
+    return NodeJob(model=_model(name), train_data=_data(name), val_data=None, collate_fn=None,
+                   strategy=CONFIGS[name](), config=config, run_id=name, started=time.time())
+
+
+@pytest.fixture(scope="module")
+def process_states(tmp_path_factory):
+    """Run every configuration on NODES spawned node processes (started once for all)."""
+    tmp_path = tmp_path_factory.mktemp("procs")
+    names = list(CONFIGS)
+    jobs = [_process_job(n, tmp_path) for n in names]
+    ports = [free_loopback_port() for _ in names]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=run_jobs_as_nodes, args=(jobs, ports, r, results), daemon=True)
+             for r in range(NODES)]
+    for p in procs:
+        p.start()
+    states: dict[str, dict[str, torch.Tensor]] = {}
+    try:
+        for _ in range(NODES * len(names)):
+            rank, status, payload = results.get(timeout=120)
+            assert status == "done", payload
+            if rank == 0:
+                job_name = payload["summary"]["run_id"]
+                states[job_name] = torch.load(io.BytesIO(payload["state_dict"]), weights_only=True)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return states
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_threads_and_processes_bit_identical(name, process_states, tmp_path):
+    threads = _threads_result(name, tmp_path).model.state_dict()
+    procs = process_states[name]
+    assert threads.keys() == procs.keys()
+    for key in threads:
+        assert torch.equal(threads[key], procs[key]), f"{name}: {key} differs between runtimes"
+    # The run changed the weights (a no-op strategy would pass the comparison trivially).
+    assert not torch.equal(threads["fc1.weight"], _model(name).state_dict()["fc1.weight"])
+
+
+def test_processes_runtime_end_to_end_with_dropout(tmp_path):
+    """fit(runtime="processes") itself: 4 spawned nodes, dropout, bit-identical to threads."""
+    kwargs = dict(nodes=4, max_steps=8, batch_size=BATCH, seed=3, progress=False)
+    by_threads = Trainer(MLP(dropout=0.5), regression_data()).fit(
+        DiLoCo(H=3, lr=0.01), runtime="threads", out_dir=tmp_path / "t", **kwargs)
+    by_procs = Trainer(MLP(dropout=0.5), regression_data()).fit(
+        DiLoCo(H=3, lr=0.01), runtime="processes", out_dir=tmp_path / "p", **kwargs)
+    assert_states_equal(by_threads.model, by_procs.model)
+    assert by_procs.run_dir is not None and (by_procs.run_dir / "model.pt").exists()
+    assert by_procs.summary["runtime"] == "processes"
+    assert [r["train_loss"] for r in by_threads.history] == [r["train_loss"] for r in by_procs.history]
+    assert by_threads.summary["bytes_sent_per_node"] == by_procs.summary["bytes_sent_per_node"]
+    # Dropout really drew different masks per node and step: without it the losses differ.
+    plain = Trainer(MLP(dropout=0.0), regression_data()).fit(
+        DiLoCo(H=3, lr=0.01), runtime="threads", out_dir=tmp_path / "n", **kwargs)
+    assert plain.history[0]["train_loss"] != by_threads.history[0]["train_loss"]
+
+
+@pytest.mark.parametrize("name", ["sparta-random", "ddp-dropout"])
+def test_same_seed_same_weights_different_seed_different(name, tmp_path):
+    a = _threads_result(name, tmp_path / "a", seed=5).model
+    b = _threads_result(name, tmp_path / "b", seed=5).model
+    c = _threads_result(name, tmp_path / "c", seed=6).model
+    assert_states_equal(a, b)
+    assert not torch.equal(a.state_dict()["fc1.weight"], c.state_dict()["fc1.weight"])
+
+
+class _GradRecorder(FedAvg):
+    """FedAvg that records every node's first local gradient (before any averaging)."""
+
+    grads: dict[int, torch.Tensor] = {}
+
+    def before_optimizer_step(self, step):
+        if step == 0:
+            _GradRecorder.grads[self.comm.rank] = self.params[0].grad.clone()
+        super().before_optimizer_step(step)
+
+
+def _same_data(rank, nodes, split):
+    return regression_data(8)
+
+
+def test_dropout_masks_differ_between_nodes(tmp_path):
+    """Same weights and same samples on two nodes: only their own dropout streams differ."""
+    for dropout, expect_equal in ((0.5, False), (0.0, True)):
+        _GradRecorder.grads.clear()
+        Trainer(MLP(dropout=dropout), _same_data).fit(
+            _GradRecorder(H=100, lr=0.01), nodes=2, max_steps=1, batch_size=8, shuffle=False,
+            out_dir=tmp_path / str(dropout), progress=False)
+        assert torch.equal(_GradRecorder.grads[0], _GradRecorder.grads[1]) == expect_equal
+
+
+class _Recorder(DDP):
+    """DDP that records every node's starting weights (a picklable module-level class)."""
+
+    seen: dict[int, list[torch.Tensor]] = {}
+
+    def setup(self, model, comm, **kwargs):
+        _Recorder.seen[comm.rank] = [p.detach().clone() for p in model.parameters()]
+        super().setup(model, comm, **kwargs)
+
+
+def test_every_node_starts_from_identical_weights(tmp_path):
+    _Recorder.seen.clear()
+    model = MLP()
+    Trainer(model, regression_data()).fit(_Recorder("sgd", 0.1), nodes=4, max_steps=1, batch_size=4,
+                                          out_dir=tmp_path, progress=False)
+    assert sorted(_Recorder.seen) == [0, 1, 2, 3]
+    for rank in range(4):
+        for got, want in zip(_Recorder.seen[rank], model.parameters(), strict=True):
+            assert torch.equal(got, want.detach())
