@@ -273,7 +273,8 @@ def feature_extractor_for(config: Any, name_or_path: str | None = None) -> Any:
             extractor = WhisperFeatureExtractor.from_pretrained(name_or_path)
         except (OSError, ValueError):
             extractor = None  # no preprocessor_config.json: build one below
-    if extractor is None or extractor.nb_max_frames != frames or extractor.feature_size != config.num_mel_bins:
+    if (extractor is None or extractor.nb_max_frames != frames
+            or extractor.feature_size != config.num_mel_bins):
         hop = extractor.hop_length if extractor is not None else 160
         extractor = WhisperFeatureExtractor(
             feature_size=config.num_mel_bins, sampling_rate=SAMPLE_RATE, hop_length=hop,

@@ -1,0 +1,296 @@
+"""Hugging Face models as meshtrain models: ``model(batch)`` returns the loss.
+
+    model = HFModel.from_pretrained("openai/whisper-tiny", lora=LoRA(r=8))
+    Trainer(model, train, val, collate_fn).fit(strategy=DiLoCo(H=50), nodes=2)
+
+Any model whose forward returns ``.loss`` when given ``labels`` works (Whisper, causal
+LMs, seq2seq). With LoRA only the adapter weights require grad, and meshtrain's
+strategies optimise and communicate only those: a sync costs the adapter's bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+class ModelLoadError(ValueError):
+    """A model that cannot be loaded (unknown id offline, missing folder, bad LoRA settings)."""
+
+
+@dataclass
+class LoRA:
+    """LoRA settings by name (peft's ``LoraConfig``): ``W + (alpha / r) * B @ A`` on each
+    target module. ``target_modules`` are module-name suffixes such as ``q_proj``."""
+
+    r: int = 8
+    alpha: float = 32
+    dropout: float = 0.1
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    bias: str = "none"
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any] | bool | None) -> LoRA | None:
+        """From a profile's ``lora:`` mapping (missing keys take defaults); null/false: none."""
+        if options is None or options is False:
+            return None
+        if options is True:
+            return cls()
+        if not isinstance(options, dict):
+            raise ModelLoadError(f"lora must be a mapping (r, alpha, dropout, target_modules) or null, "
+                                 f"got {options!r}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ModelLoadError(f"lora has no setting {unknown[0]!r} (settings: {', '.join(sorted(known))})")
+        lora = cls(**options)
+        if isinstance(lora.target_modules, str):
+            lora.target_modules = [lora.target_modules]
+        if lora.r < 1:
+            raise ModelLoadError(f"lora.r must be >= 1, got {lora.r}")
+        return lora
+
+    def peft_config(self) -> Any:
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                          target_modules=list(self.target_modules), bias=self.bias)
+
+
+class HFModel(nn.Module):
+    """A Hugging Face model (optionally LoRA-wrapped) with meshtrain's model contract.
+
+    Args:
+        model: a ``PreTrainedModel`` or a peft ``PeftModel``.
+        tokenizer: decodes generated text for word error rate, and is saved with the model.
+        feature_extractor: saved with the model (speech models), so the output folder
+            is a complete checkpoint.
+        wer: compute word error rate in :meth:`validation_metrics` (default: when the
+            model is an encoder-decoder and a tokenizer is given).
+        generate_kwargs: passed to ``generate`` for evaluation (e.g. language, task).
+        save_merged: also save the LoRA-merged plain model under ``merged/``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer: Any = None,
+        feature_extractor: Any = None,
+        *,
+        wer: bool | None = None,
+        generate_kwargs: dict[str, Any] | None = None,
+        save_merged: bool = False,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.tokenizer = tokenizer
+        self.feature_extractor = feature_extractor
+        encoder_decoder = bool(getattr(self.config, "is_encoder_decoder", False))
+        self.wer = (encoder_decoder and tokenizer is not None) if wer is None else wer
+        self.generate_kwargs = dict(generate_kwargs or {})
+        self.save_merged = save_merged
+
+    # ---------------------------------------------------------------- building
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str,
+        *,
+        lora: LoRA | None = None,
+        tokenizer: Any = None,
+        feature_extractor: Any = None,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> HFModel:
+        """Load by hub id or local folder (fp32, also on MPS). A folder this class saved
+        with LoRA (``adapter_config.json``) loads its base model plus the adapter."""
+        path = Path(name_or_path)
+        if (path / ADAPTER_CONFIG).is_file():
+            if lora is not None:
+                raise ModelLoadError(f"{name_or_path} already holds a LoRA adapter; do not pass lora")
+            from peft import PeftConfig, PeftModel
+
+            base_name = PeftConfig.from_pretrained(str(path)).base_model_name_or_path
+            base = _load_pretrained(base_name)
+            model = PeftModel.from_pretrained(base, str(path), is_trainable=True)
+        else:
+            model = _with_lora(_load_pretrained(name_or_path), lora, seed)
+        return cls(model, tokenizer, feature_extractor, **kwargs)
+
+    @classmethod
+    def from_config(
+        cls, config: Any, *, lora: LoRA | None = None, seed: int = 0, tokenizer: Any = None,
+        feature_extractor: Any = None, **kwargs: Any,
+    ) -> HFModel:
+        """A randomly initialised model of ``config``'s architecture (for tests and demos)."""
+        klass = _model_class(config)
+        with _forked_seed(seed):
+            model = klass.from_config(config) if klass.__name__.startswith("Auto") else klass(config)
+        return cls(_with_lora(model, lora, seed), tokenizer, feature_extractor, **kwargs)
+
+    # ---------------------------------------------------------------- training
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+    @property
+    def base(self) -> nn.Module:
+        """The underlying transformers model (inside the peft wrapper, if any)."""
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    @property
+    def is_lora(self) -> bool:
+        return hasattr(self.model, "peft_config")
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        out = self.model(**batch)
+        if getattr(out, "loss", None) is None:
+            raise ValueError(f"{type(self.base).__name__} returned no loss: the batch needs 'labels' "
+                             f"(batch keys: {', '.join(batch)})")
+        return out.loss
+
+    def trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+    # -------------------------------------------------------------- evaluation
+    @torch.no_grad()
+    def transcribe(self, batch: dict[str, torch.Tensor]) -> list[str]:
+        """Greedy transcripts of a batch's ``input_features`` (``generate_kwargs`` apply)."""
+        kwargs = {"max_new_tokens": 128, **self.generate_kwargs}
+        limit = getattr(self.config, "max_target_positions", None)
+        if limit is not None:  # Whisper refuses to decode past its positions; leave room for the prefix
+            kwargs["max_new_tokens"] = min(kwargs["max_new_tokens"], limit - 8)
+        with _quiet_transformers():
+            ids = self.model.generate(input_features=batch["input_features"], **kwargs)
+        return self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+    def references(self, batch: dict[str, torch.Tensor]) -> list[str]:
+        """The transcripts a batch's labels encode (-100 padding removed)."""
+        return [self.tokenizer.decode(row[row != -100].tolist(), skip_special_tokens=True)
+                for row in batch["labels"].cpu()]
+
+    def validation_metrics(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """Corpus word error rate of greedy transcripts over the validation batches."""
+        if not self.wer:
+            return {}
+        refs, hyps = [], []
+        for batch in batches:
+            refs += self.references(batch)
+            hyps += self.transcribe(batch)
+        return {"wer": word_error_rate(refs, hyps)}
+
+    # ------------------------------------------------------------------ saving
+    def save_pretrained(self, directory: str) -> None:
+        """Save a loadable checkpoint: the adapter (peft format) with LoRA, else the full
+        model; the tokenizer and feature extractor beside it; with ``save_merged`` also
+        the LoRA-merged plain model under ``merged/``."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        with _quiet_transformers():
+            self.model.save_pretrained(str(out))
+            self._save_processors(out)
+            if self.is_lora and self.save_merged:
+                merged = copy.deepcopy(self.model).merge_and_unload()
+                merged.save_pretrained(str(out / "merged"))
+                self._save_processors(out / "merged")
+
+    def _save_processors(self, out: Path) -> None:
+        for part in (self.tokenizer, self.feature_extractor):
+            if part is not None:
+                part.save_pretrained(str(out))
+
+
+# ------------------------------------------------------------------------ helpers
+def word_error_rate(references: Sequence[str], hypotheses: Sequence[str]) -> float:
+    """Corpus WER (word edits / reference words) after lower-casing and dropping
+    punctuation, so "Hello, world." and "hello world" match. Empty references are skipped."""
+    import jiwer
+
+    pairs = [(normalize_text(r), normalize_text(h)) for r, h in zip(references, hypotheses, strict=True)]
+    pairs = [(r, h) for r, h in pairs if r]
+    if not pairs:
+        return float("nan")
+    return float(jiwer.wer([r for r, _ in pairs], [h for _, h in pairs]))
+
+
+def normalize_text(text: str) -> str:
+    text = re.sub(r"[^\w\s']", " ", text.lower())
+    return " ".join(text.split())
+
+
+def _load_pretrained(name_or_path: str) -> nn.Module:
+    """The model class its config names (``architectures``), in fp32."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name_or_path)
+        with _quiet_transformers():
+            return _model_class(config).from_pretrained(name_or_path, dtype=torch.float32)
+    except OSError as exc:
+        where = "folder" if Path(name_or_path).exists() else "hub id (no local folder of that name)"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"cannot load model {name_or_path!r} as a {where}: {first}") from exc
+
+
+def _model_class(config: Any) -> type:
+    import transformers
+
+    for name in getattr(config, "architectures", None) or []:
+        if hasattr(transformers, name):
+            return getattr(transformers, name)
+    if config.is_encoder_decoder:
+        return transformers.AutoModelForSeq2SeqLM
+    return transformers.AutoModelForCausalLM
+
+
+def _with_lora(model: nn.Module, lora: LoRA | None, seed: int) -> nn.Module:
+    if lora is None:
+        return model
+    from peft import get_peft_model
+
+    # LoRA's A matrices are random: seed them so every host builds the same adapter.
+    with _forked_seed(seed), _quiet_transformers():
+        try:
+            return get_peft_model(model, lora.peft_config())
+        except ValueError as exc:
+            raise ModelLoadError(f"lora.target_modules {lora.target_modules}: {exc}") from exc
+
+
+@contextlib.contextmanager
+def _forked_seed(seed: int) -> Iterator[None]:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Hide transformers' progress bars and advice while loading and generating."""
+    import warnings
+
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    bars = logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            yield
+    finally:
+        logging.set_verbosity(level)
+        if bars:
+            logging.enable_progress_bar()
+
+

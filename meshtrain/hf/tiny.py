@@ -1,0 +1,125 @@
+"""A tiny offline Whisper and a synthetic speech dataset, to try meshtrain with no hub.
+
+    python -m meshtrain.hf.tiny dataset demo-speech          # espeak-ng recordings
+    python -m meshtrain.hf.tiny model demo-whisper --data demo-speech
+    meshtrain simulate --profile whisper-tiny-random-lora --data demo-speech \\
+        --set task_options.model=demo-whisper
+
+The model is a random Whisper (d_model 64, 2+2 layers, 300 input frames = 3 s) with a
+BPE tokenizer trained on the dataset's transcripts; a training step takes ~50 ms on a
+CPU. It learns, but it is no speech recogniser: use it to check a setting end to end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import shutil
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+from meshtrain.hf.tokenizer import END_TOKEN, START_TOKEN, build_tokenizer
+
+#: Short sentences (under 3 s when spoken by espeak-ng) for the demo dataset.
+SENTENCES = [
+    "the cat sat on the mat",
+    "open the red door",
+    "turn the light on",
+    "the dog runs home",
+    "we like green tea",
+    "close the window now",
+    "a bird sings at dawn",
+    "the sun is warm",
+    "read the old book",
+    "the train is late",
+    "put the cup down",
+    "she plays the drum",
+    "the fish swims fast",
+    "bring me the map",
+    "the bell rings twice",
+    "rain falls on the roof",
+]
+
+TINY_CONFIG = dict(
+    d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+    decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256, num_mel_bins=80,
+    max_source_positions=150, max_target_positions=64,
+)
+
+
+def make_speech_dataset(
+    directory: str | Path, sentences: Sequence[str] = SENTENCES, voice: str = "en-us",
+) -> Path:
+    """Speak ``sentences`` with espeak-ng into ``directory`` (22.05 kHz WAVs under
+    ``clips/`` plus ``metadata.csv``), an audiofolder meshtrain's whisper task reads."""
+    espeak = shutil.which("espeak-ng")
+    if espeak is None:
+        raise RuntimeError("espeak-ng is not installed (Debian/Ubuntu: apt-get install espeak-ng; "
+                           "macOS: brew install espeak-ng)")
+    out = Path(directory)
+    (out / "clips").mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i, text in enumerate(sentences):
+        name = f"clips/{i:04d}.wav"
+        subprocess.run([espeak, "-v", voice, "-w", str(out / name), text], check=True,
+                       capture_output=True)
+        rows.append((name, text))
+    with (out / "metadata.csv").open("w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(["file_name", "transcription"])
+        writer.writerows(rows)
+    return out
+
+
+def make_tiny_whisper(
+    directory: str | Path, texts: Sequence[str], seed: int = 0, vocab_size: int = 512,
+) -> Path:
+    """Save a tiny random Whisper, its tokenizer (trained on ``texts``) and its feature
+    extractor to ``directory``, loadable with ``from_pretrained`` like a hub checkpoint."""
+    from transformers import WhisperConfig
+
+    from meshtrain.hf.model import HFModel
+    from meshtrain.hf.speech import feature_extractor_for
+
+    tokenizer = build_tokenizer(texts, vocab_size=vocab_size)
+    start, end = tokenizer.convert_tokens_to_ids([START_TOKEN, END_TOKEN])
+    config = WhisperConfig(
+        vocab_size=len(tokenizer), decoder_start_token_id=start, bos_token_id=start,
+        eos_token_id=end, pad_token_id=end, begin_suppress_tokens=None, suppress_tokens=None,
+        **TINY_CONFIG,
+    )
+    config.architectures = ["WhisperForConditionalGeneration"]
+    model = HFModel.from_config(config, seed=seed, tokenizer=tokenizer,
+                                feature_extractor=feature_extractor_for(config))
+    model.save_pretrained(str(directory))
+    return Path(directory)
+
+
+def read_transcripts(data: str | Path) -> list[str]:
+    """Every transcript of a speech folder (both splits)."""
+    from meshtrain.hf.speech import find_splits
+
+    train, val = find_splits(data, val_fraction=0.0)
+    return [c.text for c in train + val]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m meshtrain.hf.tiny", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    data = sub.add_parser("dataset", help="speak the demo sentences with espeak-ng")
+    data.add_argument("directory")
+    data.add_argument("--voice", default="en-us")
+    model = sub.add_parser("model", help="a tiny random Whisper with a tokenizer for --data")
+    model.add_argument("directory")
+    model.add_argument("--data", required=True, help="speech folder whose transcripts train the tokenizer")
+    model.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.what == "dataset":
+        print(make_speech_dataset(args.directory, voice=args.voice))
+    else:
+        print(make_tiny_whisper(args.directory, read_transcripts(args.data), seed=args.seed))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Fine-tune a Hugging Face Whisper model (full or LoRA) on a folder of recordings.
+
+``--data DIR`` is an audiofolder: ``DIR/metadata.csv`` with ``file_name,transcription``
+(or ``DIR/train/`` and ``DIR/validation/`` each with one). Word error rate on the
+validation clips is measured at the end (and every ``val_interval``) as ``final_wer``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshtrain.tasks import Task, TaskBundle, TaskError, TaskOptions
+
+OPTIONS: dict[str, Any] = {
+    "model": "openai/whisper-tiny",  # hub id or local folder (a saved run's model/ works too)
+    "tokenizer": None,  # default: the model's own
+    "lora": {"r": 8, "alpha": 32, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]},  # null: full
+    "save_merged": False,  # with LoRA, also save the merged model under model/merged/
+    "language": None,  # e.g. "en": the language token real Whisper labels and decoding use
+    "task": "transcribe",
+    "val_fraction": 0.1,  # held out when DIR has no validation/ split
+    "max_new_tokens": 128,
+    "text_column": "transcription",
+}
+
+
+def build(opts: TaskOptions) -> TaskBundle:
+    from meshtrain.hf import (
+        HFModel,
+        LoRA,
+        ModelLoadError,
+        SpeechCollator,
+        SpeechDataError,
+        SpeechDataset,
+        TokenizerError,
+        feature_extractor_for,
+        find_splits,
+        load_tokenizer,
+    )
+
+    o = opts.options
+    if not opts.data:
+        raise TaskError("the whisper task needs --data DIR: a folder of recordings with metadata.csv "
+                        "(file_name,transcription)")
+    try:
+        train_clips, val_clips = find_splits(opts.data, float(o["val_fraction"]), opts.seed, o["text_column"])
+        tokenizer = load_tokenizer(o["tokenizer"] or o["model"])
+        if o["language"] and hasattr(tokenizer, "set_prefix_tokens"):
+            tokenizer.set_prefix_tokens(language=o["language"], task=o["task"])
+        model = HFModel.from_pretrained(
+            o["model"], lora=LoRA.from_options(o["lora"]), tokenizer=tokenizer, seed=opts.seed,
+            generate_kwargs=_generate_kwargs(o), save_merged=bool(o["save_merged"]),
+        )
+        config = model.config
+        if len(tokenizer) > config.vocab_size:
+            raise TokenizerError(f"tokenizer has {len(tokenizer)} tokens but model {o['model']} only "
+                                 f"{config.vocab_size}: they do not belong together")
+        model.feature_extractor = feature_extractor_for(config, o["model"])
+        limit = getattr(config, "max_target_positions", None)
+        train = SpeechDataset(train_clips, model.feature_extractor, tokenizer, limit)
+        val = SpeechDataset(val_clips, model.feature_extractor, tokenizer, limit) if val_clips else None
+    except (SpeechDataError, TokenizerError, ModelLoadError) as exc:
+        raise TaskError(str(exc)) from exc
+    return TaskBundle(model, train, val, SpeechCollator(config.decoder_start_token_id))
+
+
+def _generate_kwargs(o: dict[str, Any]) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"max_new_tokens": int(o["max_new_tokens"])}
+    if o["language"]:  # real multilingual Whisper: decode in the language it was tuned on
+        kwargs.update(language=o["language"], task=o["task"])
+    return kwargs
+
+
+TASK = Task(
+    name="whisper",
+    description="fine-tune a Hugging Face Whisper model (full or LoRA) on a folder of recordings",
+    build=build,
+    defaults={
+        "strategy": "diloco",
+        "strategy_options": {"H": 50, "optim": {"name": "adamw", "weight_decay": 0.0}},
+        "lr": 1e-3,
+        "nodes": 2,
+        "steps": 200,
+        "batch_size": 8,
+        "device": "auto",
+        "val_size": 64,
+    },
+    options=OPTIONS,
+)
