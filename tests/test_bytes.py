@@ -1,0 +1,201 @@
+"""Byte accounting equals the closed-form traffic of each strategy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import MLP, Sized, regression_data, unequal_factory
+
+from meshtrain import Trainer
+from meshtrain.comm import ThreadCommunicator, ThreadHub, ring_all_reduce_bytes
+from meshtrain.comm.communicator import ring_chunk_sizes
+from meshtrain.strategies import DDP, SPARTA, DeMo, DiLoCo, FedAvg, SPARTADiLoCo, Strategy
+
+F32 = 4
+
+
+@pytest.fixture
+def comms(monkeypatch):
+    """Every node's communicator of the runs in a test (threads runtime), by rank."""
+    seen: dict[int, object] = {}
+    original = Strategy.setup
+
+    def setup(self, model, comm, **kwargs):
+        seen[comm.rank] = comm
+        original(self, model, comm, **kwargs)
+
+    monkeypatch.setattr(Strategy, "setup", setup)
+    return seen
+
+
+def run(strategy, tmp_path, *, nodes, steps, model=None, data=None, **kwargs):
+    kwargs.setdefault("batch_size", 4)
+    return Trainer(model or Sized(), data or regression_data(96)).fit(
+        strategy, nodes=nodes, max_steps=steps, out_dir=tmp_path, progress=False, **kwargs)
+
+
+def ring_mean(numel: int, nodes: int, element_size: int = F32) -> float:
+    """Per-node mean of a ring all-reduce's bytes sent: 2 (n-1)/n * S."""
+    return 2 * (nodes - 1) / nodes * numel * element_size
+
+
+def check_totals(result):
+    summary, history = result.summary, result.history
+    assert summary["bytes_sent_per_node"] == pytest.approx(sum(r["bytes_sent"] for r in history))
+    assert summary["bytes_received_per_node"] == pytest.approx(sum(r["bytes_received"] for r in history))
+    assert history[-1]["total_bytes_sent"] == pytest.approx(summary["bytes_sent_per_node"])
+
+
+# ------------------------------------------------------------------------- ring formula
+@pytest.mark.parametrize(
+    ("numel", "g", "pos", "sent", "received"),
+    [
+        (12, 4, 0, 18, 18),  # even: 2 (g-1)/g * numel elements both ways
+        (10, 3, 0, 14, 13),  # chunks [4, 3, 3]: sends all but chunks 1 and 2, receives all but 0 and 1
+        (10, 3, 1, 13, 14),  # sends all but chunks 2 and 0; receives all but 1 and 2
+        (10, 3, 2, 13, 13),  # sends all but chunks 0 and 1; receives all but 2 and 0
+        (5, 4, 3, 7, 7),  # chunks [2, 1, 1, 1]: skips chunks 0 and 1 sending, 3 and 0 receiving
+        (2, 4, 1, 4, 3),  # fewer elements than nodes: chunks [1, 1, 0, 0]
+        (7, 1, 0, 0, 0),  # alone: nothing moves
+    ],
+)
+def test_ring_all_reduce_bytes_by_hand(numel, g, pos, sent, received):
+    assert ring_all_reduce_bytes(numel, F32, pos, g) == (sent * F32, received * F32)
+    assert ring_all_reduce_bytes(numel, 2, pos, g) == (sent * 2, received * 2)
+
+
+@pytest.mark.parametrize(("numel", "g"), [(10, 3), (17, 4), (3, 5), (1000, 7)])
+def test_ring_bytes_conserved_and_every_chunk_travels_2g_minus_2_times(numel, g):
+    sent = [ring_all_reduce_bytes(numel, 1, p, g)[0] for p in range(g)]
+    received = [ring_all_reduce_bytes(numel, 1, p, g)[1] for p in range(g)]
+    assert sum(sent) == sum(received) == 2 * (g - 1) * numel
+    assert ring_chunk_sizes(numel, g) == [len(c) for c in torch.arange(numel).tensor_split(g)]
+
+
+# ------------------------------------------------------------------------- strategies
+def test_ddp_bytes_per_step(tmp_path, comms):
+    nodes, steps = 4, 5
+    model = Sized(8, 6)  # 48 trainable floats (the frozen parameter is never sent)
+    res = run(DDP("sgd", 0.1), tmp_path, nodes=nodes, steps=steps, model=model)
+    per_step = 2 * (nodes - 1) / nodes * 48 * F32  # 288
+    assert per_step == 288
+    assert [r["bytes_sent"] for r in res.history] == [per_step] * steps
+    assert [r["bytes_received"] for r in res.history] == [per_step] * steps
+    assert res.summary["bytes_sent_per_node"] == per_step * steps
+    check_totals(res)
+    for rank, comm in comms.items():
+        assert [(r.step, r.kind, r.group_size) for r in comm.log.records] == [
+            (s, "all_reduce", nodes) for s in range(steps)
+        ], rank
+        assert comm.log.bytes_sent == per_step * steps
+
+
+@pytest.mark.parametrize(("steps", "syncs"), [(9, [2, 5, 8]), (10, [2, 5, 8, 9])])
+def test_diloco_bytes_every_h_steps_plus_final(steps, syncs, tmp_path, comms):
+    nodes = 4
+    res = run(DiLoCo(H=3, lr=0.01), tmp_path, nodes=nodes, steps=steps)
+    full = ring_mean(48, nodes)
+    assert [r["bytes_sent"] for r in res.history] == [full if s in syncs else 0 for s in range(steps)]
+    assert res.summary["bytes_sent_per_node"] == full * len(syncs)
+    check_totals(res)
+    for comm in comms.values():
+        assert [r.step for r in comm.log.records] == syncs
+        assert {(r.kind, r.group_size) for r in comm.log.records} == {("all_reduce", nodes)}
+
+
+def test_validation_traffic_is_not_counted(tmp_path):
+    kw = dict(nodes=4, steps=6)
+    plain = run(DiLoCo(H=2, lr=0.01), tmp_path / "a", **kw)
+    validated = Trainer(Sized(), regression_data(96), regression_data(8)).fit(
+        DiLoCo(H=2, lr=0.01), nodes=4, max_steps=6, batch_size=4, val_interval=1,
+        out_dir=tmp_path / "b", progress=False)
+    assert sum(r["val_loss"] is not None for r in validated.history) == 6
+    assert [r["bytes_sent"] for r in validated.history] == [r["bytes_sent"] for r in plain.history]
+
+
+def test_sparta_random_bytes(tmp_path, comms):
+    nodes, steps, p = 4, 4, 0.25
+    model = MLP()  # tensors of 48, 8, 16 and 2 values
+    res = run(SPARTA(p=p, lr=0.01), tmp_path, nodes=nodes, steps=steps, model=model)
+    k = sum(max(1, round(p * t.numel())) for t in model.parameters())
+    assert k == 12 + 2 + 4 + 1  # round(0.5) == 0, and at least one value is sent
+    sparse = ring_mean(k, nodes)  # 19 values split [5, 5, 5, 4]: the mean is still the formula
+    full = ring_mean(sum(t.numel() for t in model.parameters()), nodes)
+    expected = [sparse] * (steps - 1) + [sparse + full]  # the final full average of SPARTA
+    assert [r["bytes_sent"] for r in res.history] == pytest.approx(expected)
+    assert res.summary["bytes_sent_per_node"] == pytest.approx(sparse * steps + full)
+    check_totals(res)
+    # Per node the uneven chunks show: exactly what ring_all_reduce_bytes says for its position.
+    for rank, comm in comms.items():
+        sparse_records = comm.log.records[:steps]
+        assert all(r.bytes_sent == ring_all_reduce_bytes(k, F32, rank, nodes)[0] for r in sparse_records)
+        assert comm.log.records[-1].step == steps - 1 and len(comm.log.records) == steps + 1
+
+
+def test_sparta_partitioned_bytes(tmp_path):
+    nodes, steps = 4, 6
+    res = run(SPARTA(p=0.25, selector="partitioned", lr=0.01), tmp_path, nodes=nodes, steps=steps)
+    sparse, full = ring_mean(12, nodes), ring_mean(48, nodes)  # 48 / 4 partitions
+    assert [r["bytes_sent"] for r in res.history] == [sparse] * (steps - 1) + [sparse + full]
+
+
+def test_sparta_diloco_bytes(tmp_path):
+    nodes, steps = 4, 8
+    res = run(SPARTADiLoCo(p=0.25, sparse_interval=2, H=4, lr=0.01), tmp_path, nodes=nodes, steps=steps)
+    sparse, full = ring_mean(12, nodes), ring_mean(48, nodes)
+    expected = [0, sparse, 0, sparse + full, 0, sparse, 0, sparse + full]
+    assert [r["bytes_sent"] for r in res.history] == expected
+
+
+def test_fedavg_islands_cost_group_sized_traffic(tmp_path, comms):
+    nodes, steps, island = 4, 6, 2
+    res = run(FedAvg(H=2, island_size=island, lr=0.05), tmp_path, nodes=nodes, steps=steps)
+    group = 2 * (island - 1) / island * 48 * F32  # 192: one island, not the cluster
+    full = ring_mean(48, nodes)  # islands differ at the end: one full average
+    assert [r["bytes_sent"] for r in res.history] == [0, group, 0, group, 0, group + full]
+    check_totals(res)
+    for comm in comms.values():
+        assert [(r.step, r.kind, r.group_size) for r in comm.log.records] == [
+            (1, "all_reduce", 2), (3, "all_reduce", 2), (5, "all_reduce", 2), (5, "all_reduce", 4)
+        ]
+
+
+def test_fedavg_islands_change_between_rounds():
+    strategy = FedAvg(H=1, island_size=2)
+    strategy.setup(Sized(), ThreadCommunicator(ThreadHub(4), 0), seed=0, max_steps=10)
+    module = strategy.modules[0]
+    rounds = [module.islands(r) for r in range(8)]
+    for groups in rounds:
+        assert sorted(sum(groups, [])) == [0, 1, 2, 3] and all(len(g) == 2 for g in groups)
+    assert len({tuple(map(tuple, g)) for g in rounds}) > 1
+
+
+def test_fedavg_weighted_bytes_include_the_weight(tmp_path):
+    nodes = 3
+    res = run(FedAvg(H=2, weighted=True, lr=0.05), tmp_path, nodes=nodes, steps=4, data=unequal_factory)
+    per_sync = ring_mean(48 + 1, nodes)  # the weights travel in the same bucket
+    assert [r["bytes_sent"] for r in res.history] == pytest.approx([0, per_sync, 0, per_sync])
+
+
+def test_demo_bytes_all_gather_values_and_int16_indices(tmp_path, comms):
+    nodes, steps, topk = 3, 3, 5
+    # (8, 6) with chunk 4: chunks of 4 x 3 = 12 coefficients, 2 x 2 = 4 chunks -> 20 values.
+    res = run(DeMo(lr=0.01, compression_topk=topk, compression_chunk=4), tmp_path, nodes=nodes,
+              steps=steps, model=Sized(8, 6))
+    k_total = 4 * topk
+    per_step = (nodes - 1) * k_total * (4 + 2)
+    assert [r["bytes_sent"] for r in res.history] == [per_step] * steps
+    assert [r["bytes_received"] for r in res.history] == [per_step] * steps
+    check_totals(res)
+    for comm in comms.values():
+        assert [(r.step, r.kind, r.group_size, r.bytes_sent) for r in comm.log.records] == [
+            rec for s in range(steps)
+            for rec in ((s, "all_gather", nodes, (nodes - 1) * k_total * 4),
+                        (s, "all_gather", nodes, (nodes - 1) * k_total * 2))
+        ]
+
+
+def test_single_node_sends_nothing(tmp_path):
+    res = run(DDP("sgd", 0.1), tmp_path, nodes=1, steps=3)
+    assert res.summary["bytes_sent_per_node"] == 0
+    assert all(r["bytes_sent"] == 0 for r in res.history)
