@@ -1,0 +1,173 @@
+"""The `meshtrain` command: the default run, listings, and every kind of bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from meshtrain.cli.main import app
+
+runner = CliRunner()
+
+
+def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """The real entry point in a fresh interpreter (exit codes, stderr, no traceback)."""
+    env = {**os.environ, "COLUMNS": "200"}
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run([sys.executable, "-m", "meshtrain", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_default_simulate_runs_digits_with_diloco_on_4_nodes(tmp_path: Path) -> None:
+    proc = run_cli("simulate", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "run directory:" in proc.stdout
+    (run_dir,) = [p for p in (tmp_path / "runs").iterdir() if not p.name.startswith(".")]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["strategy"] == "diloco"
+    assert summary["nodes"] == 4
+    assert summary["steps"] == 300
+    assert summary["final_accuracy"] > 0.85  # real learning on real digits
+    assert summary["final_val_loss"] < 0.6
+    rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
+    assert len(rows) == 300
+    assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"])
+    # DiLoCo(H=25) on 9,610 float32 parameters, 4 nodes: 12 ring all-reduces, each
+    # sending 2*(3/4)*S bytes per node on average (chunks of 2403/2403/2402/2402 values).
+    assert summary["bytes_sent_per_node"] == 12 * 2 * 3 / 4 * 9610 * 4
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["spec"]["strategy"] == "diloco"
+    assert config["strategy"]["H"] == 25
+    assert (run_dir / "model.pt").is_file() and (run_dir / "loss.png").is_file()
+
+
+def test_config_yaml_repeats_the_run(tmp_path: Path) -> None:
+    args = ["simulate", "--steps", "20", "--strategy", "sparta", "--set", "p=0.1", "--no-progress",
+            "--out", str(tmp_path / "a"), "--run-id", "first"]
+    assert runner.invoke(app, args).exit_code == 0
+    config = tmp_path / "a" / "first" / "config.yaml"
+    again = runner.invoke(app, ["simulate", "--profile", str(config), "--no-progress",
+                                "--out", str(tmp_path / "a"), "--run-id", "second"])
+    assert again.exit_code == 0, again.output
+    first = json.loads((tmp_path / "a" / "first" / "summary.json").read_text())
+    second = json.loads((tmp_path / "a" / "second" / "summary.json").read_text())
+    assert first["final_train_loss"] == second["final_train_loss"]
+    assert first["bytes_sent_per_node"] == second["bytes_sent_per_node"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "sparta", "sparta-diloco", "fedavg", "demo"])
+def test_every_strategy_runs_from_the_cli(strategy: str, tmp_path: Path) -> None:
+    result = runner.invoke(app, ["simulate", "--strategy", strategy, "--steps", "10", "--nodes", "2",
+                                 "--no-progress", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    (summary,) = tmp_path.glob("*/summary.json")
+    assert json.loads(summary.read_text())["strategy"] == strategy
+
+
+def test_set_overrides_strategy_and_task_options(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["simulate", "--steps", "10", "--nodes", "2", "--no-progress",
+                                 "--set", "H=5", "--set", "task_options.arch=cnn",
+                                 "--set", "outer_lr=1.0", "--out", str(tmp_path), "--run-id", "x"])
+    assert result.exit_code == 0, result.output
+    config = yaml.safe_load((tmp_path / "x" / "config.yaml").read_text())
+    assert config["strategy"]["H"] == 5 and config["strategy"]["outer_lr"] == 1.0
+    assert config["model"] == "DigitsCNN"
+
+
+def test_gpt_task_trains_on_a_text_file(tmp_path: Path) -> None:
+    text = tmp_path / "tiny.txt"
+    text.write_text("to be or not to be, that is the question. " * 60)
+    result = runner.invoke(app, ["simulate", "--task", "gpt", "--data", str(text), "--steps", "30",
+                                 "--nodes", "2", "--no-progress", "--out", str(tmp_path / "runs"),
+                                 "--set", "task_options.dim=32", "--set", "task_options.block_size=16",
+                                 "--set", "H=10", "--lr", "3e-3"])
+    assert result.exit_code == 0, result.output
+    (summary,) = (tmp_path / "runs").glob("*/summary.json")
+    data = json.loads(summary.read_text())
+    rows = list(csv.DictReader((summary.parent / "metrics.csv").open()))
+    assert data["final_train_loss"] < float(rows[0]["train_loss"]) - 0.5
+
+
+def test_listings(tmp_path: Path) -> None:
+    strategies = runner.invoke(app, ["strategies"], env={"COLUMNS": "200"})
+    assert strategies.exit_code == 0
+    for name in ("ddp", "diloco", "sparta", "sparta-diloco", "fedavg", "demo", "outer_lr=0.7",
+                 "compression_topk=32", "island_size=None"):
+        assert name in strategies.output
+    tasks = runner.invoke(app, ["tasks"], env={"COLUMNS": "200"})
+    assert tasks.exit_code == 0 and "digits" in tasks.output and "gpt" in tasks.output
+    assert runner.invoke(app, ["profiles"]).exit_code == 0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--strategy", "nope"], "unknown strategy 'nope'"),
+        (["--task", "nope"], "unknown task 'nope'"),
+        (["--nodes", "0"], "nodes must be >= 1"),
+        (["--batch-size", "5000"], "batch size 5000 is larger than each node's shard"),
+        (["--set", "bogus=1"], "--set bogus: not a setting or a parameter of strategy 'diloco'"),
+        (["--set", "H=abc"], "H must be int, got 'abc'"),
+        (["--set", "H"], "expected key=value"),
+        (["--set", "task_options.nope=1"], "task 'digits' has no option 'nope'"),
+        (["--task", "gpt"], "task 'gpt' needs a text file: --data FILE"),
+        (["--task", "gpt", "--data", "missing.txt"], "data file missing.txt does not exist"),
+        (["--profile", "missing-profile"], "no profile named 'missing-profile'"),
+        (["--device", "cuda"], "device 'cuda'"),
+        (["--runtime", "fibers"], "runtime must be one of"),
+        (["--set", "H=0"], "H must be >= 1"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
+    if "--device" in args:
+        import torch
+
+        if torch.cuda.is_available():
+            pytest.skip("this machine has CUDA")
+    result = runner.invoke(app, ["simulate", "--no-progress", "--out", str(tmp_path), *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
+    assert not any(tmp_path.iterdir()), "a failed run must leave nothing behind"
+
+
+def test_bad_input_through_the_real_entry_point(tmp_path: Path) -> None:
+    proc = run_cli("simulate", "--strategy", "nope", cwd=tmp_path)
+    assert proc.returncode == 2
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "unknown strategy 'nope'" in lines[0]
+
+
+def test_bad_profile_names_the_file_and_key(tmp_path: Path) -> None:
+    profile = tmp_path / "p.yaml"
+    profile.write_text("strategy: diloco\nstepz: 10\n")
+    result = runner.invoke(app, ["simulate", "--profile", str(profile), "--out", str(tmp_path / "r")])
+    assert result.exit_code == 2
+    assert str(profile) in result.output and "'stepz'" in result.output
+    base = tmp_path / "child.yaml"
+    base.write_text(f"base: {tmp_path / 'loop.yaml'}\n")
+    (tmp_path / "loop.yaml").write_text(f"base: {base}\n")
+    looped = runner.invoke(app, ["simulate", "--profile", str(base), "--out", str(tmp_path / "r")])
+    assert looped.exit_code == 2 and "loops" in looped.output
+
+
+def test_profile_base_and_set_layering(tmp_path: Path) -> None:
+    (tmp_path / "base.yaml").write_text("description: b\nstrategy: fedavg\nsteps: 7\nnodes: 2\n"
+                                        "strategy_options: {H: 2, lr: 0.1}\n")
+    (tmp_path / "child.yaml").write_text(f"base: {tmp_path / 'base.yaml'}\nstrategy_options: {{H: 3}}\n")
+    result = runner.invoke(app, ["simulate", "--profile", str(tmp_path / "child.yaml"), "--no-progress",
+                                 "--set", "island_size=2", "--out", str(tmp_path / "r"), "--run-id", "x"])
+    assert result.exit_code == 0, result.output
+    config = yaml.safe_load((tmp_path / "r" / "x" / "config.yaml").read_text())
+    assert config["strategy"] == {**config["strategy"], "name": "fedavg", "H": 3, "lr": 0.1,
+                                  "island_size": 2}
+    assert config["spec"]["steps"] == 7 and config["spec"]["nodes"] == 2
