@@ -148,3 +148,79 @@ def run_jobs_as_nodes(jobs: list, ports: list[int], rank: int, results: object) 
 def unequal_factory(rank: int, nodes: int, split: str) -> Dataset:
     """Node r gets 16 + 8 r samples of its own (FedAvg's weighted average matters)."""
     return regression_data(16 + 8 * rank, seed=20 + rank)
+
+
+# ------------------------------------------------------------------ communicator scripts
+ORDER_VALUES = (1e8, 1.0, -1e8)  # float32 sums that depend on the order of the ring
+
+
+def comm_script(comm) -> dict:
+    """The same collectives on any backend; returns what each produced on this node."""
+    world, rank = comm.world_size, comm.rank
+    g = torch.Generator().manual_seed(100 + rank)
+    a = torch.randn(1001, generator=g)  # 1001 values: uneven ring chunks
+    out: dict = {}
+
+    def wire() -> tuple[int, int]:
+        return getattr(comm, "wire_sent", 0), getattr(comm, "wire_received", 0)
+
+    out["wire"] = []
+    for op in ("mean", "sum", "max"):
+        t = a.clone()
+        before = wire()
+        comm.all_reduce(t, op=op)
+        after = wire()
+        out["wire"].append((after[0] - before[0], after[1] - before[1]))
+        out[f"all_reduce_{op}"] = t
+    bucket = [torch.randn(3, 5, generator=g), torch.randn(7, generator=g)]
+    comm.all_reduce(bucket, op="mean")
+    out["bucket"] = bucket
+    before = wire()
+    out["all_gather"] = torch.stack(comm.all_gather(a[:10].clone()))
+    after = wire()
+    out["wire"].append((after[0] - before[0], after[1] - before[1]))
+    out["all_gather_int16"] = torch.stack(comm.all_gather(torch.arange(5, dtype=torch.int16) + rank))
+    b = a[:17].clone()
+    comm.broadcast(b, src=world - 1)
+    out["broadcast"] = b
+    group = [0, world - 1]
+    if rank in group:
+        t = a.clone()
+        comm.all_reduce(t, op="sum", group=group)
+        out["group"] = t
+    if world == len(ORDER_VALUES):
+        t = torch.full((world,), ORDER_VALUES[rank], dtype=torch.float32)
+        comm.all_reduce(t, op="sum")
+        out["order"] = t
+    out["log"] = [(r.kind, r.bytes_sent, r.bytes_received, r.group_size) for r in comm.log.records]
+    return out
+
+
+def gloo_comm_worker(rank: int, world: int, port: int, results: object) -> None:
+    """One spawned process: join a gloo group, run :func:`comm_script`, send back its results."""
+    import io
+
+    import torch.distributed as dist
+
+    from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group
+
+    class Counting(TorchDistCommunicator):
+        """Counts the bytes that really cross the wire in the ring's point-to-point steps."""
+
+        wire_sent = 0
+        wire_received = 0
+
+        def _exchange(self, send, dst, recv, src):
+            self.wire_sent += send.numel() * send.element_size()
+            self.wire_received += recv.numel() * recv.element_size()
+            super()._exchange(send, dst, recv, src)
+
+    torch.set_num_threads(1)
+    init_process_group(rank, world, "127.0.0.1", port, torch.device("cpu"), 60.0)
+    try:
+        out = comm_script(Counting())
+    finally:
+        dist.destroy_process_group()
+    buf = io.BytesIO()
+    torch.save(out, buf)
+    results.put((rank, buf.getvalue()))

@@ -1,0 +1,251 @@
+"""Communicator backends: ThreadHub collectives and torch.distributed over gloo."""
+
+from __future__ import annotations
+
+import io
+import multiprocessing as mp
+import threading
+import time
+
+import pytest
+import torch
+from helpers import ORDER_VALUES, comm_script, gloo_comm_worker
+from torch.testing import assert_close
+
+from meshtrain.comm import NodeAborted, ThreadCommunicator, ThreadHub, ring_all_reduce_bytes, ring_reduce
+from meshtrain.runtimes.processes import free_loopback_port
+
+
+def on_threads(world: int, fn, timeout: float = 30.0) -> list:
+    """Run ``fn(comm)`` on every node of a fresh hub, one thread each; results by rank."""
+    hub = ThreadHub(world)
+    results: list = [None] * world
+    errors: list = [None] * world
+
+    def main(rank: int) -> None:
+        try:
+            results[rank] = fn(ThreadCommunicator(hub, rank))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors[rank] = exc
+            hub.abort(exc)
+
+    threads = [threading.Thread(target=main, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+        assert not t.is_alive(), "a node hung"
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+def inputs(world: int, numel: int = 1001) -> list[torch.Tensor]:
+    return [torch.randn(numel, generator=torch.Generator().manual_seed(100 + r)) for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("op", ["mean", "sum", "max"])
+def test_thread_all_reduce_matches_ring_order(world, op):
+    xs = inputs(world)
+    out = on_threads(world, lambda c: _reduced(c, xs[c.rank], op))
+    expected = ring_reduce(xs, op)
+    for r in range(world):
+        assert torch.equal(out[r], expected)
+    reference = {"mean": torch.stack(xs).mean(0), "sum": torch.stack(xs).sum(0),
+                 "max": torch.stack(xs).max(0).values}[op]
+    assert_close(expected, reference)
+
+
+def _reduced(comm, x, op, group=None):
+    t = x.clone()
+    comm.all_reduce(t, op=op, group=group)
+    return t
+
+
+def test_ring_reduce_starts_chunk_c_at_position_c():
+    # float32: 1e8 + 1 == 1e8, so only the chunk whose sum starts at -1e8 + 1e8 keeps the 1.
+    xs = [torch.full((3,), v, dtype=torch.float32) for v in ORDER_VALUES]
+    assert ring_reduce(xs, "sum").tolist() == [0.0, 0.0, 1.0]
+    out = on_threads(3, lambda c: _reduced(c, xs[c.rank], "sum"))
+    assert all(o.tolist() == [0.0, 0.0, 1.0] for o in out)
+
+
+def test_thread_all_reduce_bucket_of_tensors_in_place():
+    world = 3
+    g = torch.Generator().manual_seed(0)
+    per_node = [[torch.randn(3, 5, generator=g), torch.randn(7, generator=g)] for _ in range(world)]
+    originals = [[t.clone() for t in ts] for ts in per_node]
+
+    def fn(comm):
+        comm.all_reduce(per_node[comm.rank], op="mean")
+        return comm.log.records
+
+    logs = on_threads(world, fn)
+    flat = ring_reduce([torch.cat([t.reshape(-1) for t in ts]) for ts in originals], "mean")
+    for r in range(world):
+        assert torch.equal(torch.cat([t.reshape(-1) for t in per_node[r]]), flat)
+        assert per_node[r][0].shape == (3, 5)
+        (record,) = logs[r]  # one collective for the whole bucket
+        assert (record.kind, record.group_size) == ("all_reduce", 3)
+        assert (record.bytes_sent, record.bytes_received) == ring_all_reduce_bytes(22, 4, r, 3)
+
+
+def test_thread_all_gather_and_broadcast():
+    world = 4
+    xs = inputs(world, 6)
+
+    def fn(comm):
+        gathered = comm.all_gather(xs[comm.rank])
+        b = xs[comm.rank].clone()
+        comm.broadcast(b, src=2)
+        return gathered, b, comm.log.records
+
+    for r, (gathered, b, records) in enumerate(on_threads(world, fn)):
+        assert len(gathered) == world
+        assert all(torch.equal(g, x) for g, x in zip(gathered, xs, strict=True))
+        assert torch.equal(b, xs[2])
+        assert records[0].kind == "all_gather" and records[0].bytes_sent == 3 * 6 * 4
+        sent = 3 * 6 * 4 if r == 2 else 0
+        assert (records[1].kind, records[1].bytes_sent, records[1].bytes_received) == (
+            "broadcast", sent, 0 if r == 2 else 6 * 4)
+
+
+def test_gathered_tensors_are_copies():
+    def fn(comm):
+        x = torch.full((2,), float(comm.rank))
+        gathered = comm.all_gather(x)
+        x.add_(100)  # the caller reuses its buffer
+        comm.all_reduce(torch.zeros(1))  # a barrier: everyone has modified its x by now
+        return gathered
+
+    for gathered in on_threads(3, fn):
+        assert [g.tolist() for g in gathered] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
+
+
+def test_two_disjoint_groups_reduce_concurrently():
+    world = 4
+    xs = inputs(world, 101)
+    groups = {0: [0, 2], 2: [0, 2], 1: [1, 3], 3: [1, 3]}
+    arrived = threading.Barrier(world)
+
+    def fn(comm):
+        arrived.wait()  # both groups are in flight at once
+        out = []
+        for op in ("sum", "max"):
+            out.append(_reduced(comm, xs[comm.rank], op, group=groups[comm.rank]))
+        return out, comm.log.records
+
+    for r, (out, records) in enumerate(on_threads(world, fn)):
+        members = groups[r]
+        assert torch.equal(out[0], ring_reduce([xs[m] for m in members], "sum"))
+        assert torch.equal(out[1], ring_reduce([xs[m] for m in members], "max"))
+        assert all(rec.group_size == 2 for rec in records)
+
+
+def test_group_without_this_rank_is_rejected():
+    def fn(comm):
+        if comm.rank == 0:
+            with pytest.raises(ValueError, match="not in group"):
+                comm.all_reduce(torch.zeros(2), group=[1])
+        return True
+
+    assert on_threads(2, fn) == [True, True]
+
+
+def test_abort_wakes_every_waiting_node():
+    hub = ThreadHub(3)
+    errors: list = []
+
+    def waiter(rank):
+        try:
+            ThreadCommunicator(hub, rank).all_reduce(torch.zeros(4))
+        except NodeAborted as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=waiter, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    time.sleep(0.2)
+    started = time.monotonic()
+    hub.abort(RuntimeError("node 2 died"))
+    for t in threads:
+        t.join(5)
+    assert time.monotonic() - started < 2
+    assert len(errors) == 2 and all("node 2 died" in str(e) for e in errors)
+    with pytest.raises(NodeAborted):  # and later collectives fail at once
+        ThreadCommunicator(hub, 2).all_reduce(torch.zeros(4))
+
+
+def test_single_node_collectives_are_free_and_unchanged():
+    comm = ThreadCommunicator(ThreadHub(1), 0)
+    x = torch.randn(5)
+    y = x.clone()
+    comm.all_reduce(y, op="mean")
+    assert torch.equal(x, y)
+    assert torch.equal(comm.all_gather(x)[0], x)
+    assert comm.log.bytes_sent == comm.log.bytes_received == 0
+    assert [r.group_size for r in comm.log.records] == [1, 1]
+
+
+def test_unrecorded_collectives_leave_the_log_alone():
+    def fn(comm):
+        comm.all_reduce(torch.ones(8), record=False)
+        comm.all_gather(torch.ones(8), record=False)
+        return comm.log.records, comm.log.bytes_sent
+
+    assert on_threads(2, fn) == [([], 0), ([], 0)]
+
+
+# ------------------------------------------------------------------------- gloo
+@pytest.fixture(scope="module")
+def gloo_results():
+    world = 3
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_loopback_port()
+    procs = [ctx.Process(target=gloo_comm_worker, args=(r, world, port, queue), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(queue.get(timeout=90) for _ in range(world))
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return [torch.load(io.BytesIO(got[r]), weights_only=False) for r in range(world)]
+
+
+def test_gloo_bit_identical_to_threads(gloo_results):
+    threads = on_threads(3, comm_script)
+    for rank, (gloo, thread) in enumerate(zip(gloo_results, threads, strict=True)):
+        assert gloo.keys() == thread.keys()
+        for key in gloo:
+            if key == "wire":
+                continue
+            a, b = gloo[key], thread[key]
+            if isinstance(a, list) and a and isinstance(a[0], torch.Tensor):
+                assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), (rank, key)
+            elif isinstance(a, torch.Tensor):
+                assert torch.equal(a, b), (rank, key)
+            else:
+                assert a == b, (rank, key)
+    # The ring order shows in float32: [0, 0, 1], not the naive sum's 1 everywhere or 0 everywhere.
+    assert gloo_results[0]["order"].tolist() == [0.0, 0.0, 1.0]
+    # Results are the reduction of every node's random data.
+    xs = inputs(3)
+    assert torch.equal(gloo_results[1]["all_reduce_sum"], ring_reduce(xs, "sum"))
+    assert torch.equal(gloo_results[0]["group"], ring_reduce([xs[0], xs[2]], "sum"))
+    assert "group" not in gloo_results[1]
+    assert gloo_results[1]["all_gather_int16"].dtype == torch.int16
+
+
+def test_gloo_recorded_bytes_are_the_bytes_on_the_wire(gloo_results):
+    for rank, result in enumerate(gloo_results):
+        recorded = [(s, r) for kind, s, r, _ in result["log"][:3]]  # the three all-reduces
+        recorded.append(tuple(result["log"][4][1:3]))  # the float all-gather
+        assert result["wire"] == recorded, rank
+        assert recorded[0] == ring_all_reduce_bytes(1001, 4, rank, 3)
