@@ -44,13 +44,13 @@ def build(opts: TaskOptions) -> TaskBundle:
                         "(file_name,transcription)")
     try:
         train_clips, val_clips = find_splits(opts.data, float(o["val_fraction"]), opts.seed, o["text_column"])
-        tokenizer = load_tokenizer(o["tokenizer"] or o["model"])
-        if o["language"] and hasattr(tokenizer, "set_prefix_tokens"):
-            tokenizer.set_prefix_tokens(language=o["language"], task=o["task"])
         model = HFModel.from_pretrained(
-            o["model"], lora=LoRA.from_options(o["lora"]), tokenizer=tokenizer, seed=opts.seed,
+            o["model"], lora=LoRA.from_options(o["lora"]), seed=opts.seed, wer=True,
             generate_kwargs=_generate_kwargs(o), save_merged=bool(o["save_merged"]),
         )
+        tokenizer = model.tokenizer = load_tokenizer(o["tokenizer"] or o["model"])
+        if o["language"] and hasattr(tokenizer, "set_prefix_tokens"):
+            tokenizer.set_prefix_tokens(language=o["language"], task=o["task"])
         config = model.config
         if len(tokenizer) > config.vocab_size:
             raise TokenizerError(f"tokenizer has {len(tokenizer)} tokens but model {o['model']} only "
