@@ -1,0 +1,408 @@
+"""Start one rank per host over SSH, stream their output, and tear everything down.
+
+    inventory = load_inventory("hosts/macs.yaml")
+    argv = training_argv(["--strategy", "diloco", "--steps", "100"])
+    result = launch(inventory, argv, LaunchOptions(run_id=new_launch_id("diloco", 3)))
+
+Each rank is ``cd WORKDIR && env RANK=.. WORLD_SIZE=.. MASTER_ADDR=.. ... PYTHON ARGS`` on
+its host, under a pty. The first rank that fails (exits non-zero, or its host stops
+answering) stops every other rank: Ctrl-C on its pty, then SIGTERM and SIGKILL to its
+process group, then the connection closes (SIGHUP to anything left). Ctrl-C or
+SIGTERM on the launcher does the same. When all ranks succeed, rank 0's run
+directory is copied back to the launching machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import stat
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import paramiko
+
+from meshtrain.launch.inventory import Host, Inventory
+from meshtrain.launch.output import RankOutput
+from meshtrain.launch.ssh import Heartbeat, RemoteProcess, SSHError, connect, remote_path, run, sh
+
+POLL_SECONDS = 0.1
+REMOTE_RUNS = "runs"  # under each host's workdir: where rank 0 writes <run_id>/
+
+
+@dataclass
+class LaunchOptions:
+    """How to launch (the inventory says where)."""
+
+    run_id: str
+    out_dir: Path = Path("runs")  # local folder the run directory is copied back into
+    accept_new_host_keys: bool = False
+    uploads: list[Path] = field(default_factory=list)  # local files put in every workdir first
+    connect_timeout: float = 10.0
+    heartbeat_timeout: float = 6.0  # a host that answers nothing this long has dropped
+    grace: float = 2.0  # seconds from Ctrl-C to SIGTERM, and from SIGTERM to SIGKILL
+
+
+@dataclass
+class RankFailure:
+    """Why a rank stopped the run."""
+
+    rank: int
+    host: Host
+    reason: str  # "exited with status 1", "lost connection", ...
+    tail: list[str]
+
+
+@dataclass
+class LaunchResult:
+    """How a launch ended."""
+
+    exit_code: int  # 0 ok, 1 a rank failed, 128+N stopped by signal N
+    failures: list[RankFailure]
+    run_dir: Path | None  # the local copy of rank 0's run directory, if any
+    seconds: float
+    teardown_seconds: float | None = None  # from the failure (or signal) to every rank stopped
+    leftovers: list[str] = field(default_factory=list)  # ranks that could not be confirmed stopped
+
+
+class PreflightError(RuntimeError):
+    """Some hosts are not ready; nothing was started. One line per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+def new_launch_id(label: str, world_size: int, out_dir: Path = Path("runs")) -> str:
+    """``YYYYmmdd-HHMMSS-<label>-<n>h``, unique in ``out_dir`` (n hosts)."""
+    base = f"{time.strftime('%Y%m%d-%H%M%S')}-{label}-{world_size}h"
+    run_id, n = base, 1
+    while (out_dir / run_id).exists():
+        n += 1
+        run_id = f"{base}-{n}"
+    return run_id
+
+
+# --------------------------------------------------------------------------- commands
+def training_argv(flags: list[str]) -> list[str]:
+    """Arguments after the interpreter for ``meshtrain simulate`` as a launched rank.
+
+    The launcher adds --device, --out and --run-id per host in :func:`rank_command`.
+    """
+    return ["-m", "meshtrain", "simulate", *flags]
+
+
+def rank_env(inventory: Inventory, host: Host, run_id: str) -> dict[str, str]:
+    """The environment of ``host``'s rank: torchrun's variables plus meshtrain's."""
+    same_machine = [h for h in inventory.hosts if h.hostname == host.hostname]
+    env = dict(host.env)
+    env.update({
+        "RANK": str(host.rank),
+        "WORLD_SIZE": str(inventory.world_size),
+        "LOCAL_RANK": str(same_machine.index(host)),
+        "LOCAL_WORLD_SIZE": str(len(same_machine)),
+        "MASTER_ADDR": inventory.master.advertise,
+        "MASTER_PORT": str(inventory.rendezvous.port),
+        "MESHTRAIN_TIMEOUT": f"{inventory.rendezvous.timeout:g}",
+        "MESHTRAIN_RUN_ID": run_id,
+        "MESHTRAIN_DEVICE": host.device,
+        "PYTHONUNBUFFERED": "1",
+    })
+    if host.iface:
+        env["GLOO_SOCKET_IFNAME"] = host.iface
+    return env
+
+
+def rank_command(inventory: Inventory, host: Host, run_id: str, argv: list[str], *,
+                 training: bool) -> str:
+    """The shell line that runs ``host``'s rank in its workdir.
+
+    Variables go on the command line (``env K=V``): sshd passes few or none from the
+    client's environment (AcceptEnv). In a script command a leading ``python`` or
+    ``python3`` means the host's interpreter from the inventory.
+    """
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in rank_env(inventory, host, run_id).items())
+    args = list(argv)
+    if training:
+        args += ["--device", host.device, "--out", REMOTE_RUNS, "--run-id", run_id]
+        program = [host.python]
+    elif args and args[0] in ("python", "python3"):
+        program, args = [host.python], args[1:]
+    else:
+        program = []
+    words = [remote_path(p) for p in program] + [shlex.quote(a) for a in args]
+    return f"cd {remote_path(host.workdir)} && env {env} {' '.join(words)}"
+
+
+# --------------------------------------------------------------------------- preflight
+def preflight(inventory: Inventory, options: LaunchOptions) -> list[paramiko.SSHClient]:
+    """One authenticated connection per rank, each host's interpreter and workdir checked.
+
+    Raises :class:`PreflightError` listing every host that is not ready.
+    """
+    def prepare(host: Host) -> paramiko.SSHClient:
+        client = connect(host, accept_new_host_keys=options.accept_new_host_keys,
+                         timeout=options.connect_timeout)
+        try:
+            check = run(client, sh(
+                f"test -x {remote_path(host.python)} || exit 41; "
+                f"mkdir -p {remote_path(host.workdir)}/{REMOTE_RUNS} || exit 42"
+            ), timeout=options.connect_timeout)
+        except Exception:
+            client.close()
+            raise
+        if check.status != 0:
+            client.close()
+            if check.status == 41:
+                raise SSHError(host, f"python {host.python} not found or not executable: set 'python' in "
+                                     "the inventory to the absolute interpreter path (`which python3` "
+                                     "on the host)")
+            raise SSHError(host, f"cannot create workdir {host.workdir}: {check.stderr.strip()}")
+        return client
+
+    clients: list[paramiko.SSHClient | None] = [None] * inventory.world_size
+    problems: list[str] = []
+    with ThreadPoolExecutor(max_workers=min(16, inventory.world_size)) as pool:
+        futures = [pool.submit(prepare, h) for h in inventory.hosts]
+        for host, future in zip(inventory.hosts, futures, strict=True):
+            try:
+                clients[host.rank] = future.result()
+            except SSHError as exc:
+                problems.append(str(exc))
+            except Exception as exc:  # noqa: BLE001 - reported as one line per host
+                problems.append(f"{host.name} ({host.label}): {type(exc).__name__}: {exc}")
+    if problems:
+        for c in clients:
+            if c is not None:
+                c.close()
+        raise PreflightError(problems)
+    return clients  # type: ignore[return-value]
+
+
+def upload(client: paramiko.SSHClient, host: Host, files: list[Path]) -> None:
+    """Put local files into ``host``'s workdir (e.g. the script a command runs)."""
+    if not files:
+        return
+    with client.open_sftp() as sftp:
+        workdir = _sftp_path(host.workdir)
+        for f in files:
+            sftp.put(str(f), f"{workdir}/{f.name}")
+            sftp.chmod(f"{workdir}/{f.name}", f.stat().st_mode & 0o777)
+
+
+def _sftp_path(path: str) -> str:
+    # SFTP does not expand ~, but relative paths start at the home folder.
+    if path == "~":
+        return "."
+    return path[2:] if path.startswith("~/") else path
+
+
+# --------------------------------------------------------------------------- launching
+@dataclass
+class _Rank:
+    host: Host
+    client: paramiko.SSHClient
+    process: RemoteProcess | None = None
+    heartbeat: Heartbeat | None = None
+    outcome: str | None = None  # None while running; "ok" or a failure reason
+
+
+def launch(inventory: Inventory, argv: list[str], options: LaunchOptions, *, training: bool,
+           output: RankOutput | None = None) -> LaunchResult:
+    """Run one rank per host and wait for all of them; see the module docstring.
+
+    Raises :class:`PreflightError` (nothing started) when a host is not ready.
+    """
+    started = time.monotonic()
+    output = output or RankOutput([h.name for h in inventory.hosts])
+    clients = preflight(inventory, options)
+    ranks = [_Rank(h, c) for h, c in zip(inventory.hosts, clients, strict=True)]
+    try:
+        for r in ranks:
+            upload(r.client, r.host, options.uploads)
+        with _stop_on_signals() as stop:
+            result = _run_ranks(inventory, ranks, argv, options, output, stop, training=training)
+    finally:
+        for r in ranks:
+            if r.heartbeat is not None:
+                r.heartbeat.stop()
+            r.client.close()
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], options: LaunchOptions,
+               output: RankOutput, stop: _Signal, *, training: bool) -> LaunchResult:
+    failures: list[RankFailure] = []
+    try:
+        for r in ranks:
+            command = rank_command(inventory, r.host, options.run_id, argv, training=training)
+            r.process = RemoteProcess(r.client, command,
+                                      lambda line, rank=r.host.rank: output.line(rank, line))
+            r.heartbeat = Heartbeat(r.client)
+    except Exception as exc:  # noqa: BLE001 - a host dropped while starting: stop the others
+        r.outcome = f"could not start: {exc}"
+        failures.append(RankFailure(r.host.rank, r.host, r.outcome, []))
+
+    while not failures and stop.signum is None:
+        for r in ranks:
+            if r.outcome is None:
+                r.outcome = _outcome(r, options)
+                if r.outcome is not None and r.outcome != "ok":
+                    failures.append(RankFailure(r.host.rank, r.host, r.outcome, output.tail(r.host.rank)))
+        if all(r.outcome == "ok" for r in ranks):
+            run_dir = _copy_back(ranks[0], options, output)
+            return LaunchResult(0, [], run_dir, 0.0)
+        if not failures:
+            time.sleep(POLL_SECONDS)
+
+    why = failures[0] if failures else None
+    if why is not None:
+        output.note(f"rank {why.rank} on {why.host.name} {why.reason}; stopping the other ranks",
+                    style="bold red")
+    else:
+        output.note(f"{signal.Signals(stop.signum).name} received; stopping every rank",  # type: ignore[arg-type]
+                    style="bold yellow")
+    t0 = time.monotonic()
+    leftovers = _teardown([r for r in ranks if r.outcome is None or r.outcome != "ok"], options)
+    teardown_seconds = time.monotonic() - t0
+    output.note(f"all ranks stopped in {teardown_seconds:.1f} s" if not leftovers else
+                "could not confirm these ranks stopped: " + "; ".join(leftovers), style="bold")
+    code = 1 if failures else 128 + int(stop.signum)  # type: ignore[arg-type]
+    return LaunchResult(code, failures, None, 0.0, teardown_seconds, leftovers)
+
+
+def _outcome(r: _Rank, options: LaunchOptions) -> str | None:
+    """None while the rank runs; "ok"; or why it failed."""
+    assert r.process is not None and r.heartbeat is not None
+    if r.process.finished:
+        status = r.process.exit_status()
+        if status is None:
+            return "lost connection (host down, asleep, or off the network)"
+        return "ok" if status == 0 else f"exited with status {status}"
+    silent = r.heartbeat.silent_for()
+    if silent > options.heartbeat_timeout:
+        return f"stopped answering for {silent:.0f} s (host down or off the network)"
+    return None
+
+
+def _teardown(ranks: list[_Rank], options: LaunchOptions) -> list[str]:
+    """Stop every rank still running, all hosts at once; returns those not confirmed stopped."""
+    def stop(r: _Rank) -> str | None:
+        p = r.process
+        if p is None:
+            return None
+        reachable = r.client.get_transport() is not None and r.client.get_transport().is_active()  # type: ignore[union-attr]
+        if reachable and r.heartbeat is not None and r.heartbeat.silent_for() > options.heartbeat_timeout:
+            reachable = False
+        if reachable and not p.finished:
+            p.interrupt()  # Ctrl-C: lets Python print where it was
+            for sig in ("TERM", "KILL"):
+                if _wait(lambda: p.finished, options.grace):
+                    break
+                try:
+                    p.kill(sig)
+                except Exception:  # noqa: BLE001 - the host went away meanwhile
+                    break
+        p.close()
+        if reachable and _wait(lambda: p.finished, options.grace):
+            return None
+        return _kill_from_new_connection(r, options)
+
+    with ThreadPoolExecutor(max_workers=max(1, len(ranks))) as pool:
+        return [msg for msg in pool.map(stop, ranks) if msg is not None]
+
+
+def _kill_from_new_connection(r: _Rank, options: LaunchOptions) -> str | None:
+    """Last resort for a host whose connection died: log in again and kill the group."""
+    pgid = r.process.pgid if r.process is not None else None
+    if pgid is None:
+        return None  # never started: the hang-up of its connection ends it
+    try:
+        client = connect(r.host, timeout=min(3.0, options.connect_timeout))
+        try:
+            run(client, f"kill -KILL -- -{pgid} 2>/dev/null; true", timeout=3.0)
+        finally:
+            client.close()
+        return None
+    except Exception:  # noqa: BLE001 - reported to the user instead
+        return (f"rank {r.host.rank} on {r.host.name} (process group {pgid}) is unreachable; it stops "
+                f"when its SSH session times out, or run `kill -- -{pgid}` there")
+
+
+def _wait(done: object, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if done():  # type: ignore[operator]
+            return True
+        time.sleep(0.05)
+    return bool(done())  # type: ignore[operator]
+
+
+# --------------------------------------------------------------------------- copy back
+def _copy_back(rank0: _Rank, options: LaunchOptions, output: RankOutput) -> Path | None:
+    """Copy ``<workdir>/runs/<run_id>/`` from rank 0's host to ``<out_dir>/<run_id>/``.
+
+    Written to a hidden folder first and renamed, so a failed copy leaves nothing half done.
+    """
+    remote = f"{_sftp_path(rank0.host.workdir)}/{REMOTE_RUNS}/{options.run_id}"
+    final = options.out_dir / options.run_id
+    with rank0.client.open_sftp() as sftp:
+        try:
+            sftp.stat(remote)
+        except OSError:
+            return None  # a script that wrote no run directory
+        if final.exists():
+            output.note(f"{final} already exists; not overwriting it with {rank0.host.name}:{remote}",
+                        style="bold yellow")
+            return final
+        partial = options.out_dir / f".{options.run_id}.copying"
+        shutil.rmtree(partial, ignore_errors=True)
+        try:
+            _get_tree(sftp, remote, partial)
+            os.replace(partial, final)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+    output.note(f"run directory copied to {final}")
+    return final
+
+
+def _get_tree(sftp: paramiko.SFTPClient, remote: str, local: Path) -> None:
+    local.mkdir(parents=True)
+    for entry in sftp.listdir_attr(remote):
+        source, target = f"{remote}/{entry.filename}", local / entry.filename
+        if stat.S_ISDIR(entry.st_mode or 0):
+            _get_tree(sftp, source, target)
+        else:
+            sftp.get(source, str(target))
+
+
+# --------------------------------------------------------------------------- signals
+class _Signal:
+    signum: int | None = None
+
+
+@contextmanager
+def _stop_on_signals() -> Iterator[_Signal]:
+    """Turn SIGINT, SIGTERM and SIGHUP into a flag the launch loop checks, then restore."""
+    flag = _Signal()
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+    def handler(signum: int, frame: object) -> None:
+        flag.signum = signum
+    wanted = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
+    previous = {s: signal.signal(s, handler) for s in wanted}
+    try:
+        yield flag
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

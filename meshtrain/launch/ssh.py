@@ -1,0 +1,327 @@
+"""SSH to the hosts of an inventory with paramiko: connect, run, start and stop processes.
+
+Host keys are checked against known_hosts and unknown ones refused, unless the user
+opts in to accepting new (never changed) keys, which are then recorded like OpenSSH's
+``StrictHostKeyChecking=accept-new``. No passwords: keys from identity_file or ssh-agent.
+
+Remote processes run under a pty, so that when the SSH connection closes (teardown,
+or the launcher itself dying) the kernel hangs up their terminal and they get SIGHUP.
+Their process group id is printed first, so teardown can also kill the whole group
+from a second channel if a process ignores the hang-up.
+"""
+
+from __future__ import annotations
+
+import shlex
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import paramiko
+
+from meshtrain.launch.inventory import Host
+
+CONNECT_TIMEOUT = 10.0
+KEEPALIVE_SECONDS = 5
+PID_MARKER = "__MESHTRAIN_PID__"
+EXIT_MARKER = "__MESHTRAIN_EXIT__"
+_known_hosts_lock = threading.Lock()
+
+
+class SSHError(RuntimeError):
+    """Connecting to or running on a host failed; the message is one line with the fix."""
+
+    def __init__(self, host: Host, message: str) -> None:
+        super().__init__(f"{host.name} ({host.label}): {message}")
+        self.host = host
+
+
+class UnknownHostKey(paramiko.SSHException):
+    """The host's key is not in known_hosts and accepting new keys was not asked for."""
+
+    def __init__(self, hostname: str, key: paramiko.PKey) -> None:
+        super().__init__(f"unknown host key for {hostname}")
+        self.hostname = hostname
+        self.key = key
+
+
+class _RejectUnknown(paramiko.MissingHostKeyPolicy):
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        raise UnknownHostKey(hostname, key)
+
+
+class _AcceptNew(paramiko.MissingHostKeyPolicy):
+    """Trust a key seen for the first time and append it to known_hosts.
+
+    Only called for hosts with no recorded key: a key that differs from a recorded
+    one makes paramiko raise BadHostKeyException before any policy is asked.
+    """
+
+    def __init__(self, known_hosts: str) -> None:
+        self.known_hosts = Path(known_hosts)
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        client.get_host_keys().add(hostname, key.get_name(), key)
+        line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
+        with _known_hosts_lock:
+            self.known_hosts.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with open(self.known_hosts, "a") as f:
+                f.write(line)
+
+
+def known_hosts_name(host: Host) -> str:
+    """How known_hosts names this host (OpenSSH's ``[host]:port`` form off port 22)."""
+    return host.hostname if host.port == 22 else f"[{host.hostname}]:{host.port}"
+
+
+def connect(
+    host: Host, *, accept_new_host_keys: bool = False, timeout: float = CONNECT_TIMEOUT
+) -> paramiko.SSHClient:
+    """An authenticated SSH connection to ``host``, with keepalive on.
+
+    Raises :class:`SSHError` with a one-line reason and fix for every usual failure:
+    unreachable, unknown or changed host key, authentication refused, missing key file.
+    """
+    if host.identity_file is not None and not Path(host.identity_file).is_file():
+        raise SSHError(host, f"identity_file {host.identity_file} does not exist")
+    client = paramiko.SSHClient()
+    if Path(host.known_hosts).is_file():
+        try:
+            client.load_host_keys(host.known_hosts)
+        except Exception as exc:  # noqa: BLE001 - a corrupt file: say which
+            raise SSHError(host, f"cannot read known_hosts {host.known_hosts}: {exc}") from None
+    client.set_missing_host_key_policy(_AcceptNew(host.known_hosts) if accept_new_host_keys
+                                       else _RejectUnknown())
+    try:
+        client.connect(
+            host.hostname, port=host.port, username=host.user,
+            key_filename=host.identity_file, look_for_keys=host.identity_file is None,
+            allow_agent=True, timeout=timeout, banner_timeout=timeout, auth_timeout=timeout,
+            channel_timeout=timeout,
+        )
+    except UnknownHostKey as exc:
+        client.close()
+        raise SSHError(
+            host,
+            f"unknown host key ({exc.key.get_name()} {exc.key.fingerprint}) not in {host.known_hosts}; "
+            f"check the fingerprint and accept it with --accept-new-host-keys, or run "
+            f"`ssh -p {host.port} {host.user}@{host.hostname}` once",
+        ) from None
+    except paramiko.BadHostKeyException as exc:
+        client.close()
+        raise SSHError(
+            host,
+            f"HOST KEY CHANGED (now {exc.key.get_name()} {exc.key.fingerprint}); refusing to connect "
+            f"(a reinstalled host, or someone in the middle). If the change is expected: "
+            f"ssh-keygen -R '{known_hosts_name(host)}' -f {host.known_hosts}, then accept the new key",
+        ) from None
+    except paramiko.PasswordRequiredException:
+        client.close()
+        raise SSHError(host, f"key {host.identity_file} has a passphrase: add it to ssh-agent "
+                             "(ssh-add) and try again") from None
+    except paramiko.AuthenticationException:
+        client.close()
+        key = host.identity_file or "ssh-agent / ~/.ssh/id_*"
+        raise SSHError(
+            host,
+            f"authentication refused for user {host.user!r} with key {key}: add the public key to "
+            f"~/.ssh/authorized_keys on the host (ssh-copy-id), and check 'user' in the inventory",
+        ) from None
+    except (paramiko.ssh_exception.NoValidConnectionsError, ConnectionError) as exc:
+        client.close()
+        raise SSHError(host, f"cannot reach port {host.port} ({_reason(exc)}): is the host on and "
+                             "SSH (Remote Login) enabled?") from None
+    except TimeoutError:
+        client.close()
+        raise SSHError(host, f"no answer within {timeout:.0f} s: wrong address, host asleep, "
+                             "or a firewall dropping port " + str(host.port)) from None
+    except socket.gaierror as exc:
+        client.close()
+        raise SSHError(host, f"cannot resolve {host.hostname!r} ({exc.strerror})") from None
+    except (paramiko.SSHException, OSError) as exc:
+        client.close()
+        raise SSHError(host, f"SSH failed: {exc}") from None
+    transport = client.get_transport()
+    assert transport is not None
+    transport.set_keepalive(KEEPALIVE_SECONDS)
+    return client
+
+
+def _reason(exc: Exception) -> str:
+    text = str(exc).lower()
+    if "refused" in text or isinstance(exc, ConnectionRefusedError):
+        return "connection refused"
+    if "unreachable" in text:
+        return "network unreachable"
+    return str(exc)
+
+
+@dataclass
+class Result:
+    """A finished remote command."""
+
+    status: int
+    stdout: str
+    stderr: str
+
+
+def run(client: paramiko.SSHClient, command: str, *, timeout: float = 60.0) -> Result:
+    """Run ``command`` (a POSIX shell line) and wait for it; no pty, separate stderr."""
+    transport = client.get_transport()
+    if transport is None or not transport.is_active():
+        raise ConnectionError("SSH connection is closed")
+    channel = transport.open_session(timeout=timeout)
+    try:
+        channel.settimeout(timeout)
+        channel.exec_command(command)
+        stdout = channel.makefile("rb").read().decode(errors="replace")
+        stderr = channel.makefile_stderr("rb").read().decode(errors="replace")
+        return Result(channel.recv_exit_status(), stdout, stderr)
+    finally:
+        channel.close()
+
+
+def sh(script: str) -> str:
+    """``script`` run by /bin/sh, whatever the login shell of the account is."""
+    return f"/bin/sh -c {shlex.quote(script)}"
+
+
+def remote_path(path: str) -> str:
+    """A host path quoted for sh, letting a leading ``~`` expand to the home folder."""
+    if path == "~":
+        return "~"
+    if path.startswith("~/"):
+        return "~/" + shlex.quote(path[2:])
+    return shlex.quote(path)
+
+
+class RemoteProcess:
+    """A command running on a host under a pty, its output delivered line by line.
+
+    The command's own stdout is a pipe, not the pty, so it prints plain lines rather
+    than redrawing progress bars; its exit status comes back as a marker line.
+    """
+
+    def __init__(self, client: paramiko.SSHClient, command: str, on_line: Callable[[str], None]) -> None:
+        self.client = client
+        self.on_line = on_line
+        self.pgid: int | None = None  # the remote process group, killed on teardown
+        self.status: int | None = None  # the command's exit status, once known
+        self._pid_seen = threading.Event()
+        transport = client.get_transport()
+        if transport is None or not transport.is_active():
+            raise ConnectionError("SSH connection is closed")
+        self.transport = transport
+        self.channel = transport.open_session(timeout=CONNECT_TIMEOUT)
+        self.channel.get_pty(term="dumb", width=200, height=50)
+        # sshd makes the pty's shell a session leader; ask ps in case a login shell forked.
+        # No echo: the Ctrl-C sent on teardown would come back as a "^C" line.
+        script = (f"stty -echo 2>/dev/null; echo {PID_MARKER} $(ps -o pgid= -p $$ 2>/dev/null || echo $$); "
+                  f"{{ {command} ; echo {EXIT_MARKER} $? ; }} 2>&1 < /dev/null | cat")
+        self.channel.exec_command(sh(script))
+        self._reader = threading.Thread(target=self._read, name="meshtrain-ssh-reader", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        buffer = b""
+        try:
+            while True:
+                data = self.channel.recv(65536)
+                if not data:
+                    break
+                buffer += data
+                *lines, buffer = buffer.split(b"\n")
+                for raw in lines:
+                    self._line(raw.decode(errors="replace").rstrip("\r"))
+        except (OSError, EOFError, paramiko.SSHException):
+            pass  # connection lost: the caller sees it through finished()/connected
+        if buffer:
+            self._line(buffer.decode(errors="replace").rstrip("\r"))
+
+    def _line(self, line: str) -> None:
+        if line.startswith(PID_MARKER) and self.pgid is None:
+            self.pgid = int(line.split()[1])
+            self._pid_seen.set()
+        elif line.startswith(EXIT_MARKER):
+            self.status = int(line.split()[1])
+        else:
+            self.on_line(line)
+
+    def wait_started(self, timeout: float) -> bool:
+        """Whether the remote shell reported its process group within ``timeout`` seconds."""
+        return self._pid_seen.wait(timeout)
+
+    @property
+    def finished(self) -> bool:
+        """The remote side closed the session (the command ended, or the connection did)."""
+        return self.channel.exit_status_ready() or self.channel.closed or not self.transport.is_active()
+
+    def exit_status(self) -> int | None:
+        """The command's exit status; None while it runs or if the connection was lost."""
+        if not self.finished:
+            return None
+        self._reader.join(timeout=2.0)  # the exit marker may still be in flight
+        if self.status is not None:
+            return self.status
+        if self.channel.exit_status_ready():
+            status = self.channel.recv_exit_status()
+            return status if status >= 0 else 128 + 1  # -1: killed by a signal (hang-up)
+        return None
+
+    def interrupt(self) -> None:
+        """Ctrl-C on the pty: SIGINT to the whole remote process group."""
+        try:
+            self.channel.send(b"\x03")
+        except (OSError, EOFError, paramiko.SSHException):
+            pass
+
+    def kill(self, signal_name: str = "TERM") -> None:
+        """``kill -SIG -- -PGID`` from a second channel (the pty may be wedged)."""
+        if self.pgid is None:
+            return
+        run(self.client, f"kill -{signal_name} -- -{self.pgid} 2>/dev/null; true", timeout=5.0)
+
+    def close(self) -> None:
+        """Close the channel: the pty hangs up, SIGHUP to whatever is left."""
+        try:
+            self.channel.close()
+        except Exception:  # noqa: BLE001 - closing a dead channel is fine
+            pass
+
+
+class Heartbeat:
+    """Round trips on an SSH connection, to notice a host that dropped off the network.
+
+    TCP alone can take many minutes to give up on a host that vanished; an answered
+    SSH request every ``interval`` seconds tells us within a few seconds.
+    """
+
+    def __init__(self, client: paramiko.SSHClient, interval: float = 1.0) -> None:
+        transport = client.get_transport()
+        assert transport is not None
+        self.transport = transport
+        self.interval = interval
+        self.last_answer = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="meshtrain-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval) and self.transport.is_active():
+            try:
+                # sshd answers unknown global requests with a failure: any answer is a round trip.
+                self.transport.global_request("keepalive@openssh.com", wait=True)
+            except Exception:  # noqa: BLE001 - a dead transport ends the loop
+                return
+            if self.transport.is_active():
+                self.last_answer = time.monotonic()
+
+    def silent_for(self) -> float:
+        """Seconds since the host last answered."""
+        return time.monotonic() - self.last_answer
+
+    def stop(self) -> None:
+        self._stop.set()

@@ -1,0 +1,293 @@
+"""Real OpenSSH servers for the launcher tests: on loopback, or one per network namespace.
+
+Every sshd started here has its own generated host key, accepts only a generated user
+key (no passwords, no PAM), writes its own PidFile, and is stopped by that pid. Hosts
+in namespaces get 10.200.0.x addresses that exist only inside the namespaces; the
+launcher then runs in a client namespace (``ip netns exec``), never the root one.
+Where sshd or namespaces cannot be had, the tests skip and say why.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+SSHD = "/usr/sbin/sshd"
+PYTHON = sys.executable
+SUBNET = "10.200.0"
+
+
+def _need(tool: str) -> str:
+    path = shutil.which(tool) or (tool if os.path.exists(tool) else None)
+    if path is None:
+        pytest.skip(f"{tool} is not installed (apt-get install openssh-server openssh-client)")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def generate_key(path: Path) -> Path:
+    """A passphrase-less ed25519 key pair at ``path`` and ``path.pub``."""
+    subprocess.run([_need("ssh-keygen"), "-q", "-t", "ed25519", "-N", "", "-C", "meshtrain-test",
+                    "-f", str(path)], check=True)
+    return path
+
+
+@dataclass
+class Sshd:
+    """One running sshd."""
+
+    address: str
+    port: int
+    host_key: Path  # private; the .pub beside it goes into known_hosts
+    pid: int
+    log: Path
+    netns: str | None = None
+
+    def known_hosts_line(self) -> str:
+        name = self.address if self.port == 22 else f"[{self.address}]:{self.port}"
+        kind, blob = self.host_key.with_suffix(".pub").read_text().split()[:2]
+        return f"{name} {kind} {blob}\n"
+
+    def stop(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and _alive(self.pid):
+            time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie sshd (our child, reaped later) counts as gone.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def start_sshd(folder: Path, authorized_key: Path, *, address: str = "127.0.0.1", port: int | None = None,
+               netns: str | None = None) -> Sshd:
+    """Start sshd on ``address:port`` (inside ``netns`` if given) and wait until it listens."""
+    _need(SSHD)
+    folder.mkdir(parents=True, exist_ok=True)
+    Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # its privilege-separation folder
+    port = port or free_port()
+    host_key = folder / "host_ed25519"
+    if not host_key.exists():
+        generate_key(host_key)
+    pid_file, log = folder / "sshd.pid", folder / "sshd.log"
+    pid_file.unlink(missing_ok=True)
+    config = folder / "sshd_config"
+    config.write_text(
+        f"ListenAddress {address}\nPort {port}\nHostKey {host_key}\nPidFile {pid_file}\n"
+        f"AuthorizedKeysFile {authorized_key}\n"
+        "PasswordAuthentication no\nKbdInteractiveAuthentication no\nPubkeyAuthentication yes\n"
+        "PermitRootLogin prohibit-password\nStrictModes no\nUsePAM no\nUseDNS no\n"
+        "ClientAliveInterval 5\nClientAliveCountMax 3\nMaxSessions 32\nMaxStartups 64\n"
+        "Subsystem sftp internal-sftp\nLogLevel VERBOSE\n"
+    )
+    command = [SSHD, "-f", str(config), "-E", str(log)]
+    if netns:
+        command = ["ip", "netns", "exec", netns, *command]
+    subprocess.run(command, check=True, timeout=20)  # sshd forks into the background itself
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if pid_file.exists() and pid_file.read_text().strip() and "Server listening" in _read(log):
+            return Sshd(address, port, host_key, int(pid_file.read_text()), log, netns)
+        time.sleep(0.05)
+    raise RuntimeError(f"sshd did not start: {_read(log)[-2000:]}")
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+@dataclass
+class SshWorld:
+    """A user key, a known_hosts file and the servers the tests log in to."""
+
+    folder: Path
+    user_key: Path
+    known_hosts: Path
+    servers: list[Sshd] = field(default_factory=list)
+    client_netns: str | None = None  # where the launcher must run (None: root namespace)
+
+    def trust(self, server: Sshd) -> None:
+        with open(self.known_hosts, "a") as f:
+            f.write(server.known_hosts_line())
+
+    def inventory(self, path: Path, hosts: list[dict[str, Any]], **defaults: Any) -> Path:
+        """Write an inventory whose defaults point at this world's key and known_hosts."""
+        base = {"user": "root", "identity_file": str(self.user_key), "known_hosts": str(self.known_hosts),
+                "ssh_config": str(self.folder / "ssh_config"), "python": PYTHON, "device": "cpu"}
+        rendezvous = defaults.pop("rendezvous", {"port": free_port(), "timeout": 60})
+        base.update(defaults)
+        path.write_text(yaml.safe_dump({"defaults": base, "rendezvous": rendezvous, "hosts": hosts},
+                                       sort_keys=False))
+        return path
+
+    def command(self, *args: str) -> list[str]:
+        """A command line run where the launcher belongs (the client namespace, if any)."""
+        prefix = ["ip", "netns", "exec", self.client_netns] if self.client_netns else []
+        return [*prefix, *args]
+
+
+def new_world(folder: Path) -> SshWorld:
+    folder.mkdir(parents=True, exist_ok=True)
+    user_key = generate_key(folder / "user_ed25519")
+    (folder / "ssh_config").write_text("")  # so the user's own ~/.ssh/config plays no part
+    known = folder / "known_hosts"
+    known.write_text("")
+    return SshWorld(folder, user_key, known)
+
+
+@pytest.fixture(scope="module")
+def loopback_ssh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshWorld]:
+    """One sshd on 127.0.0.1 at a free port, its host key trusted."""
+    if os.geteuid() != 0:
+        pytest.skip("the test sshd logs in as root with a generated key; run the tests as root")
+    world = new_world(tmp_path_factory.mktemp("ssh"))
+    server = start_sshd(world.folder / "sshd", world.user_key.with_suffix(".pub"))
+    world.servers.append(server)
+    world.trust(server)
+    try:
+        yield world
+    finally:
+        server.stop()
+
+
+# --------------------------------------------------------------------------- namespaces
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, timeout=20)
+
+
+@dataclass
+class Namespaces:
+    """A bridge namespace joining host namespaces and a client namespace on 10.200.0.0/24."""
+
+    bridge: str
+    client: str
+    hosts: list[str]
+    addresses: dict[str, str]
+
+    def all(self) -> list[str]:
+        return [self.bridge, self.client, *self.hosts]
+
+    def delete(self) -> None:
+        for ns in self.all():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=20)
+
+    def set_link(self, ns: str, up: bool) -> None:
+        """Plug or unplug a namespace's cable (its eth0)."""
+        _ip("-n", ns, "link", "set", "eth0", "up" if up else "down")
+
+
+def make_namespaces(n_hosts: int) -> Namespaces:
+    """Create the namespaces, or skip the test saying why that is impossible here."""
+    if shutil.which("ip") is None:
+        pytest.skip("iproute2 (`ip`) is not installed")
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root (CAP_NET_ADMIN)")
+    tag = uuid.uuid4().hex[:6]
+    ns = Namespaces(f"mt-{tag}-br", f"mt-{tag}-client", [f"mt-{tag}-h{i}" for i in range(n_hosts)], {})
+    try:
+        _ip("netns", "add", ns.bridge)
+    except subprocess.CalledProcessError as exc:
+        pytest.skip(f"cannot create network namespaces here: {exc.stderr.decode().strip()}")
+    try:
+        _ip("-n", ns.bridge, "link", "add", "br0", "type", "bridge")
+        _ip("-n", ns.bridge, "link", "set", "br0", "up")
+        members = [(ns.client, f"{SUBNET}.2")] + [(h, f"{SUBNET}.{10 + i}") for i, h in enumerate(ns.hosts)]
+        for i, (name, address) in enumerate(members):
+            _ip("netns", "add", name)
+            _ip("-n", ns.bridge, "link", "add", f"p{i}", "type", "veth",
+                "peer", "name", "eth0", "netns", name)
+            _ip("-n", ns.bridge, "link", "set", f"p{i}", "master", "br0", "up")
+            _ip("-n", name, "addr", "add", f"{address}/24", "dev", "eth0")
+            _ip("-n", name, "link", "set", "eth0", "up")
+            _ip("-n", name, "link", "set", "lo", "up")
+            ns.addresses[name] = address
+    except BaseException:
+        ns.delete()
+        raise
+    return ns
+
+
+@pytest.fixture(scope="module")
+def netns_ssh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SshWorld, Namespaces]]:
+    """Two hosts, each a namespace with its own sshd and address; the launcher's namespace."""
+    ns = make_namespaces(2)
+    world = new_world(tmp_path_factory.mktemp("netns-ssh"))
+    world.client_netns = ns.client
+    try:
+        for i, host_ns in enumerate(ns.hosts):
+            server = start_sshd(world.folder / f"sshd-{i}", world.user_key.with_suffix(".pub"),
+                                address=ns.addresses[host_ns], port=22, netns=host_ns)
+            world.servers.append(server)
+            world.trust(server)
+        _wait_reachable(world, ns)
+        yield world, ns
+    finally:
+        for server in world.servers:
+            server.stop()
+        ns.delete()
+
+
+def _wait_reachable(world: SshWorld, ns: Namespaces) -> None:
+    """From the client namespace, every sshd answers (bridges take a moment to forward)."""
+    probe = ("import socket,sys,time\n"
+             "for a in sys.argv[1:]:\n"
+             "    end=time.time()+10\n"
+             "    while True:\n"
+             "        try: socket.create_connection((a,22),timeout=1).close(); break\n"
+             "        except OSError:\n"
+             "            if time.time()>end: sys.exit(f'{a} unreachable')\n"
+             "            time.sleep(0.1)\n")
+    subprocess.run(world.command(PYTHON, "-c", probe, *[s.address for s in world.servers]),
+                   check=True, timeout=30)
+
+
+# --------------------------------------------------------------------------- processes
+def processes_with(marker: str) -> list[str]:
+    """``ps`` lines of live processes whose command line contains ``marker``."""
+    out = subprocess.run(["ps", "-eo", "pid=,stat=,args="], capture_output=True, text=True, check=True).stdout
+    me = str(os.getpid())
+    return [line for line in out.splitlines()
+            if marker in line and line.split()[0] != me and not line.split()[1].startswith("Z")
+            and "ps -eo" not in line]
+
+
+def wait_until_gone(marker: str, timeout: float) -> list[str]:
+    """Wait for every process with ``marker`` to end; returns those still alive after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = processes_with(marker)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
