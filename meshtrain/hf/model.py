@@ -122,7 +122,8 @@ class HFModel(nn.Module):
 
             base_name = PeftConfig.from_pretrained(str(path)).base_model_name_or_path
             base = _load_pretrained(base_name)
-            model = PeftModel.from_pretrained(base, str(path), is_trainable=True)
+            with _quiet_transformers():
+                model = PeftModel.from_pretrained(base, str(path), is_trainable=True)
         else:
             model = _with_lora(_load_pretrained(name_or_path), lora, seed)
         return cls(model, tokenizer, feature_extractor, **kwargs)

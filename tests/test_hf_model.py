@@ -1,0 +1,139 @@
+"""The Hugging Face adapter: loading by path, the loss contract, LoRA, saving, WER."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from speech_fixtures import SpeechAssets, speech_fixture, whisper_options  # noqa: F401 (the fixture)
+
+from meshtrain.hf import HFModel, LoRA, ModelLoadError, word_error_rate
+from meshtrain.tasks import TaskOptions
+from meshtrain.tasks.whisper import TASK
+
+TINY_ADAPTER = 12 * 8 * (64 + 64)  # 12 q/v projections (enc self, dec self, dec cross) x r*(in+out)
+
+
+def batch_of(speech: SpeechAssets, n: int = 4) -> tuple[HFModel, dict[str, torch.Tensor]]:
+    bundle = TASK.build(TaskOptions(data=str(speech.data), options=whisper_options(speech.model)))
+    return bundle.model, bundle.collate_fn([bundle.train_data[i] for i in range(n)])
+
+
+@torch.no_grad()
+def eval_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> float:
+    model.eval()
+    return float(model(batch))
+
+
+def test_loaded_by_path_equals_the_model_that_was_saved(speech: SpeechAssets) -> None:
+    from transformers import WhisperConfig
+
+    loaded = HFModel.from_pretrained(str(speech.model))
+    rebuilt = HFModel.from_config(WhisperConfig.from_pretrained(str(speech.model)), seed=0)
+    for (name, a), (_, b) in zip(loaded.named_parameters(), rebuilt.named_parameters(), strict=True):
+        assert torch.equal(a, b), name
+    assert all(p.dtype == torch.float32 for p in loaded.parameters())
+
+
+def test_forward_returns_the_scalar_loss(speech: SpeechAssets) -> None:
+    model, batch = batch_of(speech)
+    loss = model(batch)
+    assert loss.ndim == 0 and loss.requires_grad
+    direct = model.model(**batch).loss
+    assert torch.equal(loss, direct)
+    with pytest.raises(ValueError, match="needs 'labels'"):
+        model({"input_features": batch["input_features"],
+               "decoder_input_ids": torch.ones(4, 2, dtype=torch.long)})
+
+
+def test_lora_leaves_only_the_adapters_trainable(speech: SpeechAssets) -> None:
+    model = HFModel.from_pretrained(str(speech.model), lora=LoRA(r=8, target_modules=["q_proj", "v_proj"]))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert model.trainable_parameters() == TINY_ADAPTER
+    assert sum(p.numel() for p in model.parameters()) > 20 * TINY_ADAPTER
+    # Same seed, same adapter on every host (A is random, B starts at zero).
+    again = HFModel.from_pretrained(str(speech.model), lora=LoRA(r=8), seed=0)
+    for a, b in zip(model.parameters(), again.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_lora_settings_by_name_and_their_errors(speech: SpeechAssets) -> None:
+    assert LoRA.from_options(None) is None and LoRA.from_options(False) is None
+    lora = LoRA.from_options({"r": 4, "target_modules": "q_proj"})
+    assert lora == LoRA(r=4, alpha=32, dropout=0.1, target_modules=["q_proj"])
+    with pytest.raises(ModelLoadError, match="no setting 'rank'"):
+        LoRA.from_options({"rank": 4})
+    with pytest.raises(ModelLoadError, match="target_modules"):
+        HFModel.from_pretrained(str(speech.model), lora=LoRA(target_modules=["no_such_proj"]))
+    with pytest.raises(ModelLoadError, match="cannot load model"):
+        HFModel.from_pretrained(str(speech.model / "missing"))
+
+
+def test_lora_checkpoint_saves_adapter_and_merged_model(speech: SpeechAssets, tmp_path: Path) -> None:
+    model, batch = batch_of(speech)
+    model = HFModel.from_pretrained(str(speech.model), lora=LoRA(r=8), tokenizer=model.tokenizer,
+                                    feature_extractor=model.feature_extractor, save_merged=True)
+    with torch.no_grad():  # a trained adapter: B no longer zero
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    expected = eval_loss(model, batch)
+    assert expected != pytest.approx(eval_loss(HFModel.from_pretrained(str(speech.model)), batch))
+    model.save_pretrained(str(tmp_path / "out"))
+    files = {p.name for p in (tmp_path / "out").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json",
+            "preprocessor_config.json"} <= files
+    assert "model.safetensors" not in files  # the adapter folder holds no base weights
+
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
+    assert sum(t.numel() for t in saved.values()) == TINY_ADAPTER
+
+    reloaded = HFModel.from_pretrained(str(tmp_path / "out"))  # base from adapter_config + adapter
+    assert reloaded.is_lora and reloaded.trainable_parameters() == TINY_ADAPTER
+    assert eval_loss(reloaded, batch) == pytest.approx(expected, abs=1e-6)
+    merged = HFModel.from_pretrained(str(tmp_path / "out" / "merged"))
+    assert not merged.is_lora
+    assert eval_loss(merged, batch) == pytest.approx(expected, abs=1e-5)
+
+
+def test_wer_is_normalised_corpus_word_error_rate() -> None:
+    assert word_error_rate(["Hello, world."], ["hello world"]) == 0.0
+    assert word_error_rate(["a b c d", "e f"], ["a x c", ""]) == pytest.approx(4 / 6)
+    assert word_error_rate(["the cat"], ["the cat sat on it"]) == pytest.approx(3 / 2)  # can exceed 1
+
+
+def test_validation_metrics_transcribe_with_the_models_tokenizer(speech: SpeechAssets) -> None:
+    model, batch = batch_of(speech)
+    refs = model.references(batch)
+    assert refs == [speech.texts[i] for i in _train_indices(speech, 4)]
+    model.eval()
+    hyps = model.transcribe(batch)
+    assert len(hyps) == 4 and all(isinstance(h, str) for h in hyps)
+    metrics = model.validation_metrics([batch])
+    assert set(metrics) == {"wer"} and metrics["wer"] == pytest.approx(word_error_rate(refs, hyps))
+
+
+def _train_indices(speech: SpeechAssets, n: int) -> list[int]:
+    from meshtrain.hf import find_splits
+
+    train, _ = find_splits(speech.data, 0.25, seed=0)
+    return [speech.texts.index(c.text) for c in train[:n]]
+
+
+def test_causal_lm_with_lora_fits_the_same_contract() -> None:
+    from transformers import GPT2Config
+
+    config = GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    config.architectures = ["GPT2LMHeadModel"]
+    model = HFModel.from_config(config, lora=LoRA(r=4, target_modules=["c_attn"]), seed=1)
+    ids = torch.randint(0, 50, (3, 16), generator=torch.Generator().manual_seed(0))
+    loss = model({"input_ids": ids, "labels": ids})
+    assert loss.ndim == 0 and loss.item() > 0
+    assert model.validation_metrics([{"input_ids": ids, "labels": ids}]) == {}  # no WER for an LM
+    assert model.trainable_parameters() == 2 * 4 * (32 + 96)  # r * (in + out) per layer's c_attn
+    assert copy.deepcopy(model).trainable_parameters() == model.trainable_parameters()
