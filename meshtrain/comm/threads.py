@@ -3,12 +3,14 @@
 Each collective is a *round* keyed by (group, sequence number). Members deposit
 their tensor; the last to arrive computes the result once (in the ring's summation
 order) and wakes the others. If any node fails, :meth:`ThreadHub.abort` wakes every
-waiter with :class:`NodeAborted`, so one failure never hangs the rest.
+waiter with :class:`NodeAborted`, so one failure never hangs the rest; a node that
+waits longer than ``timeout_s`` for its peers raises :class:`TimeoutError`.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,8 +31,9 @@ class _Round:
 class ThreadHub:
     """Shared meeting point of the threads of one simulated cluster."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, timeout_s: float | None = None) -> None:
         self.world_size = world_size
+        self.timeout_s = timeout_s
         self._cv = threading.Condition()
         self._rounds: dict[tuple[tuple[int, ...], int], _Round] = {}
         self._error: BaseException | None = None
@@ -68,10 +71,17 @@ class ThreadHub:
                 rnd.result, rnd.done = result, True
                 self._cv.notify_all()
             return result
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         with self._cv:
             while not rnd.done:
                 self._check()
-                self._cv.wait(timeout=1.0)
+                if deadline is not None and time.monotonic() >= deadline:
+                    missing = sorted(set(members) - set(rnd.payloads))
+                    raise TimeoutError(
+                        f"collective waited more than {self.timeout_s:g} s for nodes {missing}"
+                    )
+                wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
+                self._cv.wait(timeout=wait)
             return rnd.result
 
     def _check(self) -> None:

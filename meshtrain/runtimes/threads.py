@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 
@@ -17,6 +18,9 @@ from torch import nn
 
 from meshtrain.comm import NodeAborted, ThreadCommunicator, ThreadHub
 from meshtrain.trainer import FitResult, NodeFailed, NodeJob, node_seed, train_node
+
+#: Seconds the other nodes get to stop after one failed, before fit raises anyway.
+ABORT_GRACE_S = 5.0
 
 
 def is_stochastic(model: nn.Module) -> bool:
@@ -55,7 +59,7 @@ class _SharedGenerator:
 def run_threads(job: NodeJob) -> FitResult:
     """Train every node of ``job`` in its own thread; raise :class:`NodeFailed` on error."""
     n = job.config.nodes
-    hub = ThreadHub(n)
+    hub = ThreadHub(n, timeout_s=job.config.timeout_s)
     results: dict[int, FitResult] = {}
     errors: dict[int, tuple[BaseException, str]] = {}
     shared = _SharedGenerator() if is_stochastic(job.model) else None
@@ -79,7 +83,14 @@ def run_threads(job: NodeJob) -> FitResult:
         for t in threads:
             t.start()
         for t in threads:
-            t.join()
+            while t.is_alive() and not errors:
+                t.join(timeout=0.1)
+        if errors:
+            # The others stop at their next collective; one stuck outside any collective
+            # (a hung forward pass) is left behind as a daemon rather than hanging fit.
+            grace = time.monotonic() + ABORT_GRACE_S
+            for t in threads:
+                t.join(timeout=max(0.0, grace - time.monotonic()))
     finally:
         torch.set_num_threads(threads_before)
     real = {r: e for r, e in errors.items() if not isinstance(e[0], NodeAborted)}
