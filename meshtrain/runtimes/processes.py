@@ -12,6 +12,7 @@ import io
 import multiprocessing as mp
 import queue
 import socket
+import time
 import traceback
 from typing import Any
 
@@ -21,6 +22,7 @@ from meshtrain.runtimes.launched import join_and_train
 from meshtrain.trainer import FitResult, NodeFailed, NodeJob
 
 POLL_SECONDS = 0.2
+FAILURE_GRACE_S = 1.0  # how long to wait for the other nodes' reports after a failure
 
 
 def free_loopback_port() -> int:
@@ -83,13 +85,11 @@ def run_processes(job: NodeJob) -> FitResult:
             try:
                 rank, status, payload = results.get(timeout=POLL_SECONDS)
             except queue.Empty:
-                for r, p in enumerate(procs):
-                    if r not in done and p.exitcode not in (None, 0):
-                        raise NodeFailed(r, f"process exited with code {p.exitcode}") from None
+                if any(r not in done and p.exitcode not in (None, 0) for r, p in enumerate(procs)):
+                    raise _first_failure(procs, results, done, {}) from None
                 continue
             if status == "error":
-                first_line = payload.splitlines()[0]
-                raise NodeFailed(rank, first_line)
+                raise _first_failure(procs, results, done, {rank: payload}) from None
             done[rank] = payload
         for p in procs:
             p.join()
@@ -100,6 +100,34 @@ def run_processes(job: NodeJob) -> FitResult:
     model.load_state_dict(torch.load(io.BytesIO(rank0["state_dict"]), weights_only=True))
     return FitResult(model=model, history=rank0["history"], run_dir=rank0["run_dir"],
                      summary=rank0["summary"])
+
+
+def _first_failure(
+    procs: list[Any], results: Any, done: dict[int, Any], errors: dict[int, str]
+) -> NodeFailed:
+    """The failure that caused the others. A node that dies without a word (killed, out of
+    memory, os._exit) makes its peers' collectives fail too, and their reports may arrive
+    first: so wait briefly for every node to report or exit, then blame a node that exited
+    silently before one whose error may only be the consequence."""
+    deadline = time.monotonic() + FAILURE_GRACE_S
+    while time.monotonic() < deadline:
+        settled = all(r in done or r in errors or p.exitcode is not None for r, p in enumerate(procs))
+        if settled:
+            break
+        try:
+            rank, status, payload = results.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            continue
+        if status == "error":
+            errors.setdefault(rank, payload)
+        else:
+            done[rank] = payload
+    silent = [r for r, p in enumerate(procs)
+              if r not in done and r not in errors and p.exitcode not in (None, 0)]
+    if silent:
+        return NodeFailed(silent[0], f"process exited with code {procs[silent[0]].exitcode}")
+    first = next(iter(errors))  # the first error to arrive
+    return NodeFailed(first, errors[first].splitlines()[0])
 
 
 def _stop(procs: list[Any]) -> None:
