@@ -107,6 +107,36 @@ class FailOnRank(MLP):
         return super().forward(batch)
 
 
+class ExitOnRank(FailOnRank):
+    """Kills its own process (exit code 3, no exception) at ``at_call`` on ``rank``."""
+
+    def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if self.training and int(batch[2][0]) == self.fail_rank and self.calls == self.at_call:
+            import os
+
+            os._exit(3)
+        return super().forward(batch)
+
+
+class SleepOnRank(FailOnRank):
+    """Stalls for ``seconds`` at ``at_call`` on ``rank`` (a node that hangs, not one that raises)."""
+
+    def __init__(self, rank: int = 1, at_call: int = 1, seconds: float = 20.0) -> None:
+        super().__init__(rank, at_call=10**9)
+        self.sleep_at = at_call
+        self.seconds = seconds
+        self.sleep_calls = 0
+
+    def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if self.training and int(batch[2][0]) == self.fail_rank:
+            if self.sleep_calls == self.sleep_at:
+                import time
+
+                time.sleep(self.seconds)
+            self.sleep_calls += 1
+        return super().forward(batch)
+
+
 class IndexData(Dataset):
     """Item i is the tensor [i] (to see exactly which samples a node reads)."""
 

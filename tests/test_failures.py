@@ -1,0 +1,91 @@
+"""A node that fails stops the whole run quickly, names itself, and leaves no run behind."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from helpers import FailOnRank, MLP, ExitOnRank, SleepOnRank, ranked_factory, regression_data
+
+from meshtrain import NodeFailed, Trainer
+from meshtrain.strategies import DDP, DiLoCo
+
+GUARD_S = 60  # a hang fails the test instead of blocking the suite
+
+
+def fit_guarded(model, strategy, tmp_path, **kwargs):
+    """fit in a daemon thread; returns (exception or result, seconds), failing on a hang."""
+    box: dict = {}
+
+    def main():
+        started = time.monotonic()
+        try:
+            box["result"] = Trainer(model, kwargs.pop("data", ranked_factory)).fit(
+                strategy, out_dir=tmp_path, progress=False, batch_size=4, **kwargs)
+        except BaseException as exc:  # noqa: BLE001 - inspected by the test
+            box["error"] = exc
+        box["seconds"] = time.monotonic() - started
+
+    t = threading.Thread(target=main, daemon=True)
+    t.start()
+    t.join(GUARD_S)
+    assert not t.is_alive(), f"fit hung for more than {GUARD_S} s"
+    return box.get("error", box.get("result")), box["seconds"]
+
+
+def no_run_left(tmp_path):
+    return not tmp_path.exists() or list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("runtime", "strategy"),
+    [("threads", DDP("sgd", 0.1)), ("threads", DiLoCo(H=50, lr=0.01)), ("processes", DDP("sgd", 0.1))],
+    ids=["threads-ddp", "threads-diloco", "processes-ddp"],
+)
+def test_node_that_raises_fails_the_run_naming_it(runtime, strategy, tmp_path):
+    # Under DDP the other nodes are blocked in an all-reduce; under DiLoCo(H=50) they
+    # train on alone until the end-of-run collectives.
+    error, seconds = fit_guarded(FailOnRank(rank=1, at_call=3), strategy, tmp_path, nodes=3,
+                                 max_steps=8, runtime=runtime)
+    assert isinstance(error, NodeFailed), error
+    assert error.rank == 1
+    assert "node 1 failed" in str(error) and "boom on rank 1 at step 3" in str(error)
+    assert "RuntimeError" in error.message
+    assert seconds < (5 if runtime == "threads" else 30)
+    assert no_run_left(tmp_path)
+
+
+def test_rank_zero_failing_is_named(tmp_path):
+    error, _ = fit_guarded(FailOnRank(rank=0, at_call=0), DDP("sgd", 0.1), tmp_path, nodes=2,
+                           max_steps=4)
+    assert isinstance(error, NodeFailed) and error.rank == 0
+    assert no_run_left(tmp_path)
+
+
+def test_process_that_dies_without_a_word_fails_the_run(tmp_path):
+    error, seconds = fit_guarded(ExitOnRank(rank=2, at_call=1), DDP("sgd", 0.1), tmp_path, nodes=3,
+                                 max_steps=6, runtime="processes")
+    assert isinstance(error, NodeFailed), error
+    assert error.rank == 2 and "exited with code 3" in str(error)
+    assert seconds < 30
+    assert no_run_left(tmp_path)
+
+
+def test_the_run_after_a_failure_works(tmp_path):
+    fit_guarded(FailOnRank(rank=1, at_call=1), DDP("sgd", 0.1), tmp_path / "a", nodes=2, max_steps=3)
+    result, _ = fit_guarded(MLP(), DDP("sgd", 0.1), tmp_path / "b", nodes=2, max_steps=3,
+                            data=regression_data(32))
+    assert result.run_dir is not None and result.run_dir.exists()
+
+
+def test_threads_collective_timeout_fails_the_run(tmp_path):
+    """A node stuck outside the collectives: the waiting nodes give up after timeout_s.
+
+    Without the timeout this run succeeds (the sleeper wakes after 2.5 s)."""
+    error, seconds = fit_guarded(SleepOnRank(rank=1, at_call=1, seconds=2.5), DDP("sgd", 0.1), tmp_path,
+                                 nodes=2, max_steps=4, timeout_s=1.0)
+    assert isinstance(error, NodeFailed), error
+    assert error.rank == 0 and "TimeoutError" in str(error) and "[1]" in str(error)
+    assert seconds < 8
+    assert no_run_left(tmp_path)
