@@ -257,7 +257,7 @@ def _ssh_config(path: Any, alias: str, where: str) -> dict[str, Any]:
     explicit = path is not None
     file = Path(os.path.expanduser(_text(path, f"{where}: key 'ssh_config'") if explicit
                                    else "~/.ssh/config"))
-    if not file.is_file():
+    if not file.exists():
         if explicit:
             raise InventoryError(f"{where}: key 'ssh_config': {file} does not exist")
         return {}

@@ -1,0 +1,140 @@
+"""Inventories: the shipped examples, defaults, ~/.ssh/config aliases, and every kind of
+mistake named by file, host and key; and the command line each rank gets."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import yaml
+
+from meshtrain.launch.inventory import InventoryError, load_inventory
+from meshtrain.launch.launcher import rank_command, rank_env, training_argv
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write(tmp_path: Path, data: object, name: str = "inv.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def base(**host_overrides: object) -> dict:
+    return {
+        "defaults": {"user": "alice", "python": "/usr/bin/python3", "ssh_config": "/dev/null"},
+        "hosts": [{"name": "a", "host": "10.0.0.1", **host_overrides}, {"name": "b", "host": "10.0.0.2"}],
+    }
+
+
+def test_shipped_inventories_load() -> None:
+    macs = load_inventory(REPO / "hosts" / "macs.yaml")
+    assert [h.name for h in macs.hosts] == ["studio-1", "studio-2", "macbook"]
+    assert [h.rank for h in macs.hosts] == [0, 1, 2]
+    assert macs.master.name == "studio-1" and macs.master.advertise == "192.168.1.101"
+    assert macs.hosts[1].iface == "en0" and macs.hosts[2].iface == "en1"  # per-host override
+    assert macs.hosts[2].device == "cpu" and macs.hosts[0].device == "auto"
+    assert macs.hosts[0].env == {"PYTORCH_ENABLE_MPS_FALLBACK": "1"}
+    assert macs.rendezvous.port == 29500 and macs.rendezvous.timeout == 1800
+    local = load_inventory(REPO / "hosts" / "localhost.yaml")
+    assert local.world_size == 2 and {h.hostname for h in local.hosts} == {"127.0.0.1"}
+
+
+def test_defaults_apply_and_hosts_override(tmp_path: Path) -> None:
+    raw = base(port=2222, env={"B": 2}, workdir="/data/runs")
+    raw["defaults"]["env"] = {"A": "1", "B": "1", "FLAG": True}
+    inv = load_inventory(write(tmp_path, raw))
+    a, b = inv.hosts
+    assert (a.user, a.port, a.workdir) == ("alice", 2222, "/data/runs")
+    assert (b.port, b.workdir, b.device) == (22, "~/meshtrain-runs", "auto")
+    assert a.env == {"A": "1", "B": "2", "FLAG": "true"} and b.env == {"A": "1", "B": "1", "FLAG": "true"}
+    assert a.advertise == "10.0.0.1"  # defaults to the address SSH uses
+    assert inv.rendezvous.port == 29500
+
+
+def test_ssh_config_alias_is_resolved(tmp_path: Path) -> None:
+    cfg = tmp_path / "ssh_config"
+    cfg.write_text("Host studio\n  HostName 192.168.7.7\n  User bob\n  Port 2200\n"
+                   "  IdentityFile /keys/studio\n")
+    raw = {"defaults": {"python": "/usr/bin/python3", "ssh_config": str(cfg)},
+           "hosts": [{"name": "s", "host": "studio"}]}
+    (h,) = load_inventory(write(tmp_path, raw)).hosts
+    assert (h.host, h.hostname, h.user, h.port, h.identity_file) == (
+        "studio", "192.168.7.7", "bob", 2200, "/keys/studio")
+    assert h.advertise == "192.168.7.7"
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (lambda r: r["hosts"][1].update(prot=22), r"host 'b': unknown key 'prot'"),
+        (lambda r: r["hosts"][1].pop("host"), r"host 'b': missing key 'host'"),
+        (lambda r: r["hosts"][1].update(name="a"), r"host 'a': duplicate name 'a'"),
+        (lambda r: r["hosts"][0].update(port=70000), r"host 'a': key 'port': bad port 70000"),
+        (lambda r: r["hosts"][0].update(port="ssh"), r"host 'a': key 'port': bad port 'ssh'"),
+        (lambda r: r["defaults"].update(port=True), r"host 'a': key 'port': bad port True"),
+        (lambda r: r.update(rendezvous={"port": 0}), r"rendezvous: key 'port': bad port 0"),
+        (lambda r: r.update(rendezvous={"timeout": -1}), r"rendezvous: key 'timeout'"),
+        (lambda r: r.update(rendezvous={"prot": 1}), r"rendezvous: unknown key 'prot'"),
+        (lambda r: r["hosts"][0].update(password="hunter2"), r"host 'a': key 'password': no passwords"),
+        (lambda r: r["defaults"].update(ssh_passphrase="x"), r"defaults: key 'ssh_passphrase': no passwords"),
+        (lambda r: r["defaults"].update(python="python3"),
+         r"host 'a': key 'python': 'python3' must be an absolute"),
+        (lambda r: r["defaults"].pop("python"), r"host 'a': missing key 'python'"),
+        (lambda r: r["hosts"][1].update(device="tpu"), r"host 'b': key 'device': 'tpu' is not one of"),
+        (lambda r: r["hosts"][1].update(env={"RANK": "3"}),
+         r"host 'b': key 'env': RANK is set by the launcher"),
+        (lambda r: r["hosts"][1].update(env={"1X": "3"}), r"host 'b': key 'env': '1X' is not a valid"),
+        (lambda r: r["hosts"][1].update(iface="en0; rm -rf /"), r"host 'b': key 'iface'"),
+        (lambda r: r["hosts"][0].pop("name"), r"hosts\[0\]: missing key 'name'"),
+        (lambda r: r.update(hosts=[]), r"'hosts' must be a non-empty list"),
+        (lambda r: r.update(nodes=3), r"unknown key 'nodes'"),
+    ],
+)
+def test_bad_inventory_names_file_host_and_key(tmp_path: Path, change, expected: str) -> None:
+    raw = base()
+    change(raw)
+    path = write(tmp_path, raw)
+    with pytest.raises(InventoryError) as info:
+        load_inventory(path)
+    message = str(info.value)
+    assert message.startswith(str(path)), message
+    assert re.search(expected, message), message
+    assert "\n" not in message
+
+
+def test_unreadable_inventories(tmp_path: Path) -> None:
+    with pytest.raises(InventoryError, match="inventory file not found"):
+        load_inventory(tmp_path / "nope.yaml")
+    with pytest.raises(InventoryError, match=r"not valid YAML \(line \d+\)"):
+        load_inventory(write(tmp_path, "hosts:\n  - [unclosed\n"))
+    with pytest.raises(InventoryError, match="expected a mapping"):
+        load_inventory(write(tmp_path, "- just a list\n"))
+
+
+def test_rank_environment_and_command(tmp_path: Path) -> None:
+    raw = base(iface="en0", env={"X": "a b"})
+    raw["hosts"].append({"name": "c", "host": "10.0.0.1", "workdir": "/srv/my runs"})
+    raw["rendezvous"] = {"port": 29511, "timeout": 90}
+    inv = load_inventory(write(tmp_path, raw))
+    a, b, c = inv.hosts
+    env = rank_env(inv, c, "run-1")
+    assert env["RANK"] == "2" and env["WORLD_SIZE"] == "3"
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["MESHTRAIN_TIMEOUT"]) == ("10.0.0.1", "29511", "90")
+    assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("1", "2")  # c shares a's machine
+    assert env["MESHTRAIN_RUN_ID"] == "run-1" and env["PYTHONUNBUFFERED"] == "1"
+    assert rank_env(inv, a, "run-1")["GLOO_SOCKET_IFNAME"] == "en0"
+    assert "GLOO_SOCKET_IFNAME" not in env
+
+    line = rank_command(inv, a, "run-1", training_argv(["--steps", "5", "--set", "H=2"]), training=True)
+    words = shlex.split(line)
+    assert words[:3] == ["cd", "~/meshtrain-runs", "&&"] or line.startswith("cd ~/")
+    assert "X=a b" in words and "RANK=0" in words
+    tail = words[words.index("/usr/bin/python3"):]
+    assert tail == ["/usr/bin/python3", "-m", "meshtrain", "simulate", "--steps", "5", "--set", "H=2",
+                    "--device", "auto", "--out", "runs", "--run-id", "run-1"]
+    script = rank_command(inv, c, "run-1", ["python", "train.py", "--lr", "1e-3"], training=False)
+    assert script.startswith("cd '/srv/my runs' && env ")
+    assert script.endswith("/usr/bin/python3 train.py --lr 1e-3")
