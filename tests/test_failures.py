@@ -6,7 +6,7 @@ import threading
 import time
 
 import pytest
-from helpers import FailOnRank, MLP, ExitOnRank, SleepOnRank, ranked_factory, regression_data
+from helpers import MLP, ExitOnRank, FailOnRank, SleepOnRank, ranked_factory, regression_data
 
 from meshtrain import NodeFailed, Trainer
 from meshtrain.strategies import DDP, DiLoCo
