@@ -10,6 +10,7 @@ Where sshd or namespaces cannot be had, the tests skip and say why.
 from __future__ import annotations
 
 import os
+import selectors
 import shutil
 import signal
 import socket
@@ -167,9 +168,8 @@ def new_world(folder: Path) -> SshWorld:
     return SshWorld(folder, user_key, known)
 
 
-@pytest.fixture(scope="module")
-def loopback_ssh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshWorld]:
-    """One sshd on 127.0.0.1 at a free port, its host key trusted."""
+def loopback_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshWorld]:
+    """One sshd on 127.0.0.1 at a free port, its host key trusted (``yield from`` it in a fixture)."""
     if os.geteuid() != 0:
         pytest.skip("the test sshd logs in as root with a generated key; run the tests as root")
     world = new_world(tmp_path_factory.mktemp("ssh"))
@@ -239,9 +239,9 @@ def make_namespaces(n_hosts: int) -> Namespaces:
     return ns
 
 
-@pytest.fixture(scope="module")
-def netns_ssh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SshWorld, Namespaces]]:
-    """Two hosts, each a namespace with its own sshd and address; the launcher's namespace."""
+def netns_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SshWorld, Namespaces]]:
+    """Two hosts, each a namespace with its own sshd and address, and the launcher's namespace
+    (``yield from`` it in a fixture)."""
     ns = make_namespaces(2)
     world = new_world(tmp_path_factory.mktemp("netns-ssh"))
     world.client_netns = ns.client
@@ -291,3 +291,31 @@ def wait_until_gone(marker: str, timeout: float) -> list[str]:
         if not left or time.monotonic() > deadline:
             return left
         time.sleep(0.1)
+
+
+def meshtrain(world: SshWorld, *args: str, cwd: Path,
+              timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run the ``meshtrain`` command where the launcher belongs; output captured (piped)."""
+    return subprocess.run(world.command(PYTHON, "-m", "meshtrain", *args), cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def start_meshtrain(world: SshWorld, *args: str, cwd: Path) -> subprocess.Popen[str]:
+    """Start the ``meshtrain`` command in the background, stdout and stderr merged."""
+    return subprocess.Popen(world.command(PYTHON, "-m", "meshtrain", *args), cwd=cwd, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def read_until(proc: subprocess.Popen[str], needles: list[str], timeout: float) -> str:
+    """Read ``proc``'s output until every needle appeared; fails the test on timeout."""
+    seen, deadline = "", time.monotonic() + timeout
+    assert proc.stdout is not None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    while not all(n in seen for n in needles):
+        if time.monotonic() > deadline or proc.poll() is not None and not sel.select(0):
+            raise AssertionError(f"did not see {needles} in output:\n{seen}")
+        if sel.select(0.2):
+            line = proc.stdout.readline()
+            seen += line
+    return seen

@@ -21,7 +21,8 @@ from meshtrain.launch.checks import CHECKS, check_hosts
 from meshtrain.launch.inventory import Inventory, InventoryError, load_inventory
 from meshtrain.launch.launcher import LaunchOptions, PreflightError, launch, new_launch_id, training_argv
 
-console = Console()
+# Piped output (CI logs, tests) gets room for the whole table rather than 80 columns.
+console = Console(width=None if sys.stdout.isatty() else 160)
 errors = Console(stderr=True)
 
 # simulate's flag name for each training option the launcher forwards.

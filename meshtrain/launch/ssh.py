@@ -12,6 +12,7 @@ from a second channel if a process ignores the hang-up.
 
 from __future__ import annotations
 
+import os
 import shlex
 import socket
 import threading
@@ -151,11 +152,11 @@ def connect(
 
 
 def _reason(exc: Exception) -> str:
-    text = str(exc).lower()
-    if "refused" in text or isinstance(exc, ConnectionRefusedError):
-        return "connection refused"
-    if "unreachable" in text:
-        return "network unreachable"
+    # paramiko folds the errors of every address tried into one exception.
+    causes = list(getattr(exc, "errors", {}).values()) or [exc]
+    for cause in causes:
+        if isinstance(cause, OSError) and cause.errno is not None:
+            return os.strerror(cause.errno).lower()
     return str(exc)
 
 
