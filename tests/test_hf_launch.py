@@ -1,0 +1,42 @@
+"""The whisper LoRA profile launched on two hosts through a real sshd (127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from speech_fixtures import SpeechAssets, speech_fixture  # noqa: F401 (the fixture)
+from ssh_fixtures import SshWorld, loopback_world, meshtrain
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def loopback_ssh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshWorld]:
+    yield from loopback_world(tmp_path_factory)
+
+
+def test_launch_whisper_lora_profile_on_two_hosts(
+    loopback_ssh: SshWorld, speech: SpeechAssets, tmp_path: Path
+) -> None:
+    port = loopback_ssh.servers[0].port
+    inv = loopback_ssh.inventory(tmp_path / "macs.yaml", [
+        {"name": "mac-a", "host": "127.0.0.1", "port": port},
+        {"name": "mac-b", "host": "127.0.0.1", "port": port},
+    ], workdir=str(tmp_path / "remote"))
+    result = meshtrain(loopback_ssh, "launch", str(inv), "--profile", "whisper-tiny-random-lora",
+                       "--data", str(speech.data), "--set", f"task_options.model={speech.model}",
+                       "--run-id", "whisper-2h", "--out", str(tmp_path / "runs"), "--no-progress",
+                       cwd=tmp_path, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    run = tmp_path / "runs" / "whisper-2h"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["nodes"] == 2 and summary["runtime"] == "launched"
+    assert 0 <= summary["final_wer"] < float("inf")
+    # Over real sockets too, a sync sends only the adapter, and start-up sends nothing:
+    # frozen weights are compared by hash (record=False), never transferred.
+    assert summary["bytes_sent_per_node"] == 4 * 4 * summary["trainable_parameters"]
+    assert summary["startup_bytes_sent_per_node"] == 0
+    assert (run / "model" / "adapter_model.safetensors").is_file()
