@@ -1,0 +1,170 @@
+"""Strategy construction, parameters, the LR schedule and clipping."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import yaml
+from helpers import Scalar, Sized, regression_data
+from torch.testing import assert_close
+
+from meshtrain import Trainer
+from meshtrain.comm import ThreadCommunicator, ThreadHub
+from meshtrain.strategies import (
+    DDP,
+    SPARTA,
+    STRATEGIES,
+    DeMo,
+    DiLoCo,
+    FedAvg,
+    Optim,
+    SPARTADiLoCo,
+    Strategy,
+)
+
+COMMON = ["max_norm", "warmup_steps", "lr_schedule", "min_lr"]
+EXPECTED_PARAMETERS = {
+    "ddp": ["optim", "lr", *COMMON],
+    "diloco": ["H", "outer_lr", "outer_momentum", "nesterov", "optim", "lr", *COMMON],
+    "sparta": ["p", "selector", "optim", "lr", *COMMON],
+    "sparta-diloco": ["p", "sparse_interval", "selector", "H", "outer_lr", "outer_momentum", "nesterov",
+                      "optim", "lr", *COMMON],
+    "fedavg": ["H", "island_size", "weighted", "optim", "lr", *COMMON],
+    "demo": ["lr", "compression_decay", "compression_topk", "compression_chunk", "weight_decay", *COMMON],
+}
+
+
+def test_registry_names():
+    assert STRATEGIES == {"ddp": DDP, "diloco": DiLoCo, "sparta": SPARTA, "sparta-diloco": SPARTADiLoCo,
+                          "fedavg": FedAvg, "demo": DeMo}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED_PARAMETERS))
+def test_parameters_list_the_constructor_arguments(name):
+    cls = STRATEGIES[name]
+    assert list(cls.parameters()) == EXPECTED_PARAMETERS[name]
+    # Every listed parameter is accepted by the constructor and stored under its name.
+    strategy = cls()
+    config = strategy.config()
+    assert config["name"] == name
+    assert set(config) == {"name", *EXPECTED_PARAMETERS[name]}
+    assert yaml.safe_load(yaml.safe_dump(config))["name"] == name  # config.yaml can hold it
+    assert repr(strategy).startswith(type(strategy).__name__ + "(")
+
+
+@pytest.mark.parametrize("name", list(EXPECTED_PARAMETERS))
+def test_unknown_keyword_is_a_type_error(name):
+    with pytest.raises(TypeError):
+        STRATEGIES[name](no_such_option=1)
+
+
+def test_demo_takes_no_optimizer():
+    with pytest.raises(TypeError):
+        DeMo(optim="adam")
+
+
+def test_options_are_stored():
+    s = DiLoCo(H=7, outer_lr=0.5, lr=0.01, max_norm=1.0, warmup_steps=3, lr_schedule="cosine", min_lr=1e-4)
+    assert (s.H, s.outer_lr, s.lr, s.max_norm, s.warmup_steps, s.lr_schedule, s.min_lr) == (
+        7, 0.5, 0.01, 1.0, 3, "cosine", 1e-4)
+    assert DiLoCo().optim == Optim("adamw", weight_decay=0.1, betas=(0.9, 0.95))
+    assert (DiLoCo().outer_lr, DiLoCo().outer_momentum, DiLoCo().nesterov) == (0.7, 0.9, True)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: DDP(lr=0),
+        lambda: DDP(lr_schedule="linear"),
+        lambda: DDP(max_norm=0),
+        lambda: DDP(optim="lamb"),
+        lambda: DiLoCo(H=0),
+        lambda: FedAvg(island_size=1),
+        lambda: SPARTA(p=0),
+        lambda: SPARTA(p=1.5),
+        lambda: SPARTA(selector="best"),
+        lambda: SPARTADiLoCo(sparse_interval=0),
+        lambda: DeMo(compression_topk=0),
+    ],
+)
+def test_bad_values_are_rejected(make):
+    with pytest.raises(ValueError):
+        make()
+
+
+def test_optim_builds_with_its_keyword_arguments():
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    opt = Optim("sgd", momentum=0.9, nesterov=True).build(params, lr=0.3)
+    assert isinstance(opt, torch.optim.SGD)
+    assert (opt.defaults["lr"], opt.defaults["momentum"], opt.defaults["nesterov"]) == (0.3, 0.9, True)
+    assert repr(Optim("adamw", weight_decay=0.1)) == "Optim('adamw', weight_decay=0.1)"
+
+
+def _schedule(**kw):
+    s = Strategy("sgd", 1.0, **kw)
+    s.max_steps = 14
+    return s
+
+
+def test_warmup_then_cosine_values():
+    s = _schedule(warmup_steps=4, lr_schedule="cosine", min_lr=0.1)
+    assert [s.lr_at(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert s.lr_at(4) == pytest.approx(1.0)  # cosine starts at the peak
+    assert s.lr_at(9) == pytest.approx(0.55)  # half-way: min + (peak - min) / 2
+    assert s.lr_at(14) == pytest.approx(0.1)  # reaches min_lr at max_steps
+    assert s.lr_at(100) == pytest.approx(0.1)
+    for i in range(4, 14):
+        expected = 0.1 + 0.45 * (1 + math.cos(math.pi * (i - 4) / 10))
+        assert s.lr_at(i) == pytest.approx(expected)
+    assert all(s.lr_at(i) > s.lr_at(i + 1) for i in range(4, 14))
+
+
+def test_warmup_then_constant():
+    s = _schedule(warmup_steps=2)
+    assert [s.lr_at(i) for i in range(5)] == [0.5, 1.0, 1.0, 1.0, 1.0]
+
+
+def test_the_optimizer_uses_the_schedule(tmp_path):
+    # Scalar's gradient is exactly 1: plain SGD moves theta by -lr_at(step) each step.
+    strategy = DDP("sgd", 1.0, warmup_steps=2, lr_schedule="cosine", min_lr=0.0)
+    res = Trainer(Scalar(0.0), regression_data(16)).fit(strategy, nodes=2, max_steps=6, batch_size=2,
+                                                         out_dir=tmp_path, progress=False)
+    strategy.max_steps = 6
+    lrs = [strategy.lr_at(i) for i in range(6)]
+    assert [r["lr"] for r in res.history] == pytest.approx(lrs)
+    assert_close(res.model.theta.detach(), torch.tensor(-sum(lrs)))
+
+
+@pytest.mark.parametrize(("max_norm", "moved"), [(None, 1.0), (0.25, 0.25), (4.0, 1.0)])
+def test_max_norm_clips_the_gradient(max_norm, moved, tmp_path):
+    res = Trainer(Scalar(0.0), regression_data(16)).fit(
+        FedAvg(H=1, optim="sgd", lr=1.0, max_norm=max_norm), nodes=1, max_steps=1, batch_size=2,
+        out_dir=tmp_path, progress=False)
+    assert_close(res.model.theta.detach(), torch.tensor(-moved))
+
+
+def test_max_norm_clips_the_global_norm_over_all_tensors():
+    model = torch.nn.Linear(3, 2)
+    s = Strategy("sgd", 1.0, max_norm=0.5)
+    s.setup(model, ThreadCommunicator(ThreadHub(1), 0), seed=0, max_steps=1)
+    before = [p.detach().clone() for p in model.parameters()]
+    model.weight.grad = torch.full((2, 3), 3.0)
+    model.bias.grad = torch.full((2,), 4.0)
+    norm = math.sqrt(6 * 9 + 2 * 16)
+    s.optimizer_step(0)
+    tol = dict(rtol=1e-4, atol=1e-6)
+    assert_close(before[0] - model.weight.detach(), torch.full((2, 3), 3.0 * 0.5 / norm), **tol)
+    assert_close(before[1] - model.bias.detach(), torch.full((2,), 4.0 * 0.5 / norm), **tol)
+    assert model.weight.grad is None  # zeroed for the next step
+
+
+def test_frozen_parameters_are_not_trained_or_sent(tmp_path):
+    model = Sized()
+    res = Trainer(model, regression_data(32)).fit(DDP("sgd", 0.1), nodes=2, max_steps=2, batch_size=4,
+                                                  out_dir=tmp_path, progress=False)
+    assert torch.equal(res.model.frozen, model.frozen)
+    assert not torch.equal(res.model.weight, model.weight)
+    assert res.summary["trainable_parameters"] == model.weight.numel()
+    assert res.summary["parameters"] == model.weight.numel() + model.frozen.numel()
