@@ -75,8 +75,8 @@ class HFModel(nn.Module):
         tokenizer: decodes generated text for word error rate, and is saved with the model.
         feature_extractor: saved with the model (speech models), so the output folder
             is a complete checkpoint.
-        wer: compute word error rate in :meth:`validation_metrics` (default: when the
-            model is an encoder-decoder and a tokenizer is given).
+        wer: compute word error rate in :meth:`validation_metrics` (default None: when the
+            model is an encoder-decoder and has a tokenizer, which may be set later).
         generate_kwargs: passed to ``generate`` for evaluation (e.g. language, task).
         save_merged: also save the LoRA-merged plain model under ``merged/``.
     """
@@ -95,8 +95,7 @@ class HFModel(nn.Module):
         self.model = model
         self.tokenizer = tokenizer
         self.feature_extractor = feature_extractor
-        encoder_decoder = bool(getattr(self.config, "is_encoder_decoder", False))
-        self.wer = (encoder_decoder and tokenizer is not None) if wer is None else wer
+        self.wer = wer
         self.generate_kwargs = dict(generate_kwargs or {})
         self.save_merged = save_merged
 
@@ -160,6 +159,13 @@ class HFModel(nn.Module):
                              f"(batch keys: {', '.join(batch)})")
         return out.loss
 
+    @property
+    def measures_wer(self) -> bool:
+        """Whether validation reports WER: as set, else for encoder-decoders with a tokenizer."""
+        if self.wer is not None:
+            return self.wer
+        return bool(getattr(self.config, "is_encoder_decoder", False)) and self.tokenizer is not None
+
     def trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
@@ -182,7 +188,7 @@ class HFModel(nn.Module):
 
     def validation_metrics(self, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """Corpus word error rate of greedy transcripts over the validation batches."""
-        if not self.wer:
+        if not self.measures_wer:
             return {}
         refs, hyps = [], []
         for batch in batches:
