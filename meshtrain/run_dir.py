@@ -83,7 +83,7 @@ class RunDirectory:
         writer = csv.DictWriter(buf, fieldnames=METRIC_COLUMNS + extra, extrasaction="ignore")
         writer.writeheader()
         for row in history:
-            writer.writerow({k: _csv_value(row.get(k)) for k in METRIC_COLUMNS + extra})
+            writer.writerow({k: _csv_value(row.get(k), k) for k in METRIC_COLUMNS + extra})
         atomic_write_text(self.partial / "metrics.csv", buf.getvalue())
 
     def write_summary(self, summary: dict[str, Any]) -> None:
@@ -128,9 +128,12 @@ class RunDirectory:
         shutil.rmtree(self.partial, ignore_errors=True)
 
 
-def _csv_value(v: Any) -> Any:
+def _csv_value(v: Any, column: str = "") -> Any:
+    """Losses and rates to 6 significant digits; byte counts exactly (never 1.23457e+09)."""
     if v is None:
         return ""
     if isinstance(v, float):
+        if "bytes" in column:
+            return int(v) if v.is_integer() else repr(v)
         return f"{v:.6g}"
     return v
