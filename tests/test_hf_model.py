@@ -137,3 +137,15 @@ def test_causal_lm_with_lora_fits_the_same_contract() -> None:
     assert model.validation_metrics([{"input_ids": ids, "labels": ids}]) == {}  # no WER for an LM
     assert model.trainable_parameters() == 2 * 4 * (32 + 96)  # r * (in + out) per layer's c_attn
     assert copy.deepcopy(model).trainable_parameters() == model.trainable_parameters()
+
+
+def test_bare_whisper_config_builds_the_speech_seq2seq_model() -> None:
+    from transformers import WhisperConfig
+
+    config = WhisperConfig(d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+                           decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                           vocab_size=100, max_source_positions=50, max_target_positions=32,
+                           pad_token_id=0, eos_token_id=0, bos_token_id=1, decoder_start_token_id=1)
+    assert not getattr(config, "architectures", None)
+    model = HFModel.from_config(config)
+    assert type(model.base).__name__ == "WhisperForConditionalGeneration"

@@ -255,9 +255,14 @@ def _model_class(config: Any) -> type:
     for name in getattr(config, "architectures", None) or []:
         if hasattr(transformers, name):
             return getattr(transformers, name)
-    if config.is_encoder_decoder:
-        return transformers.AutoModelForSeq2SeqLM
-    return transformers.AutoModelForCausalLM
+    # No architectures recorded (a bare config): the auto class that knows this config type.
+    autos = ([transformers.AutoModelForSpeechSeq2Seq, transformers.AutoModelForSeq2SeqLM]
+             if config.is_encoder_decoder else [transformers.AutoModelForCausalLM])
+    for auto in autos:
+        if type(config) in auto._model_mapping:
+            return auto
+    raise ModelLoadError(f"no model class for a {config.model_type!r} config that returns a loss; "
+                         "set config.architectures")
 
 
 def _with_lora(model: nn.Module, lora: LoRA | None, seed: int) -> nn.Module:
