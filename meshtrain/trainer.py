@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from meshtrain.cluster import get_cluster, measured_step_seconds, project
 from meshtrain.comm import Communicator
 from meshtrain.data import (
     Collate,
@@ -62,6 +63,8 @@ class TrainConfig:
     run_id: str | None = None
     progress: bool = True
     timeout_s: float = 1800.0  # a collective waiting longer than this fails the run
+    cluster: str = "gbe"  # named cluster for the projected wall-clock (meshtrain.cluster)
+    step_seconds: float | None = None  # compute per step on that cluster, if known
     extra_config: dict[str, Any] = field(default_factory=dict)  # recorded in config.yaml
 
     def validate(self) -> None:
@@ -82,6 +85,7 @@ class TrainConfig:
             raise ValueError(f"epochs must be > 0, got {self.epochs}")
         if self.runtime not in RUNTIMES + ("launched",):
             raise ValueError(f"runtime must be one of {RUNTIMES}, got {self.runtime!r}")
+        get_cluster(self.cluster)
         if self.val_interval is not None and self.val_interval < 1:
             raise ValueError(f"val_interval must be >= 1, got {self.val_interval}")
 
@@ -165,9 +169,14 @@ class Trainer:
         run_id: str | None = None,
         progress: bool = True,
         timeout_s: float = 1800.0,
+        cluster: str = "gbe",
+        step_seconds: float | None = None,
         extra_config: dict[str, Any] | None = None,
     ) -> FitResult:
         """Train and return the global model, per-step history and the run directory.
+
+        ``cluster`` names the cluster whose wall-clock the summary projects (see
+        ``meshtrain clusters``); ``step_seconds`` is a node's compute per step there.
 
         Inside a launched rank (RANK and WORLD_SIZE set, as by ``meshtrain launch`` or
         torchrun) this process joins the group as that rank instead of spawning nodes.
@@ -195,6 +204,8 @@ class Trainer:
             run_id=run_id,
             progress=progress,
             timeout_s=timeout_s,
+            cluster=cluster,
+            step_seconds=step_seconds,
             extra_config=dict(extra_config or {}),
         )
         config.validate()
@@ -291,6 +302,7 @@ def train_node(
     seconds: list[float] = []
     progress = Progress(max_steps, enabled=cfg.progress and rank == 0, title=strategy.name)
 
+    loop_started = time.perf_counter()
     with progress:
         for step in range(max_steps):
             node.step = comm.step = step
@@ -314,6 +326,7 @@ def train_node(
                 history_val[step] = _validate(strategy, model, comm, evaluator, val_batches)
             progress.update(step + 1, loss_value, comm.log.bytes_sent)
         strategy.finish(max_steps - 1)
+    loop_seconds = time.perf_counter() - loop_started
     # After finish every node holds the global model: node val loss equals the global one.
     final = evaluator.evaluate(strategy.params_data()) if evaluator else {}
 
@@ -324,6 +337,7 @@ def train_node(
     assert reports is not None
     history = _history(job, strategy, reports, history_val, final, max_steps)
     summary = _summary(job, strategy, history, final, reports, model)
+    summary["projected"] = _projection(job, comm, loop_seconds, max_steps)
     run_dir = _write_run(job, strategy, model, history, summary)
     return FitResult(model=model, history=history, run_dir=run_dir, summary=summary)
 
@@ -504,6 +518,16 @@ def _summary(
         if k.startswith("val_") and k != "val_loss":
             summary[f"final_{k[4:]}"] = v
     return summary
+
+
+def _projection(job: NodeJob, comm: Communicator, loop_seconds: float, steps: int) -> dict[str, Any]:
+    """Rank 0's collectives and compute, replayed on the configured cluster."""
+    cfg = job.config
+    step_seconds = cfg.step_seconds
+    if step_seconds is None:
+        step_seconds = measured_step_seconds(loop_seconds, comm.log.seconds, steps, cfg.nodes)
+    out = project(comm.log.records, get_cluster(cfg.cluster), steps, step_seconds)
+    return {**out, "step_seconds": step_seconds}
 
 
 def _write_run(

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.utils.data import Dataset
 
+from meshtrain.cluster import CLUSTERS
 from meshtrain.config import (
     ConfigError,
     RunSpec,
@@ -97,6 +98,10 @@ def simulate(
     out: Path = typer.Option(Path("runs"), "--out", help="Where run directories go."),
     run_id: str = typer.Option(None, "--run-id", help="Name of the run directory."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
+    cluster: str = typer.Option("gbe", "--cluster", help="Project wall-clock on this named cluster "
+                                "(`meshtrain clusters` lists them)."),
+    step_seconds: float = typer.Option(None, "--step-seconds", help="A node's compute per step on "
+                                       "that cluster, if known (default: measured here)."),
     profile: str = TRAINING_FLAGS["profile"],
     strategy: str = TRAINING_FLAGS["strategy"],
     task: str = TRAINING_FLAGS["task"],
@@ -141,6 +146,8 @@ def simulate(
             out_dir=out,
             run_id=run_id,
             progress=progress,
+            cluster=cluster,
+            step_seconds=step_seconds,
             extra_config={"spec": spec.to_dict()},
         )
     except (ConfigError, TaskError) as exc:
@@ -167,7 +174,14 @@ def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
             table.add_row(key.removeprefix("final_").replace("_", " "), f"{value:.4f}")
     table.add_row("sent per node", human_bytes(summary["bytes_sent_per_node"]))
     table.add_row("trainable parameters", f"{summary['trainable_parameters']:,}")
-    table.add_row("wall clock", f"{summary['wall_seconds']:.1f} s")
+    table.add_row("wall clock here", f"{summary['wall_seconds']:.1f} s")
+    projected = summary.get("projected")
+    if projected:
+        table.add_row(
+            f"projected on {projected['cluster']}",
+            f"{projected['total_seconds']:.2f} s (compute {projected['compute_seconds']:.2f} s"
+            f" + communication {projected['communication_seconds']:.2f} s)",
+        )
     console.print(table)
     console.print(f"run directory: [bold]{run_dir}[/]", highlight=False)
 
@@ -196,6 +210,21 @@ def _show_default(value: Any) -> str:
     if value is inspect.Parameter.empty:
         return "(required)"
     return repr(value) if isinstance(value, str) else str(value)
+
+
+@app.command("clusters")
+def list_clusters() -> None:
+    """List the named clusters that `simulate --cluster` projects wall-clock onto."""
+    table = Table(title="clusters (alpha-beta model: latency per message + bytes / bandwidth)")
+    table.add_column("name", style="bold")
+    table.add_column("what it models")
+    table.add_column("bandwidth", justify="right")
+    table.add_column("latency", justify="right")
+    for c in CLUSTERS.values():
+        shared = " shared" if c.shared_medium else ""
+        table.add_row(c.name, c.description, f"{human_bytes(c.bandwidth)}/s{shared}",
+                      f"{c.latency * 1e3:g} ms")
+    console.print(table)
 
 
 @app.command("tasks")
@@ -228,6 +257,11 @@ def list_profile_files() -> None:
             description = f"(invalid: {exc})"
         table.add_row(name, description, str(path))
     console.print(table)
+
+
+from meshtrain.cli import launch as launch_cli  # noqa: E402 - after TRAINING_FLAGS, which it reuses
+
+launch_cli.register(app)
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -17,6 +17,7 @@ S splits evenly.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ class CommLog:
     records: list[CommRecord] = field(default_factory=list)
     bytes_sent: int = 0
     bytes_received: int = 0
+    seconds: float = 0.0  # time spent inside recorded collectives (waiting included)
 
     def add(self, record: CommRecord) -> None:
         self.records.append(record)
@@ -133,6 +135,7 @@ class Communicator(ABC):
         record: bool = True,
     ) -> None:
         """Reduce tensors in place over ``group``, in one flat bucket."""
+        started = time.perf_counter()
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         if not tensors:
             return
@@ -146,12 +149,13 @@ class Communicator(ABC):
             sent, received = ring_all_reduce_bytes(
                 flat.numel(), flat.element_size(), members.index(self.rank), len(members)
             )
-            self._record("all_reduce", sent, received, len(members))
+            self._record("all_reduce", sent, received, len(members), started)
 
     def all_gather(
         self, tensor: torch.Tensor, group: Group | None = None, *, record: bool = True
     ) -> list[torch.Tensor]:
         """Every member's ``tensor`` (same shape and dtype everywhere), in group order."""
+        started = time.perf_counter()
         members = self._members(group)
         if len(members) == 1:
             out = [tensor.clone()]
@@ -160,7 +164,7 @@ class Communicator(ABC):
             out = [t.to(tensor.device) for t in self._all_gather(staged.contiguous(), members)]
         if record:
             nbytes = tensor.numel() * tensor.element_size() * (len(members) - 1)
-            self._record("all_gather", nbytes, nbytes, len(members))
+            self._record("all_gather", nbytes, nbytes, len(members), started)
         return out
 
     def broadcast(
@@ -168,6 +172,7 @@ class Communicator(ABC):
         group: Group | None = None, *, record: bool = True,
     ) -> None:
         """Copy ``src``'s tensors into every member's, in place (one flat bucket)."""
+        started = time.perf_counter()
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         members = self._members(group)
         flat = _flatten(tensors)
@@ -178,9 +183,9 @@ class Communicator(ABC):
         if record:
             nbytes = flat.numel() * flat.element_size()
             if self.rank == src:
-                self._record("broadcast", nbytes * (len(members) - 1), 0, len(members))
+                self._record("broadcast", nbytes * (len(members) - 1), 0, len(members), started)
             else:
-                self._record("broadcast", 0, nbytes, len(members))
+                self._record("broadcast", 0, nbytes, len(members), started)
 
     def gather_objects(self, obj: Any) -> list[Any] | None:
         """Rank 0 gets every node's picklable ``obj``; others get None. Never recorded."""
@@ -216,8 +221,9 @@ class Communicator(ABC):
             raise ValueError(f"rank {self.rank} is not in group {members}")
         return members
 
-    def _record(self, kind: str, sent: int, received: int, group_size: int) -> None:
+    def _record(self, kind: str, sent: int, received: int, group_size: int, started: float) -> None:
         self.log.add(CommRecord(self.step, kind, sent, received, group_size))
+        self.log.seconds += time.perf_counter() - started
 
 
 def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,80 @@
+"""Projected wall-clock on a named cluster: the alpha-beta model, checked by hand."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from meshtrain import Trainer
+from meshtrain.cluster import CLUSTERS, Cluster, collective_seconds, get_cluster, project
+from meshtrain.comm import CommRecord
+from meshtrain.strategies import DDP, DiLoCo
+
+LINK = Cluster("test", "a test link", bandwidth=1e6, latency=1e-3)
+
+
+def test_ring_all_reduce_cost_is_latency_hops_plus_bytes_over_bandwidth() -> None:
+    # 4 nodes all-reduce S = 4 MB: each sends 2*(3/4)*S = 6 MB over 2*3 = 6 hops.
+    record = CommRecord(step=0, kind="all_reduce", bytes_sent=6_000_000, bytes_received=6_000_000,
+                        group_size=4)
+    assert collective_seconds(record, LINK) == pytest.approx(6 * 1e-3 + 6.0)
+
+
+def test_all_gather_broadcast_and_single_node_costs() -> None:
+    gather = CommRecord(0, "all_gather", 3_000, 3_000, 4)
+    assert collective_seconds(gather, LINK) == pytest.approx(3 * 1e-3 + 3e-3)
+    bcast = CommRecord(0, "broadcast", 0, 1_000_000, 8)
+    assert collective_seconds(bcast, LINK) == pytest.approx(math.ceil(math.log2(8)) * 1e-3 + 1.0)
+    assert collective_seconds(CommRecord(0, "all_reduce", 0, 0, 1), LINK) == 0.0
+
+
+def test_shared_medium_divides_bandwidth_among_the_group() -> None:
+    wifi = Cluster("w", "shared", bandwidth=1e6, latency=0.0, shared_medium=True)
+    record = CommRecord(0, "all_reduce", 1_000_000, 1_000_000, 4)
+    assert collective_seconds(record, wifi) == pytest.approx(4.0)
+
+
+def test_project_adds_compute_and_ignores_startup_traffic() -> None:
+    records = [CommRecord(-1, "broadcast", 0, 10**9, 2), CommRecord(3, "all_reduce", 10**6, 10**6, 2)]
+    out = project(records, LINK, steps=10, step_seconds=0.5)
+    assert out["compute_seconds"] == pytest.approx(5.0)
+    assert out["communication_seconds"] == pytest.approx(2 * 1e-3 + 1.0)
+    assert out["total_seconds"] == pytest.approx(out["compute_seconds"] + out["communication_seconds"])
+
+
+class Linear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(31, 8)  # 256 parameters: 1 KiB in float32
+
+    def forward(self, batch):
+        x, y = batch
+        return nn.functional.cross_entropy(self.fc(x), y)
+
+
+@pytest.mark.parametrize(("strategy", "syncs"), [(DDP(optim="sgd", lr=0.1), 20), (DiLoCo(H=5), 4)])
+def test_summary_projects_the_runs_own_collectives(strategy, syncs: int, tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(320, 31, generator=g), torch.randint(0, 8, (320,), generator=g))
+    torch.manual_seed(0)
+    result = Trainer(Linear(), data).fit(strategy=strategy, nodes=4, max_steps=20, batch_size=8,
+                                         out_dir=tmp_path, progress=False, cluster="internet",
+                                         step_seconds=0.25)
+    projected = result.summary["projected"]
+    internet = get_cluster("internet")
+    per_sync = 2 * 3 * internet.latency + 2 * 3 / 4 * 1024 / internet.bandwidth
+    assert projected["cluster"] == "internet"
+    assert projected["compute_seconds"] == pytest.approx(20 * 0.25)
+    assert projected["communication_seconds"] == pytest.approx(syncs * per_sync)
+
+
+def test_unknown_cluster_is_rejected(tmp_path: Path) -> None:
+    data = TensorDataset(torch.randn(16, 31), torch.zeros(16, dtype=torch.long))
+    with pytest.raises(ValueError, match="unknown cluster 'moon'"):
+        Trainer(Linear(), data).fit(nodes=1, max_steps=1, batch_size=4, cluster="moon", out_dir=tmp_path)
+    assert set(CLUSTERS) >= {"wifi", "gbe", "10gbe", "internet", "infiniband"}
