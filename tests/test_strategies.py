@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import yaml
-from helpers import Scalar, Sized, regression_data
+from helpers import MLP, Scalar, Sized, regression_data, unequal_factory
 from torch.testing import assert_close
 
 from meshtrain import Trainer
@@ -23,6 +23,7 @@ from meshtrain.strategies import (
     SPARTADiLoCo,
     Strategy,
 )
+from meshtrain.strategies.demo import ChunkedDCT, dct_matrix
 
 COMMON = ["max_norm", "warmup_steps", "lr_schedule", "min_lr"]
 EXPECTED_PARAMETERS = {
@@ -168,3 +169,83 @@ def test_frozen_parameters_are_not_trained_or_sent(tmp_path):
     assert not torch.equal(res.model.weight, model.weight)
     assert res.summary["trainable_parameters"] == model.weight.numel()
     assert res.summary["parameters"] == model.weight.numel() + model.frozen.numel()
+
+
+class _RecordingFedAvg(FedAvg):
+    """FedAvg that records each node's parameters just before they are averaged."""
+
+    before: dict[int, list[torch.Tensor]] = {}
+
+    def after_optimizer_step(self, step):
+        _RecordingFedAvg.before[self.comm.rank] = [p.detach().clone() for p in self.params]
+        super().after_optimizer_step(step)
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_fedavg_weights_each_node_by_its_samples(weighted, tmp_path):
+    _RecordingFedAvg.before.clear()
+    res = Trainer(MLP(), unequal_factory).fit(_RecordingFedAvg(H=1, weighted=weighted, lr=0.1), nodes=3,
+                                              max_steps=1, batch_size=4, out_dir=tmp_path, progress=False)
+    weights = [16.0, 24.0, 32.0] if weighted else [1.0, 1.0, 1.0]  # unequal_factory: 16 + 8 r samples
+    for i, p in enumerate(res.model.parameters()):
+        expected = sum(w * _RecordingFedAvg.before[r][i] for r, w in enumerate(weights)) / sum(weights)
+        assert_close(p.detach(), expected)
+
+
+def _sparse_module(selector, p, seed=0):
+    strategy = SPARTA(p=p, selector=selector)
+    strategy.setup(MLP(), ThreadCommunicator(ThreadHub(1), 0), seed=seed, max_steps=10)
+    return strategy.modules[0]
+
+
+def test_partitioned_selector_covers_every_element_once_per_cycle():
+    module = _sparse_module("partitioned", 0.3)  # ceil(1 / 0.3) = 4 partitions
+    for cycle in range(2):
+        picked = torch.cat([torch.arange(50)[module.indices(cycle * 4 + r, 0, 50)] for r in range(4)])
+        assert sorted(picked.tolist()) == list(range(50))
+    orders = [[module.indices(c * 4 + r, 0, 50).start for r in range(4)] for c in range(6)]
+    assert len({tuple(o) for o in orders}) > 1  # a fresh seeded order each cycle
+
+
+def test_random_selector_is_seeded_and_differs_by_round_and_tensor():
+    a, b = _sparse_module("random", 0.1), _sparse_module("random", 0.1)
+    assert torch.equal(a.indices(3, 1, 200), b.indices(3, 1, 200))  # every node derives the same
+    assert len(a.indices(3, 1, 200)) == 20
+    assert not torch.equal(a.indices(3, 1, 200), a.indices(4, 1, 200))
+    assert not torch.equal(a.indices(3, 1, 200), a.indices(3, 2, 200))
+    assert not torch.equal(a.indices(3, 1, 200), _sparse_module("random", 0.1, seed=1).indices(3, 1, 200))
+
+
+@pytest.mark.parametrize("shape", [(8, 6), (12,), (4, 3, 5), (6, 2, 2, 2), (7, 11)])
+def test_demo_chunked_dct_round_trip(shape):
+    t = ChunkedDCT.for_shape(torch.Size(shape), 4, torch.float64)
+    x = torch.randn(shape, dtype=torch.float64)
+    coeffs = t.encode(x)
+    assert coeffs.shape[1] == t.coefficients_per_chunk <= 16
+    assert_close(t.decode(coeffs), x)
+    assert_close(coeffs.norm(), x.norm())  # orthonormal: energy preserved
+    d = dct_matrix(5, torch.float64)
+    assert_close(d @ d.T, torch.eye(5, dtype=torch.float64))
+
+
+class _Conv(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv1d(2, 4, 3)
+
+    def forward(self, batch):
+        x = batch[0].reshape(-1, 2, 3)
+        return self.conv(x).pow(2).mean()
+
+
+def test_demo_trains_conv_weights(tmp_path):
+    """Parameters with more than two dimensions (the reference implementation crashes)."""
+    res = Trainer(_Conv(), regression_data(48)).fit(DeMo(lr=0.01, compression_topk=2, compression_chunk=4),
+                                                    nodes=2, max_steps=3, batch_size=4, out_dir=tmp_path,
+                                                    progress=False)
+    moved = (res.model.conv.weight - _Conv().conv.weight).detach() / 0.01
+    assert moved.abs().max() > 0.5
+    # Sign steps: every element moved by a whole number of lr steps, at most one per step.
+    assert_close(moved, moved.round(), rtol=0, atol=1e-3)
+    assert moved.abs().max() <= 3 + 1e-3
