@@ -146,3 +146,13 @@ def test_metrics_keep_byte_counts_exact(tmp_path):
     assert written["bytes_sent"] == "1234567891" and written["total_bytes_received"] == str(2**40 + 3)
     assert float(written["bytes_received"]) == row["bytes_received"]
     assert written["train_loss"] == "0.123457"
+
+
+@pytest.mark.xfail(strict=True, reason="an explicit run_id that already exists is only noticed when rank 0 "
+                   "writes the run, after all the training (NodeFailed: FileExistsError); fit should "
+                   "refuse before starting the nodes. trainer.py is the lead's file")
+def test_existing_run_id_is_refused_before_training(tmp_path):
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(FileExistsError):
+        Trainer(MLP(), regression_data(32)).fit(DiLoCo(H=1), nodes=2, max_steps=2, batch_size=4,
+                                                out_dir=tmp_path, progress=False, run_id="taken")
