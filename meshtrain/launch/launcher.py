@@ -258,6 +258,7 @@ def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], option
                 if r.outcome is not None and r.outcome != "ok":
                     failures.append(RankFailure(r.host.rank, r.host, r.outcome, output.tail(r.host.rank)))
         if all(r.outcome == "ok" for r in ranks):
+            _teardown(ranks, options)  # anything the ranks left running in the background
             run_dir = _copy_back(ranks[0], options, output)
             return LaunchResult(0, [], run_dir, 0.0)
         if not failures:
@@ -271,7 +272,7 @@ def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], option
         output.note(f"{signal.Signals(stop.signum).name} received; stopping every rank",  # type: ignore[arg-type]
                     style="bold yellow")
     t0 = time.monotonic()
-    leftovers = _teardown([r for r in ranks if r.outcome is None or r.outcome != "ok"], options)
+    leftovers = _teardown(ranks, options)
     teardown_seconds = time.monotonic() - t0
     output.note(f"all ranks stopped in {teardown_seconds:.1f} s" if not leftovers else
                 "could not confirm these ranks stopped: " + "; ".join(leftovers), style="bold")
@@ -294,27 +295,29 @@ def _outcome(r: _Rank, options: LaunchOptions) -> str | None:
 
 
 def _teardown(ranks: list[_Rank], options: LaunchOptions) -> list[str]:
-    """Stop every rank still running, all hosts at once; returns those not confirmed stopped."""
+    """Stop every rank and whatever it started, all hosts at once.
+
+    Returns the ranks that could not be confirmed stopped.
+    """
     def stop(r: _Rank) -> str | None:
         p = r.process
         if p is None:
             return None
-        reachable = r.client.get_transport() is not None and r.client.get_transport().is_active()  # type: ignore[union-attr]
+        transport = r.client.get_transport()
+        reachable = transport is not None and transport.is_active()
         if reachable and r.heartbeat is not None and r.heartbeat.silent_for() > options.heartbeat_timeout:
             reachable = False
-        if reachable and not p.finished:
-            p.interrupt()  # Ctrl-C: lets Python print where it was
-            for sig in ("TERM", "KILL"):
-                if _wait(lambda: p.finished, options.grace):
-                    break
-                try:
-                    p.kill(sig)
-                except Exception:  # noqa: BLE001 - the host went away meanwhile
-                    break
+        gone = False
+        if reachable:
+            if not p.finished:
+                p.interrupt()  # Ctrl-C first: lets Python print where it was
+                _wait(lambda: p.finished, options.grace)
+            try:
+                gone = p.stop_group(options.grace)  # the group may outlive its shell
+            except Exception:  # noqa: BLE001 - the host went away meanwhile
+                gone = False
         p.close()
-        if reachable and _wait(lambda: p.finished, options.grace):
-            return None
-        return _kill_from_new_connection(r, options)
+        return None if gone else _kill_from_new_connection(r, options)
 
     with ThreadPoolExecutor(max_workers=max(1, len(ranks))) as pool:
         return [msg for msg in pool.map(stop, ranks) if msg is not None]
@@ -328,13 +331,13 @@ def _kill_from_new_connection(r: _Rank, options: LaunchOptions) -> str | None:
     try:
         client = connect(r.host, timeout=min(3.0, options.connect_timeout))
         try:
-            run(client, f"kill -KILL -- -{pgid} 2>/dev/null; true", timeout=3.0)
+            run(client, f"kill -KILL -{pgid} 2>/dev/null; true", timeout=3.0)
         finally:
             client.close()
         return None
     except Exception:  # noqa: BLE001 - reported to the user instead
         return (f"rank {r.host.rank} on {r.host.name} (process group {pgid}) is unreachable; it stops "
-                f"when its SSH session times out, or run `kill -- -{pgid}` there")
+                f"when its SSH session times out, or run `kill -KILL -{pgid}` there")
 
 
 def _wait(done: object, seconds: float) -> bool:

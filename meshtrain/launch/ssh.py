@@ -257,11 +257,15 @@ class RemoteProcess:
 
     @property
     def finished(self) -> bool:
-        """The remote side closed the session (the command ended, or the connection did)."""
-        return self.channel.exit_status_ready() or self.channel.closed or not self.transport.is_active()
+        """The command ended (its exit marker came, even if children it left hold the
+        output pipe open), or the session or connection closed."""
+        return (self.status is not None or self.channel.exit_status_ready() or self.channel.closed
+                or not self.transport.is_active())
 
     def exit_status(self) -> int | None:
         """The command's exit status; None while it runs or if the connection was lost."""
+        if self.status is not None:
+            return self.status
         if not self.finished:
             return None
         self._reader.join(timeout=2.0)  # the exit marker may still be in flight
@@ -279,11 +283,18 @@ class RemoteProcess:
         except (OSError, EOFError, paramiko.SSHException):
             pass
 
-    def kill(self, signal_name: str = "TERM") -> None:
-        """``kill -SIG -- -PGID`` from a second channel (the pty may be wedged)."""
+    def stop_group(self, grace: float) -> bool:
+        """SIGTERM to the remote process group, SIGKILL after ``grace`` seconds if any of it
+        is left; True once the group is gone. Run from a second channel: the command's shell
+        may be gone already while children that ignore hang-ups live on."""
         if self.pgid is None:
-            return
-        run(self.client, f"kill -{signal_name} -- -{self.pgid} 2>/dev/null; true", timeout=5.0)
+            return True
+        g, polls = self.pgid, max(1, int(grace / 0.1))
+        script = (f"kill -TERM -{g} 2>/dev/null || exit 0; i=0; "
+                  f"while kill -0 -{g} 2>/dev/null; do i=$((i+1)); "
+                  f"if [ $i -gt {polls} ]; then kill -KILL -{g} 2>/dev/null; sleep 0.2; break; fi; "
+                  f"sleep 0.1; done; kill -0 -{g} 2>/dev/null && exit 1; exit 0")
+        return run(self.client, sh(script), timeout=grace + 5.0).status == 0
 
     def close(self) -> None:
         """Close the channel: the pty hangs up, SIGHUP to whatever is left."""

@@ -1,0 +1,163 @@
+"""Faults during a launch, through a real sshd on 127.0.0.1: a rank fails, a rank is
+killed, the launcher gets Ctrl-C / SIGTERM / SIGKILL. Every time the other ranks stop
+within 15 s, and ps finds nothing left behind (neither ranks nor SSH sessions)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import textwrap
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ssh_fixtures import (
+    SshWorld,
+    loopback_world,
+    processes_with,
+    read_until,
+    start_meshtrain,
+    wait_until_gone,
+)
+
+pytestmark = pytest.mark.slow
+
+# Rank 1 fails (or not); rank 0 may be "stubborn": it ignores Ctrl-C, SIGTERM and the hang-up,
+# so only the launcher's last resort (SIGKILL to the process group) stops it.
+SCRIPT = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    rank = int(os.environ["RANK"])
+    mode = sys.argv[2]
+    if rank == 0 and "stubborn" in mode:
+        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(s, signal.SIG_IGN)
+    # A grandchild in the same process group: teardown must reach it too.
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)", sys.argv[1], "child"])
+    print(f"rank {rank} ready", flush=True)
+    if rank == 1 and "fail" in mode:
+        time.sleep(1)
+        print("rank 1 gives up", flush=True)
+        sys.exit(3)
+    time.sleep(600)
+""")
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshWorld]:
+    yield from loopback_world(tmp_path_factory)
+
+
+def start(world: SshWorld, tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], str]:
+    port = world.servers[0].port
+    inv = world.inventory(tmp_path / "inv.yaml", [
+        {"name": "alpha", "host": "127.0.0.1", "port": port},
+        {"name": "beta", "host": "127.0.0.1", "port": port},
+    ], workdir=str(tmp_path / "remote"))
+    script = tmp_path / "fault.py"
+    script.write_text(SCRIPT)
+    marker = f"mt-fault-{uuid.uuid4().hex[:10]}"
+    proc = start_meshtrain(world, "launch", str(inv), "--upload", str(script), "--",
+                           "python", "fault.py", marker, mode, cwd=tmp_path)
+    return proc, marker
+
+
+def sshd_sessions(world: SshWorld) -> list[str]:
+    """Per-connection sshd processes under the test server (its listener excluded)."""
+    out = subprocess.run(["ps", "-eo", "pid=,ppid=,stat=,args="], capture_output=True, text=True).stdout
+    listener = str(world.servers[0].pid)
+    return [line for line in out.splitlines() if line.split()[1] == listener and "Z" not in line.split()[2]]
+
+
+def assert_nothing_left(world: SshWorld, marker: str) -> None:
+    left = wait_until_gone(marker, timeout=5)
+    assert not left, f"processes left behind: {left}"
+    deadline = time.monotonic() + 5
+    while sshd_sessions(world) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not sshd_sessions(world), f"SSH sessions left behind: {sshd_sessions(world)}"
+
+
+def stop_seconds(output: str) -> float:
+    found = re.search(r"all ranks stopped in ([0-9.]+) s", output)
+    assert found, output
+    return float(found.group(1))
+
+
+def test_failing_rank_stops_the_stubborn_others(world: SshWorld, tmp_path: Path) -> None:
+    proc, marker = start(world, tmp_path, "fail,stubborn")
+    try:
+        read_until(proc, ["rank 1 gives up"], timeout=30)
+        failed_at = time.monotonic()
+        output, _ = proc.communicate(timeout=30)
+        elapsed = time.monotonic() - failed_at
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, output
+    assert "rank 1 on beta exited with status 3; stopping the other ranks" in output
+    assert re.search(r"failed: rank 1 on beta \(root@127\.0\.0\.1:\d+\) exited with status 3", output)
+    assert "last lines of rank 1:\n  rank 1 ready\n  rank 1 gives up" in output
+    assert elapsed < 15 and stop_seconds(output) < 15, output
+    assert_nothing_left(world, marker)
+
+
+def _rank_pid(marker: str, rank: int) -> int:
+    for line in processes_with(marker):
+        pid = int(line.split()[0])
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and "fault.py" in line:
+            return pid
+    raise AssertionError(f"no rank {rank} among {processes_with(marker)}")
+
+
+def test_killed_rank_stops_the_others(world: SshWorld, tmp_path: Path) -> None:
+    proc, marker = start(world, tmp_path, "run")
+    try:
+        read_until(proc, ["rank 0 ready", "rank 1 ready"], timeout=30)
+        os.kill(_rank_pid(marker, 1), signal.SIGKILL)
+        killed_at = time.monotonic()
+        output, _ = proc.communicate(timeout=30)
+        elapsed = time.monotonic() - killed_at
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, output
+    assert "rank 1 on beta exited with status 137" in output
+    assert elapsed < 15, output
+    assert_nothing_left(world, marker)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_stopping_the_launcher_stops_every_rank(world: SshWorld, tmp_path: Path, signum: int) -> None:
+    proc, marker = start(world, tmp_path, "run,stubborn")
+    try:
+        read_until(proc, ["rank 0 ready", "rank 1 ready"], timeout=30)
+        proc.send_signal(signum)
+        sent_at = time.monotonic()
+        output, _ = proc.communicate(timeout=30)
+        elapsed = time.monotonic() - sent_at
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signum, output
+    assert f"{signal.Signals(signum).name} received; stopping every rank" in output
+    assert elapsed < 15 and stop_seconds(output) < 15, output
+    assert_nothing_left(world, marker)
+
+
+def test_killed_launcher_leaves_nothing_behind(world: SshWorld, tmp_path: Path) -> None:
+    """SIGKILL gives the launcher no chance to clean up: the ptys' hang-up does it."""
+    proc, marker = start(world, tmp_path, "run")
+    try:
+        read_until(proc, ["rank 0 ready", "rank 1 ready"], timeout=30)
+        assert len([p for p in processes_with(marker) if "fault.py" in p]) == 2
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    assert_nothing_left(world, marker)
