@@ -101,6 +101,19 @@ def test_lora_checkpoint_saves_adapter_and_merged_model(speech: SpeechAssets, tm
     assert eval_loss(merged, batch) == pytest.approx(expected, abs=1e-5)
 
 
+def test_whisper_task_continues_a_saved_lora_run(speech: SpeechAssets, tmp_path: Path) -> None:
+    model, _ = batch_of(speech)
+    tuned = HFModel.from_pretrained(str(speech.model), lora=LoRA(r=4), tokenizer=model.tokenizer,
+                                    feature_extractor=model.feature_extractor, seed=7)
+    tuned.save_pretrained(str(tmp_path / "run-model"))
+    bundle = TASK.build(TaskOptions(data=str(speech.data),
+                                    options=whisper_options(tmp_path / "run-model")))  # lora option ignored
+    again = dict(bundle.model.named_parameters())
+    for name, p in tuned.named_parameters():
+        assert torch.equal(p, again[name]) and p.requires_grad == again[name].requires_grad, name
+    assert bundle.model.trainable_parameters() == tuned.trainable_parameters() == TINY_ADAPTER // 2
+
+
 def test_wer_is_normalised_corpus_word_error_rate() -> None:
     assert word_error_rate(["Hello, world."], ["hello world"]) == 0.0
     assert word_error_rate(["a b c d", "e f"], ["a x c", ""]) == pytest.approx(4 / 6)

@@ -3,7 +3,7 @@
 Importing this package imports transformers; the rest of meshtrain does not.
 """
 
-from meshtrain.hf.model import HFModel, LoRA, ModelLoadError, word_error_rate
+from meshtrain.hf.model import HFModel, LoRA, ModelLoadError, is_adapter_folder, word_error_rate
 from meshtrain.hf.speech import (
     SpeechCollator,
     SpeechDataError,
@@ -26,6 +26,7 @@ __all__ = [
     "check_tokenizer",
     "feature_extractor_for",
     "find_splits",
+    "is_adapter_folder",
     "load_tokenizer",
     "read_audio",
     "word_error_rate",

@@ -114,7 +114,7 @@ class HFModel(nn.Module):
         """Load by hub id or local folder (fp32, also on MPS). A folder this class saved
         with LoRA (``adapter_config.json``) loads its base model plus the adapter."""
         path = Path(name_or_path)
-        if (path / ADAPTER_CONFIG).is_file():
+        if is_adapter_folder(name_or_path):
             if lora is not None:
                 raise ModelLoadError(f"{name_or_path} already holds a LoRA adapter; do not pass lora")
             from peft import PeftConfig, PeftModel
@@ -218,6 +218,11 @@ class HFModel(nn.Module):
 
 
 # ------------------------------------------------------------------------ helpers
+def is_adapter_folder(name_or_path: str) -> bool:
+    """Whether ``name_or_path`` is a folder holding a saved LoRA adapter (peft format)."""
+    return (Path(name_or_path) / ADAPTER_CONFIG).is_file()
+
+
 def word_error_rate(references: Sequence[str], hypotheses: Sequence[str]) -> float:
     """Corpus WER (word edits / reference words) after lower-casing and dropping
     punctuation, so "Hello, world." and "hello world" match. Empty references are skipped."""

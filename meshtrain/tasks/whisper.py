@@ -12,7 +12,7 @@ from typing import Any
 from meshtrain.tasks import Task, TaskBundle, TaskError, TaskOptions
 
 OPTIONS: dict[str, Any] = {
-    "model": "openai/whisper-tiny",  # hub id or local folder (a saved run's model/ works too)
+    "model": "openai/whisper-tiny",  # hub id or local folder (a saved run's model/ continues it)
     "tokenizer": None,  # default: the model's own
     "lora": {"r": 8, "alpha": 32, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]},  # null: full
     "save_merged": False,  # with LoRA, also save the merged model under model/merged/
@@ -35,6 +35,7 @@ def build(opts: TaskOptions) -> TaskBundle:
         TokenizerError,
         feature_extractor_for,
         find_splits,
+        is_adapter_folder,
         load_tokenizer,
     )
 
@@ -44,8 +45,10 @@ def build(opts: TaskOptions) -> TaskBundle:
                         "(file_name,transcription)")
     try:
         train_clips, val_clips = find_splits(opts.data, float(o["val_fraction"]), opts.seed, o["text_column"])
+        # A saved LoRA run (model/ with adapter_config.json) continues with its own adapter.
+        lora = None if is_adapter_folder(o["model"]) else LoRA.from_options(o["lora"])
         model = HFModel.from_pretrained(
-            o["model"], lora=LoRA.from_options(o["lora"]), seed=opts.seed, wer=True,
+            o["model"], lora=lora, seed=opts.seed, wer=True,
             generate_kwargs=_generate_kwargs(o), save_merged=bool(o["save_merged"]),
         )
         tokenizer = model.tokenizer = load_tokenizer(o["tokenizer"] or o["model"])
