@@ -1,0 +1,145 @@
+"""The multi-host test of record: two hosts, each a Linux network namespace with its own
+sshd and its own address (10.200.0.10, 10.200.0.11), the launcher in a third namespace.
+
+* Launching DiLoCo on the two hosts gives bit-identical weights to
+  ``meshtrain simulate --nodes 2 --runtime processes`` with the same options.
+* ``hosts check`` reaches rank 0's rendezvous port from both hosts.
+* An address where no host answers is a one-line error before anything starts.
+* A host whose network drops mid-run is noticed, and the other rank is stopped in < 15 s.
+
+Skipped (with the reason) where namespaces or sshd cannot be had.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import textwrap
+import time
+import uuid
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ssh_fixtures import (
+    PYTHON,
+    Namespaces,
+    SshWorld,
+    meshtrain,
+    netns_world,
+    processes_with,
+    read_until,
+    start_meshtrain,
+    wait_until_gone,
+)
+
+pytestmark = pytest.mark.slow
+GLOO_ABORT = "terminate called without an active exception"
+TRAINING = ["--task", "digits", "--strategy", "diloco", "--steps", "20", "--set", "H=5", "--seed", "3",
+            "--batch-size", "16", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SshWorld, Namespaces]]:
+    yield from netns_world(tmp_path_factory)
+
+
+def inventory(world: SshWorld, tmp_path: Path, extra_host: dict | None = None) -> Path:
+    hosts = [{"name": f"box{i}", "host": s.address, "workdir": str(tmp_path / f"box{i}")}
+             for i, s in enumerate(world.servers)]
+    if extra_host:
+        hosts.append(extra_host)
+    return world.inventory(tmp_path / "inv.yaml", hosts, iface="eth0",
+                           rendezvous={"port": 29500, "timeout": 60})
+
+
+def test_launch_on_two_hosts_matches_simulate_bit_for_bit(world, tmp_path: Path) -> None:
+    ssh, _ = world
+    inv = inventory(ssh, tmp_path)
+    launched = meshtrain(ssh, "launch", str(inv), "--out", str(tmp_path / "runs"), "--run-id", "two-hosts",
+                         *TRAINING, cwd=tmp_path, timeout=240)
+    if GLOO_ABORT in launched.stdout:
+        # A known, intermittent abort inside gloo (about 1 run in 10 here, reproduced without
+        # SSH by starting two launched ranks in namespaces by hand): reported to the core;
+        # retried once, visibly, so the launcher itself is still tested.
+        warnings.warn(f"gloo aborted a rank; retrying once:\n{launched.stdout[-1500:]}", stacklevel=1)
+        launched = meshtrain(ssh, "launch", str(inv), "--out", str(tmp_path / "runs"), "--run-id",
+                             "two-hosts", *TRAINING, cwd=tmp_path, timeout=240)
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+    assert "box0 r0 | run directory: runs/two-hosts" in launched.stdout.splitlines(), launched.stdout
+    assert "box1 r1 | " in launched.stdout
+    local = tmp_path / "runs" / "two-hosts"
+    assert {"config.yaml", "metrics.csv", "summary.json", "model.pt"} <= {p.name for p in local.iterdir()}
+
+    simulated = subprocess.run(
+        [PYTHON, "-m", "meshtrain", "simulate", "--nodes", "2", "--runtime", "processes", "--device", "cpu",
+         "--out", str(tmp_path / "sim"), "--run-id", "sim", *TRAINING],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert simulated.returncode == 0, simulated.stderr
+    a = torch.load(local / "model.pt", weights_only=True)
+    b = torch.load(tmp_path / "sim" / "sim" / "model.pt", weights_only=True)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs between launch and simulate"
+
+
+def test_hosts_check_across_namespaces(world, tmp_path: Path) -> None:
+    ssh, _ = world
+    result = meshtrain(ssh, "hosts", "check", str(inventory(ssh, tmp_path)), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("ok reached") == 2 and "all 2 hosts ready" in result.stdout
+
+
+def test_unreachable_address_fails_before_anything_starts(world, tmp_path: Path) -> None:
+    ssh, _ = world
+    inv = inventory(ssh, tmp_path, {"name": "ghost", "host": "10.200.0.99"})  # nobody there
+    marker = tmp_path / "box0" / "started"
+    started = time.monotonic()
+    result = meshtrain(ssh, "launch", str(inv), "--", "touch", str(marker), cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    assert re.search(r"ghost \(root@10\.200\.0\.99:22\): (cannot reach port 22 \(no route to host\)"
+                     r"|no answer within)", errors[0]), errors[0]
+    assert not marker.exists()
+    assert time.monotonic() - started < 30
+
+
+SLEEPER = textwrap.dedent("""
+    import os, sys, time
+    print("rank", os.environ["RANK"], "ready", flush=True)
+    time.sleep(600)
+""")
+
+
+def test_host_dropping_off_the_network_stops_the_run(world, tmp_path: Path) -> None:
+    ssh, ns = world
+    script = tmp_path / "sleeper.py"
+    script.write_text(SLEEPER)
+    marker = f"mt-drop-{uuid.uuid4().hex[:10]}"
+    proc = start_meshtrain(ssh, "launch", str(inventory(ssh, tmp_path)), "--upload", str(script), "--",
+                           "python", "sleeper.py", marker, cwd=tmp_path)
+    try:
+        read_until(proc, ["rank 0 ready", "rank 1 ready"], timeout=30)
+        ns.set_link(ns.hosts[1], up=False)  # box1's cable is pulled
+        dropped_at = time.monotonic()
+        try:
+            output, _ = proc.communicate(timeout=40)
+            elapsed = time.monotonic() - dropped_at
+        finally:
+            ns.set_link(ns.hosts[1], up=True)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, output
+    assert re.search(r"rank 1 on box1 stopped answering for \d+ s", output), output
+    assert elapsed < 15, output
+    # Rank 0 is stopped by the launcher; rank 1, cut off, ends when its sshd gives up on
+    # the dead session (ClientAliveInterval 5 x 3 here).
+    lines = [p for p in processes_with(marker) if "sleeper.py" in p]
+    assert len(lines) <= 1, lines
+    assert "could not confirm these ranks stopped: rank 1 on box1" in output
+    left = wait_until_gone(marker, timeout=40)
+    assert not left, left
