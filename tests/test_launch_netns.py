@@ -23,7 +23,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from ssh_fixtures import (
     PYTHON,
     Namespaces,
