@@ -138,3 +138,24 @@ def test_rank_environment_and_command(tmp_path: Path) -> None:
     script = rank_command(inv, c, "run-1", ["python", "train.py", "--lr", "1e-3"], training=False)
     assert script.startswith("cd '/srv/my runs' && env ")
     assert script.endswith("/usr/bin/python3 train.py --lr 1e-3")
+
+
+def test_launch_rejects_bad_flags_before_connecting(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from meshtrain.cli.main import app
+
+    inv = write(tmp_path, base())  # 10.0.0.x: never contacted, the flags fail first
+    runner = CliRunner()
+    for args, expected in [
+        (["--strategy", "nope"], "unknown strategy 'nope'"),
+        (["--set", "nonsense=1"], "--set nonsense"),
+        (["--profile", "no-such-profile"], "no profile named 'no-such-profile'"),
+        (["--steps", "5", "--", "python", "x.py"], "training flags or a command after --, not both"),
+        (["--upload", str(tmp_path / "missing.py"), "--", "true"], "--upload"),
+    ]:
+        result = runner.invoke(app, ["launch", str(inv), *args])
+        assert result.exit_code == 2, (args, result.output)
+        assert expected in result.output, (args, result.output)
+    result = runner.invoke(app, ["hosts", "check", str(tmp_path / "none.yaml")])
+    assert result.exit_code == 2 and "inventory file not found" in result.output
