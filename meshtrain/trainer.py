@@ -210,6 +210,15 @@ class Trainer:
         )
         config.validate()
         out = Path(config.out_dir)
+        if run_id is not None and (out / run_id).exists():
+            raise FileExistsError(f"run directory {out / run_id} already exists; pick another --run-id")
+        if isinstance(self.train_data, Dataset):
+            size = len(self.train_data)  # type: ignore[arg-type]
+            if batch_size > size // config.nodes:
+                raise ValueError(
+                    f"batch size {batch_size} is larger than the shard of each node "
+                    f"({size // config.nodes} samples of {size} over {config.nodes} nodes)"
+                )
         job = NodeJob(
             model=self.model,
             train_data=self.train_data,
@@ -285,9 +294,9 @@ def train_node(
     train_set, shard = resolve_dataset(job.train_data, rank, cfg.nodes, "train")
     batches = NodeBatches(train_set, rank=rank, nodes=cfg.nodes, batch_size=cfg.batch_size,
                           seed=cfg.seed, shuffle=cfg.shuffle, shard=shard)
-    max_steps = cfg.max_steps or max(1, math.ceil(cfg.epochs * len(batches)))  # type: ignore[operator]
-    strategy = copy.deepcopy(job.strategy)
     comm.step = -1  # start-up traffic
+    max_steps = cfg.max_steps or _agreed_epoch_steps(cfg.epochs, len(batches), comm)  # type: ignore[arg-type]
+    strategy = copy.deepcopy(job.strategy)
     if verify_replicas:
         _verify_replicas(model, comm)
     strategy.setup(model, comm, seed=cfg.seed, max_steps=max_steps,
@@ -340,6 +349,15 @@ def train_node(
     summary["projected"] = _projection(job, comm, loop_seconds, max_steps)
     run_dir = _write_run(job, strategy, model, history, summary)
     return FitResult(model=model, history=history, run_dir=run_dir, summary=summary)
+
+
+def _agreed_epoch_steps(epochs: float, batches_per_epoch: int, comm: Communicator) -> int:
+    """Steps for ``epochs`` of the smallest node's data: every node must take the same number
+    of steps (factory datasets may differ in size), so they agree on the minimum."""
+    mine = max(1, math.ceil(epochs * batches_per_epoch))
+    steps = torch.tensor([-mine], dtype=torch.float64)
+    comm.all_reduce(steps, op="max", record=False)
+    return int(-steps.item())
 
 
 def _verify_replicas(model: nn.Module, comm: Communicator) -> None:

@@ -114,7 +114,7 @@ def test_listings(tmp_path: Path) -> None:
         (["--strategy", "nope"], "unknown strategy 'nope'"),
         (["--task", "nope"], "unknown task 'nope'"),
         (["--nodes", "0"], "nodes must be >= 1"),
-        (["--batch-size", "5000"], "batch size 5000 is larger than each node's shard"),
+        (["--batch-size", "5000"], "batch size 5000 is larger than the shard of each node"),
         (["--set", "bogus=1"], "--set bogus: not a setting or a parameter of strategy 'diloco'"),
         (["--set", "H=abc"], "H must be int, got 'abc'"),
         (["--set", "H"], "expected key=value"),

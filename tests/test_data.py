@@ -76,8 +76,6 @@ def test_fit_reports_the_oversized_batch(tmp_path):
     assert not tmp_path.exists() or not list(tmp_path.iterdir())
 
 
-@pytest.mark.xfail(strict=True, reason="fit validates the batch inside the nodes: the ValueError "
-                   "arrives wrapped in NodeFailed (RuntimeError); trainer.py is the lead's file now")
 def test_fit_raises_value_error_for_oversized_batch(tmp_path):
     with pytest.raises(ValueError, match="batch size 20"):
         Trainer(MLP(), regression_data(40)).fit(DDP("sgd", 0.1), nodes=4, max_steps=2, batch_size=20,
@@ -172,10 +170,6 @@ def test_epochs_set_the_step_count(tmp_path):
     assert res.summary["steps"] == 9 and len(res.history) == 9
 
 
-@pytest.mark.xfail(strict=True, reason="each node derives max_steps from its own data under epochs=: "
-                   "factories of unequal size make nodes disagree and their collectives mismatch "
-                   "(threads: AttributeError; processes: a hang until timeout_s). trainer.py is the "
-                   "lead's file; needs a start-up agreement on the step count (min or max)")
 def test_epochs_with_unequal_factory_data_agree_on_steps(tmp_path):
     res = Trainer(MLP(), unequal_factory).fit(DDP("sgd", 0.1), nodes=3, epochs=1, batch_size=4,
                                               out_dir=tmp_path, progress=False, timeout_s=10)

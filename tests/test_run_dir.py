@@ -148,9 +148,6 @@ def test_metrics_keep_byte_counts_exact(tmp_path):
     assert written["train_loss"] == "0.123457"
 
 
-@pytest.mark.xfail(strict=True, reason="an explicit run_id that already exists is only noticed when rank 0 "
-                   "writes the run, after all the training (NodeFailed: FileExistsError); fit should "
-                   "refuse before starting the nodes. trainer.py is the lead's file")
 def test_existing_run_id_is_refused_before_training(tmp_path):
     (tmp_path / "taken").mkdir()
     with pytest.raises(FileExistsError):

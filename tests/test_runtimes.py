@@ -11,7 +11,7 @@ import torch
 from helpers import MLP, assert_states_equal, regression_data, run_jobs_as_nodes, unequal_factory
 
 from meshtrain import Trainer
-from meshtrain.runtimes.processes import free_loopback_port
+from meshtrain.comm.torch_dist import host_loopback_store
 from meshtrain.strategies import DDP, SPARTA, DeMo, DiLoCo, FedAvg, Optim, SPARTADiLoCo
 from meshtrain.trainer import NodeJob, TrainConfig
 
@@ -62,7 +62,9 @@ def process_states(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("procs")
     names = list(CONFIGS)
     jobs = [_process_job(n, tmp_path) for n in names]
-    ports = [free_loopback_port() for _ in names]
+    # The parent hosts each job's rendezvous store on loopback, as run_processes does.
+    stores = [host_loopback_store(timeout_s=120) for _ in names]
+    ports = [port for _, port in stores]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=run_jobs_as_nodes, args=(jobs, ports, r, results), daemon=True)

@@ -11,7 +11,6 @@ from typing import Any
 import typer
 from rich.console import Console
 from rich.table import Table
-from torch.utils.data import Dataset
 
 from meshtrain.cluster import CLUSTERS
 from meshtrain.config import (
@@ -81,13 +80,6 @@ def build_run(
         raise ConfigError(str(exc)) from None
     bundle = task.build(TaskOptions(spec.data, spec.seed, check_options(task, spec.task_options)))
     strategy = build_strategy(spec)
-    if isinstance(bundle.train_data, Dataset):
-        shard = len(bundle.train_data) // spec.nodes
-        if spec.batch_size > shard:
-            raise ConfigError(
-                f"batch size {spec.batch_size} is larger than each node's shard "
-                f"({shard} samples of {len(bundle.train_data)} over {spec.nodes} nodes)"
-            )
     return spec, bundle, strategy
 
 

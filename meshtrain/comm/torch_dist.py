@@ -10,6 +10,7 @@ The ring is written with point-to-point send/recv on the default group, so
 
 from __future__ import annotations
 
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -99,13 +100,48 @@ def init_process_group(
     master_port: int,
     device: torch.device,
     timeout_s: float = 1800.0,
+    *,
+    external_store: bool = False,
 ) -> None:
-    """Join the TCP rendezvous at ``master_addr:master_port`` (nccl for CUDA, else gloo)."""
+    """Join the TCP rendezvous at ``master_addr:master_port`` (nccl for CUDA, else gloo).
+
+    By default rank 0 hosts the rendezvous store. With ``external_store`` every rank is a
+    client of a store someone else hosts (the processes runtime's parent, bound to
+    loopback only: see :func:`host_loopback_store`).
+    """
     backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if external_store:
+        store = dist.TCPStore(master_addr, master_port, is_master=False, timeout=timeout)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
+        return
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{master_addr}:{master_port}",
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
+
+
+def host_loopback_store(timeout_s: float) -> tuple[dist.TCPStore, int]:
+    """A rendezvous store listening on 127.0.0.1 only, at a free port: (store, port).
+
+    torch's own store listens on every interface; a simulation needs nothing beyond
+    loopback, so we bind the socket ourselves and hand it over (the store owns it and
+    closes it when it is deleted).
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, master_listen_fd=sock.detach(),
+                          wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    return store, port
+
+
+def loopback_interface() -> str | None:
+    """The loopback interface's name (``lo`` on Linux, ``lo0`` on macOS), for gloo."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in ("lo", "lo0") if n in names), None)

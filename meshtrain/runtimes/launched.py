@@ -31,11 +31,11 @@ def run_launched_rank(job: NodeJob) -> FitResult:
 
 def join_and_train(
     job: NodeJob, rank: int, world: int, addr: str, port: int, timeout_s: float,
-    *, verify_replicas: bool,
+    *, verify_replicas: bool, external_store: bool = False,
 ) -> FitResult:
     """Join the group as ``rank`` and train; used by launched ranks and local processes."""
     device = resolve_device(job.config.device)
-    init_process_group(rank, world, addr, port, device, timeout_s)
+    init_process_group(rank, world, addr, port, device, timeout_s, external_store=external_store)
     try:
         torch.manual_seed(node_seed(job.config.seed, rank))
         return train_node(job, TorchDistCommunicator(), verify_replicas=verify_replicas)

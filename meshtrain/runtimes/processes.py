@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import io
 import multiprocessing as mp
+import os
 import queue
 import socket
 import time
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from meshtrain.comm.torch_dist import host_loopback_store, loopback_interface
 from meshtrain.runtimes.launched import join_and_train
 from meshtrain.trainer import FitResult, NodeFailed, NodeJob
 
@@ -34,9 +36,12 @@ def free_loopback_port() -> int:
 
 def _node_process(job: NodeJob, rank: int, port: int, results: Any) -> None:
     torch.set_num_threads(1)  # N processes share the cores: one intra-op thread each
+    loopback = loopback_interface()
+    if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback  # gloo listens on loopback only
     try:
         result = join_and_train(job, rank, job.config.nodes, "127.0.0.1", port,
-                                job.config.timeout_s, verify_replicas=False)
+                                job.config.timeout_s, verify_replicas=False, external_store=True)
         payload = None
         if rank == 0:
             payload = {
@@ -64,7 +69,8 @@ def run_processes(job: NodeJob) -> FitResult:
     n = job.config.nodes
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_loopback_port()
+    # The rendezvous store lives here, in the parent, listening on loopback only.
+    store, port = host_loopback_store(job.config.timeout_s)
     procs = [
         ctx.Process(target=_node_process, args=(job, r, port, results),
                     name=f"meshtrain-node-{r}", daemon=True)
@@ -95,6 +101,7 @@ def run_processes(job: NodeJob) -> FitResult:
             p.join()
     finally:
         _stop(procs)
+        del store  # closes the listening socket
     rank0 = done[0]
     model = copy.deepcopy(job.model)
     model.load_state_dict(torch.load(io.BytesIO(rank0["state_dict"]), weights_only=True))
