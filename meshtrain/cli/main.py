@@ -85,7 +85,7 @@ def build_run(
 
 @app.command()
 def simulate(
-    nodes: int = typer.Option(None, "--nodes", "-n", help="Number of simulated nodes [default: 4]."),
+    nodes: int = typer.Option(None, "--nodes", "-n", help="Number of simulated nodes (default 4)."),
     runtime: str = typer.Option(None, "--runtime", help="threads (fast) or processes (gloo)."),
     out: Path = typer.Option(Path("runs"), "--out", help="Where run directories go."),
     run_id: str = typer.Option(None, "--run-id", help="Name of the run directory."),
@@ -111,6 +111,16 @@ def simulate(
 
     With no arguments: 4 nodes train an MLP on scikit-learn's digits with DiLoCo.
     Inside a launched rank (RANK and WORLD_SIZE set) it trains that one rank instead.
+
+    Examples:
+
+      meshtrain simulate --nodes 8 --strategy sparta --set p=0.01
+
+      meshtrain simulate --strategy fedavg --set H=10 --set island_size=2 --cluster wifi
+
+      meshtrain simulate --task gpt --data input.txt --set H=50
+
+      meshtrain simulate --profile whisper-tiny-lora --nodes 2 --data recordings/
     """
     from meshtrain import NodeFailed, Trainer
 
