@@ -175,3 +175,20 @@ def test_launch_script_with_trainer_fit(loopback_ssh: SshWorld, tmp_path: Path) 
     assert (remote / "model.pt").read_bytes() == (local / "model.pt").read_bytes()
     assert '"nodes": 2' in (local / "summary.json").read_text()
     assert not any(p.name.startswith(".") for p in (tmp_path / "runs").iterdir())  # no temp dir left
+
+
+def test_the_same_script_runs_under_torchrun(tmp_path: Path) -> None:
+    import shutil
+    import subprocess
+    import sys
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
+    if torchrun is None:
+        pytest.skip("torchrun is not installed beside this interpreter")
+    (tmp_path / "train.py").write_text(TRAIN_SCRIPT)
+    result = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "train.py"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rank 0 local rank 0 done" in result.stdout and "rank 1 local rank 1 done" in result.stdout
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert (run_dir / "model.pt").is_file() and '"nodes": 2' in (run_dir / "summary.json").read_text()
