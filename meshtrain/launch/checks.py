@@ -15,7 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import paramiko
+import torch
 
+import meshtrain
 from meshtrain.launch.inventory import Host, Inventory
 from meshtrain.launch.ssh import RemoteProcess, SSHError, connect, remote_path, run, sh
 
@@ -134,10 +136,6 @@ def check_hosts(inventory: Inventory, *, accept_new_host_keys: bool = False,
 
 
 def _probe_host(client: paramiko.SSHClient, report: HostReport, timeout: float) -> None:
-    import torch
-
-    import meshtrain
-
     host = report.host
     py = remote_path(host.python)
     result = run(client, sh(f"test -x {py} || exit 41; exec {py} -c {shlex.quote(PROBE)} "

@@ -14,7 +14,6 @@ Paths to SSH files (identity_file, known_hosts, ssh_config) are local; ``python`
 from __future__ import annotations
 
 import getpass
-import ipaddress
 import os
 import re
 from dataclasses import dataclass, field
@@ -267,11 +266,3 @@ def _ssh_config(path: Any, alias: str, where: str) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - paramiko raises several kinds on odd files
         raise InventoryError(f"{where}: could not read SSH config {file}: {exc}") from None
 
-
-def is_ip_address(text: str) -> bool:
-    """Whether ``text`` is a literal IPv4/IPv6 address (not a name to resolve)."""
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True

@@ -21,7 +21,7 @@ import signal
 import stat
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -340,13 +340,14 @@ def _kill_from_new_connection(r: _Rank, options: LaunchOptions) -> str | None:
                 f"when its SSH session times out, or run `kill -KILL -{pgid}` there")
 
 
-def _wait(done: object, seconds: float) -> bool:
+def _wait(done: Callable[[], bool], seconds: float) -> bool:
+    """Poll ``done`` for up to ``seconds``; its last answer."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if done():  # type: ignore[operator]
+        if done():
             return True
         time.sleep(0.05)
-    return bool(done())  # type: ignore[operator]
+    return done()
 
 
 # --------------------------------------------------------------------------- copy back
