@@ -67,8 +67,10 @@ class _AcceptNew(paramiko.MissingHostKeyPolicy):
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
         client.get_host_keys().add(hostname, key.get_name(), key)
         line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
-        with _known_hosts_lock:
+        with _known_hosts_lock:  # ranks sharing a host connect at once: record it once
             self.known_hosts.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if self.known_hosts.exists() and line in self.known_hosts.read_text().splitlines(True):
+                return
             with open(self.known_hosts, "a") as f:
                 f.write(line)
 
