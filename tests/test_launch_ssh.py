@@ -192,3 +192,15 @@ def test_the_same_script_runs_under_torchrun(tmp_path: Path) -> None:
     assert "rank 0 local rank 0 done" in result.stdout and "rank 1 local rank 1 done" in result.stdout
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert (run_dir / "model.pt").is_file() and '"nodes": 2' in (run_dir / "summary.json").read_text()
+
+
+def test_launch_refuses_unknown_host_then_accepts_it_once(loopback_ssh: SshWorld, tmp_path: Path) -> None:
+    known = tmp_path / "known_hosts"
+    inv = two_ranks(loopback_ssh, tmp_path, known_hosts=str(known))
+    refused = meshtrain(loopback_ssh, "launch", str(inv), "--", "true", cwd=tmp_path)
+    assert refused.returncode == 2
+    assert refused.stderr.count("unknown host key") == 2 and "--accept-new-host-keys" in refused.stderr
+    accepted = meshtrain(loopback_ssh, "launch", str(inv), "--accept-new-host-keys", "--", "true",
+                         cwd=tmp_path)
+    assert accepted.returncode == 0, accepted.stdout + accepted.stderr
+    assert known.read_text() == loopback_ssh.servers[0].known_hosts_line()  # both ranks, one line
