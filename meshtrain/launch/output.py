@@ -21,9 +21,11 @@ TAIL_LINES = 20
 class RankOutput:
     """Prints the lines of all ranks without interleaving them, keeping each rank's tail."""
 
-    def __init__(self, names: list[str], stream: TextIO | None = None) -> None:
+    def __init__(self, names: list[str], stream: TextIO | None = None,
+                 force_terminal: bool | None = None) -> None:
         self.stream = stream or sys.stdout
-        self.console = Console(file=self.stream, highlight=False, soft_wrap=True)
+        self.console = Console(file=self.stream, highlight=False, soft_wrap=True,
+                               force_terminal=force_terminal)
         width = max(len(n) for n in names) + len(f" r{len(names) - 1}")
         self.prefixes = [f"{name} r{rank}".ljust(width) for rank, name in enumerate(names)]
         self.tails: list[deque[str]] = [deque(maxlen=TAIL_LINES) for _ in names]
@@ -34,9 +36,8 @@ class RankOutput:
         with self._lock:
             self.tails[rank].append(text)
             if self.console.is_terminal:
-                out = Text(self.prefixes[rank] + " | ", style=f"bold {COLOURS[rank % len(COLOURS)]}")
-                out.append(text)
-                self.console.print(out)
+                colour = f"bold {COLOURS[rank % len(COLOURS)]}"
+                self.console.print(Text.assemble((self.prefixes[rank] + " | ", colour), text))
             else:
                 self.stream.write(f"{self.prefixes[rank]} | {text}\n")
                 self.stream.flush()
