@@ -92,6 +92,20 @@ def test_hosts_check_across_namespaces(world, tmp_path: Path) -> None:
     assert result.stdout.count("ok reached") == 2 and "all 2 hosts ready" in result.stdout
 
 
+def test_hosts_check_finds_a_rendezvous_port_no_host_can_reach(world, tmp_path: Path) -> None:
+    """The firewall case: rank 0 answers SSH, but its rendezvous address cannot be reached
+    (here: it advertises an address nobody has, so connections go unanswered)."""
+    ssh, _ = world
+    inv = inventory(ssh, tmp_path)
+    inv.write_text(inv.read_text().replace("name: box0", "name: box0\n  advertise: 10.200.0.50"))
+    result = meshtrain(ssh, "hosts", "check", str(inv), cwd=tmp_path)
+    assert result.returncode == 1, result.stdout + result.stderr
+    for name in ("box0", "box1"):
+        assert re.search(rf"^{name}: rendezvous: cannot connect to 10\.200\.0\.50:29500 .*firewall",
+                         result.stderr, re.M), result.stderr
+    assert "ssh: " not in result.stderr  # everything else passed
+
+
 def test_unreachable_address_fails_before_anything_starts(world, tmp_path: Path) -> None:
     ssh, _ = world
     inv = inventory(ssh, tmp_path, {"name": "ghost", "host": "10.200.0.99"})  # nobody there
