@@ -94,7 +94,7 @@ class Strategy:
         lr: peak learning rate of the local optimizer.
         max_norm: clip the gradient to this global norm before each local step.
         warmup_steps: linear warmup from 0 to ``lr``.
-        lr_schedule: "constant" or "cosine" (decays to ``min_lr`` at the last step).
+        lr_schedule: "constant" or "cosine" (from ``lr`` after warmup to ``min_lr`` at ``max_steps``).
         min_lr: floor of the cosine schedule.
     """
 
