@@ -276,11 +276,18 @@ def _wait_reachable(world: SshWorld, ns: Namespaces) -> None:
 # --------------------------------------------------------------------------- processes
 def processes_with(marker: str) -> list[str]:
     """``ps`` lines of live processes whose command line contains ``marker``."""
-    out = subprocess.run(["ps", "-eo", "pid=,stat=,args="], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(["ps", "-ww", "-eo", "pid=,stat=,args="], capture_output=True, text=True,
+                         check=True).stdout
     me = str(os.getpid())
     return [line for line in out.splitlines()
             if marker in line and line.split()[0] != me and not line.split()[1].startswith("Z")
-            and "ps -eo" not in line]
+            and "ps -ww" not in line]
+
+
+def rank_processes(marker: str, script: str) -> list[str]:
+    """The ranks' own interpreters running ``script`` (not their shells, not the launcher)."""
+    return [line for line in processes_with(marker)
+            if line.split()[2] == PYTHON and line.split()[3] == script]
 
 
 def wait_until_gone(marker: str, timeout: float) -> list[str]:
