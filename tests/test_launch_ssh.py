@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ssh_fixtures import SshWorld, generate_key, loopback_world, meshtrain
+from ssh_fixtures import SshWorld, generate_key, loopback_world, meshtrain, retry_gloo_exit_abort
 
 from meshtrain.launch.inventory import load_inventory
 from meshtrain.launch.ssh import SSHError, connect, run
@@ -163,15 +163,17 @@ def test_launch_script_with_trainer_fit(loopback_ssh: SshWorld, tmp_path: Path) 
     inv = two_ranks(loopback_ssh, tmp_path)
     script = tmp_path / "train.py"
     script.write_text(TRAIN_SCRIPT)
-    result = meshtrain(loopback_ssh, "launch", str(inv), "--upload", str(script), "--run-id", "fit-1",
-                       "--out", str(tmp_path / "runs"), "--", "python", "train.py", cwd=tmp_path)
+    result = retry_gloo_exit_abort(lambda attempt: meshtrain(
+        loopback_ssh, "launch", str(inv), "--upload", str(script), "--run-id", f"fit-{attempt}",
+        "--out", str(tmp_path / "runs"), "--", "python", "train.py", cwd=tmp_path))
+    run_id = "fit-1" if (tmp_path / "runs" / "fit-1").exists() else "fit-0"
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert "alpha r0 | rank 0 local rank 0 done" in lines
     assert "beta r1  | rank 1 local rank 1 done" in lines
-    local = tmp_path / "runs" / "fit-1"
+    local = tmp_path / "runs" / run_id
     assert {"config.yaml", "metrics.csv", "summary.json", "model.pt"} <= {p.name for p in local.iterdir()}
-    remote = tmp_path / "remote" / "runs" / "fit-1"
+    remote = tmp_path / "remote" / "runs" / run_id
     assert (remote / "model.pt").read_bytes() == (local / "model.pt").read_bytes()
     assert '"nodes": 2' in (local / "summary.json").read_text()
     assert not any(p.name.startswith(".") for p in (tmp_path / "runs").iterdir())  # no temp dir left
@@ -185,12 +187,17 @@ def test_the_same_script_runs_under_torchrun(tmp_path: Path) -> None:
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     if torchrun is None:
         pytest.skip("torchrun is not installed beside this interpreter")
-    (tmp_path / "train.py").write_text(TRAIN_SCRIPT)
-    result = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "train.py"], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=120)
+    def attempt(n: int) -> subprocess.CompletedProcess[str]:
+        folder = tmp_path / f"attempt-{n}"
+        folder.mkdir()
+        (folder / "train.py").write_text(TRAIN_SCRIPT)
+        return subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "train.py"], cwd=folder,
+                              capture_output=True, text=True, timeout=120)
+
+    result = retry_gloo_exit_abort(attempt)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rank 0 local rank 0 done" in result.stdout and "rank 1 local rank 1 done" in result.stdout
-    (run_dir,) = (tmp_path / "runs").iterdir()
+    (run_dir,) = (sorted(tmp_path.glob("attempt-*"))[-1] / "runs").iterdir()
     assert (run_dir / "model.pt").is_file() and '"nodes": 2' in (run_dir / "summary.json").read_text()
 
 
