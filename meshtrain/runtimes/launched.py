@@ -38,6 +38,10 @@ def join_and_train(
     init_process_group(rank, world, addr, port, device, timeout_s, external_store=external_store)
     try:
         torch.manual_seed(node_seed(job.config.seed, rank))
-        return train_node(job, TorchDistCommunicator(), verify_replicas=verify_replicas)
+        result = train_node(job, TorchDistCommunicator(), verify_replicas=verify_replicas)
+        # Leave together: a rank tearing gloo down while a peer (or the store on rank 0)
+        # is still mid-exchange can abort the process at exit.
+        dist.barrier()
+        return result
     finally:
         dist.destroy_process_group()
