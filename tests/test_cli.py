@@ -4,27 +4,17 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from cli_process import run_cli
 from typer.testing import CliRunner
 
 from meshtrain.cli.main import app
 
 runner = CliRunner()
 
-
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    """The real entry point in a fresh interpreter (exit codes, stderr, no traceback)."""
-    env = {**os.environ, "COLUMNS": "200"}
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, "-m", "meshtrain", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
 
 
 def test_default_simulate_runs_digits_with_diloco_on_4_nodes(tmp_path: Path) -> None:

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_process import run_cli
 from speech_fixtures import SpeechAssets, speech_fixture  # noqa: F401 (the fixture)
 
 from meshtrain.config import build_strategy, list_profiles, load_profile, parse_set, resolve_spec
@@ -18,13 +16,6 @@ from meshtrain.tasks import check_options, get_task
 ROOT = Path(__file__).resolve().parent.parent
 WHISPER_PROFILES = ["whisper-tiny-lora", "whisper-small-diloco", "whisper-tiny-random-lora"]
 
-
-def run_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "COLUMNS": "200"}
-    env.pop("RANK", None)
-    env.pop("WORLD_SIZE", None)
-    return subprocess.run([sys.executable, "-m", "meshtrain", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.parametrize("name", WHISPER_PROFILES)
