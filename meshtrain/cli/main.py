@@ -26,7 +26,7 @@ from meshtrain.config import (
 from meshtrain.devices import resolve_device
 from meshtrain.progress import human_bytes
 from meshtrain.strategies import STRATEGIES, Strategy
-from meshtrain.tasks import TASKS, TaskError, TaskOptions, check_options, get_task
+from meshtrain.tasks import TASKS, TaskOptions, check_options, get_task
 
 app = typer.Typer(
     help="Train with communication-efficient strategies on simulated nodes or real machines.",
@@ -130,8 +130,6 @@ def simulate(
                  seed=seed, val_interval=val_interval, nodes=nodes, runtime=runtime)
     try:
         spec, bundle, strat = build_run(flags, set_, launched)
-        if spec.steps is None and spec.epochs is None:
-            spec.steps = 100
         result = Trainer(bundle.model, bundle.train_data, bundle.val_data, bundle.collate_fn).fit(
             strategy=strat,
             nodes=None if launched else spec.nodes,
@@ -152,11 +150,9 @@ def simulate(
             step_seconds=step_seconds,
             extra_config={"spec": spec.to_dict()},
         )
-    except (ConfigError, TaskError) as exc:
-        raise fail(str(exc)) from None
     except NodeFailed as exc:
         raise fail(str(exc), code=1) from None
-    except ValueError as exc:  # settings the trainer rejected
+    except (ValueError, FileExistsError) as exc:  # ConfigError, TaskError, rejected settings
         raise fail(str(exc)) from None
     if result.run_dir is not None:
         print_summary(result.summary, result.run_dir)
