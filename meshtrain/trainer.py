@@ -65,6 +65,7 @@ class TrainConfig:
     timeout_s: float = 1800.0  # a collective waiting longer than this fails the run
     cluster: str = "gbe"  # named cluster for the projected wall-clock (meshtrain.cluster)
     step_seconds: float | None = None  # compute per step on that cluster, if known
+    threads: int | None = None  # torch intra-op threads per node (resolved by fit)
     extra_config: dict[str, Any] = field(default_factory=dict)  # recorded in config.yaml
 
     def validate(self) -> None:
@@ -86,6 +87,8 @@ class TrainConfig:
         if self.runtime not in RUNTIMES + ("launched",):
             raise ValueError(f"runtime must be one of {RUNTIMES}, got {self.runtime!r}")
         get_cluster(self.cluster)
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.val_interval is not None and self.val_interval < 1:
             raise ValueError(f"val_interval must be >= 1, got {self.val_interval}")
 
@@ -171,12 +174,18 @@ class Trainer:
         timeout_s: float = 1800.0,
         cluster: str = "gbe",
         step_seconds: float | None = None,
+        threads: int | None = None,
         extra_config: dict[str, Any] | None = None,
     ) -> FitResult:
         """Train and return the global model, per-step history and the run directory.
 
         ``cluster`` names the cluster whose wall-clock the summary projects (see
         ``meshtrain clusters``); ``step_seconds`` is a node's compute per step there.
+
+        ``threads`` is torch's intra-op thread count per node. Default: the
+        MESHTRAIN_THREADS environment variable if set, else every core on a launched
+        rank and 1 per node locally (simulated nodes share this machine's cores).
+        Results are bit-identical across runtimes only at the same thread count.
 
         Inside a launched rank (RANK and WORLD_SIZE set, as by ``meshtrain launch`` or
         torchrun) this process joins the group as that rank instead of spawning nodes.
@@ -206,6 +215,7 @@ class Trainer:
             timeout_s=timeout_s,
             cluster=cluster,
             step_seconds=step_seconds,
+            threads=resolve_threads(threads, runtime),
             extra_config=dict(extra_config or {}),
         )
         config.validate()
@@ -234,6 +244,21 @@ class Trainer:
         from meshtrain import runtimes  # runtimes import this module
 
         return runtimes.run(job)
+
+
+def resolve_threads(threads: int | None, runtime: str) -> int:
+    """Intra-op threads per node: explicit, else MESHTRAIN_THREADS, else the runtime's default."""
+    if threads is not None:
+        return threads
+    env = os.environ.get("MESHTRAIN_THREADS")
+    if env:
+        try:
+            return int(env)
+        except ValueError:
+            raise ValueError(f"MESHTRAIN_THREADS must be a whole number, got {env!r}") from None
+    if runtime == "launched":
+        return os.cpu_count() or 1  # a real host: use all of its cores
+    return 1  # simulated nodes share this machine's cores
 
 
 # --------------------------------------------------------------------------- nodes
@@ -340,10 +365,11 @@ def train_node(
     final = evaluator.evaluate(strategy.params_data()) if evaluator else {}
 
     report = NodeReport(losses, seconds, *_bytes_per_step(comm, max_steps), startup_sent)
-    reports = comm.gather_objects(report)
+    gathered = comm.gather_json(asdict(report))
     if rank != 0:
         return FitResult(model=model, history=[], run_dir=None, summary={})
-    assert reports is not None
+    assert gathered is not None
+    reports = [NodeReport(**r) for r in gathered]
     history = _history(job, strategy, reports, history_val, final, max_steps)
     summary = _summary(job, strategy, history, final, reports, model)
     summary["projected"] = _projection(job, comm, loop_seconds, max_steps)

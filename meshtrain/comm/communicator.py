@@ -17,6 +17,7 @@ S splits evenly.
 
 from __future__ import annotations
 
+import json
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -27,6 +28,8 @@ import torch
 
 ReduceOp = Literal["mean", "sum", "max"]
 Group = Sequence[int]
+#: Largest node report gather_json accepts (per-step numbers of a long run fit easily).
+MAX_JSON_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -187,9 +190,29 @@ class Communicator(ABC):
             else:
                 self._record("broadcast", 0, nbytes, len(members), started)
 
-    def gather_objects(self, obj: Any) -> list[Any] | None:
-        """Rank 0 gets every node's picklable ``obj``; others get None. Never recorded."""
-        return self._gather_objects(obj)
+    def gather_json(self, value: Any, *, max_bytes: int = MAX_JSON_BYTES) -> list[Any] | None:
+        """Rank 0 gets every node's ``value`` (JSON-able); others get None. Never recorded.
+
+        Values travel as UTF-8 JSON in uint8 tensors, never pickled: a peer can send data,
+        not code. A payload over ``max_bytes`` is refused on both sides.
+        """
+        payload = json.dumps(value, allow_nan=True).encode()
+        if len(payload) > max_bytes:
+            raise ValueError(f"node {self.rank}: report of {len(payload)} bytes exceeds {max_bytes}")
+        everyone = list(range(self.world_size))
+        sizes = self.all_gather(torch.tensor([len(payload)], dtype=torch.int64), record=False)
+        longest = int(max(int(s) for s in sizes))
+        if longest > max_bytes:
+            raise ValueError(f"a node's report of {longest} bytes exceeds {max_bytes}")
+        buffer = torch.zeros(longest, dtype=torch.uint8)
+        buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        gathered = self.all_gather(buffer, everyone, record=False)
+        if self.rank != 0:
+            return None
+        return [
+            json.loads(bytes(t[: int(n)].tolist()).decode())
+            for t, n in zip(gathered, sizes, strict=True)
+        ]
 
     def staging_device(self, tensor: torch.Tensor) -> torch.device:
         """Where a tensor must be for this backend to move it (CPU unless overridden)."""
@@ -208,9 +231,6 @@ class Communicator(ABC):
 
     @abstractmethod
     def _broadcast(self, flat: torch.Tensor, src: int, members: list[int]) -> torch.Tensor: ...
-
-    @abstractmethod
-    def _gather_objects(self, obj: Any) -> list[Any] | None: ...
 
     # ------------------------------------------------------------------ helpers
     def _members(self, group: Group | None) -> list[int]:

@@ -122,10 +122,6 @@ class ThreadCommunicator(Communicator):
             self._key(members), self.rank, flat, lambda xs: xs[index].clone()
         )
 
-    def _gather_objects(self, obj: Any) -> list[Any] | None:
-        everyone = list(range(self.world_size))
-        result = self.hub.exchange(self._key(everyone), self.rank, obj, list)
-        return list(result) if self.rank == 0 else None
 
     def abort(self, error: BaseException) -> None:
         self.hub.abort(error)

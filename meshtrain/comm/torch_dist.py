@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import socket
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -87,10 +86,6 @@ class TorchDistCommunicator(Communicator):
         dist.recv(out, src)
         return out
 
-    def _gather_objects(self, obj: Any) -> list[Any] | None:
-        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0)
-        return out
 
 
 def init_process_group(
