@@ -89,6 +89,15 @@ def test_ssh_config_alias_is_resolved(tmp_path: Path) -> None:
         (lambda r: r["hosts"][1].update(env={"1X": "3"}), r"host 'b': key 'env': '1X' is not a valid"),
         (lambda r: r["hosts"][1].update(iface="en0; rm -rf /"), r"host 'b': key 'iface'"),
         (lambda r: r["hosts"][0].pop("name"), r"hosts\[0\]: missing key 'name'"),
+        (lambda r: r["hosts"][1].update(threads=0), r"host 'b': key 'threads': expected a whole number"),
+        (lambda r: r["defaults"].update(threads="8"), r"host 'a': key 'threads': .* got '8'"),
+        (lambda r: r["hosts"][0].update(threads=2.5), r"host 'a': key 'threads': .* got 2.5"),
+        (lambda r: r["hosts"][0].update(threads=True), r"host 'a': key 'threads': .* got True"),
+        (lambda r: r["hosts"][0].update(env={"MESHTRAIN_THREADS": "2"}),
+         r"host 'a': key 'env': set the thread count with 'threads'"),
+        (lambda r: r.update(rendezvous={"heartbeat_timeout": 0}), r"rendezvous: key 'heartbeat_timeout'"),
+        (lambda r: r.update(rendezvous={"heartbeat_timeout": "30s"}),
+         r"rendezvous: key 'heartbeat_timeout': expected seconds > 0, got '30s'"),
         (lambda r: r.update(hosts=[]), r"'hosts' must be a non-empty list"),
         (lambda r: r.update(nodes=3), r"unknown key 'nodes'"),
     ],
@@ -136,7 +145,7 @@ def test_rank_environment_and_command(tmp_path: Path) -> None:
     assert tail == ["/usr/bin/python3", "-m", "meshtrain", "simulate", "--steps", "5", "--set", "H=2",
                     "--device", "auto", "--out", "runs", "--run-id", "run-1"]
     script = rank_command(inv, c, "run-1", ["python", "train.py", "--lr", "1e-3"], training=False)
-    assert script.startswith("cd '/srv/my runs' && env ")
+    assert script.startswith("cd '/srv/my runs' && ") and " env " not in script
     assert script.endswith("/usr/bin/python3 train.py --lr 1e-3")
 
 
@@ -153,9 +162,56 @@ def test_launch_rejects_bad_flags_before_connecting(tmp_path: Path) -> None:
         (["--profile", "no-such-profile"], "no profile named 'no-such-profile'"),
         (["--steps", "5", "--", "python", "x.py"], "training flags or a command after --, not both"),
         (["--upload", str(tmp_path / "missing.py"), "--", "true"], "--upload"),
+        (["--threads", "0", "--", "true"], "--threads: expected a whole number of threads >= 1, got 0"),
+        (["--heartbeat-timeout", "-1", "--", "true"], "--heartbeat-timeout: expected seconds > 0"),
     ]:
         result = runner.invoke(app, ["launch", str(inv), *args])
         assert result.exit_code == 2, (args, result.output)
         assert expected in result.output, (args, result.output)
     result = runner.invoke(app, ["hosts", "check", str(tmp_path / "none.yaml")])
     assert result.exit_code == 2 and "inventory file not found" in result.output
+
+
+def test_threads_default_per_host_and_reach_the_rank_environment(tmp_path: Path) -> None:
+    raw = base(threads=4)
+    raw["defaults"]["threads"] = 2
+    raw["hosts"].append({"name": "c", "host": "10.0.0.3"})
+    raw["defaults"].pop("threads")
+    raw["hosts"][2]["threads"] = 1
+    inv = load_inventory(write(tmp_path, raw))
+    a, b, c = inv.hosts
+    assert (a.threads, b.threads, c.threads) == (4, None, 1)
+    assert rank_env(inv, a, "r")["MESHTRAIN_THREADS"] == "4"
+    assert "MESHTRAIN_THREADS" not in rank_env(inv, b, "r")  # unset: the rank uses every core
+    raw = base()
+    raw["defaults"]["threads"] = 3
+    inv = load_inventory(write(tmp_path, raw))
+    assert [h.threads for h in inv.hosts] == [3, 3]
+
+
+def test_heartbeat_settings_reach_the_rank_environment(tmp_path: Path) -> None:
+    raw = base()
+    inv = load_inventory(write(tmp_path, raw))
+    assert inv.rendezvous.heartbeat_timeout == 30
+    env = rank_env(inv, inv.hosts[0], "r")
+    assert float(env["MESHTRAIN_HEARTBEAT"]) <= 30 / 4 and env["MESHTRAIN_HEARTBEAT_FD"] == "3"
+    raw["rendezvous"] = {"heartbeat_timeout": 2}
+    inv = load_inventory(write(tmp_path, raw))
+    assert float(rank_env(inv, inv.hosts[0], "r")["MESHTRAIN_HEARTBEAT"]) <= 0.5
+
+
+def test_interpreter_path_with_equals_sign_runs_as_the_program(tmp_path: Path) -> None:
+    """``env`` would take ``/opt/py=3.12/bin/python`` for an assignment (exit 127); sh does not."""
+    import subprocess
+
+    folder = tmp_path / "py=3.12" / "bin"
+    folder.mkdir(parents=True)
+    fake = folder / "python"
+    fake.write_text("#!/bin/sh\necho \"ran $0 with RANK=$RANK args $*\"\n")
+    fake.chmod(0o755)
+    raw = base(python=str(fake), workdir=str(tmp_path))
+    inv = load_inventory(write(tmp_path, raw))
+    line = rank_command(inv, inv.hosts[0], "run-1", ["python", "x.py"], training=False)
+    result = subprocess.run(["/bin/sh", "-c", line], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"ran {fake} with RANK=0 args x.py\n"

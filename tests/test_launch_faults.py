@@ -161,3 +161,62 @@ def test_killed_launcher_leaves_nothing_behind(world: SshWorld, tmp_path: Path) 
         proc.kill()
     # Nobody tears down: sshd sees the connection close and hangs up the ptys.
     assert_nothing_left(world, marker, timeout=15)
+
+
+# --------------------------------------------------------------------------- known_hosts
+def _host(world: SshWorld, tmp_path: Path, known: Path):
+    from meshtrain.launch.inventory import load_inventory
+
+    port = world.servers[0].port
+    inv = world.inventory(tmp_path / "kh.yaml", [{"name": "alpha", "host": "127.0.0.1", "port": port}],
+                          known_hosts=str(known))
+    return load_inventory(inv).hosts[0]
+
+
+def _other_key_line(tmp_path: Path, name: str) -> str:
+    from ssh_fixtures import generate_key
+
+    key = generate_key(tmp_path / f"key_{uuid.uuid4().hex[:8]}")
+    kind, blob = Path(f"{key}.pub").read_text().split()[:2]
+    return f"{name} {kind} {blob}"
+
+
+def test_accepting_a_key_into_known_hosts_without_final_newline(world: SshWorld, tmp_path: Path) -> None:
+    """The new key goes on its own line; before, it was glued to the last one and every host
+    was then refused with 'Incorrect padding'."""
+    from meshtrain.launch.ssh import connect
+
+    other = _other_key_line(tmp_path, "other.example")
+    known = tmp_path / "known_hosts"
+    known.write_text(other)  # no final newline, as some editors leave it
+    host = _host(world, tmp_path, known)
+    connect(host, accept_new_host_keys=True).close()
+    assert known.read_text() == other + "\n" + world.servers[0].known_hosts_line()
+    connect(host).close()  # readable afterwards: the key is trusted without the flag
+
+
+def test_marker_lines_and_a_broken_line_do_not_break_known_hosts(world: SshWorld, tmp_path: Path) -> None:
+    from meshtrain.launch.ssh import connect
+
+    known = tmp_path / "known_hosts"
+    ca = _other_key_line(tmp_path, "*.example.org").split(" ", 1)
+    revoked_other = _other_key_line(tmp_path, "*").split(" ", 1)
+    known.write_text(f"@cert-authority *.example.org {ca[1]}\n@revoked * {revoked_other[1]}\n"
+                     "glued.example ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAI\n"  # cut short: undecodable
+                     + world.servers[0].known_hosts_line())
+    connect(_host(world, tmp_path, known)).close()
+
+
+def test_revoked_host_key_is_refused_with_a_clear_message(world: SshWorld, tmp_path: Path) -> None:
+    from meshtrain.launch.ssh import SSHError, connect
+
+    line = world.servers[0].known_hosts_line()
+    kind_blob = line.split(" ", 1)[1]
+    known = tmp_path / "known_hosts"
+    for text in (f"@revoked * {kind_blob}",  # revoked only: not accepted even with accept-new
+                 line + f"@revoked [127.0.0.1]:* {kind_blob}"):  # also listed plainly: still refused
+        known.write_text(text)
+        with pytest.raises(SSHError, match=r"alpha \(root@127\.0\.0\.1:\d+\): host key ssh-ed25519 "
+                                           r"\S+ is marked @revoked in .*known_hosts; refusing"):
+            connect(_host(world, tmp_path, known), accept_new_host_keys=True)
+        assert known.read_text() == text  # nothing recorded

@@ -95,6 +95,21 @@ def _check_training_flags(flags: dict[str, Any], overrides: list[str]) -> None:
         raise fail(str(exc)) from None
 
 
+def _apply_overrides(inv: Inventory, threads: int | None, heartbeat_timeout: float | None) -> Inventory:
+    """``--threads`` and ``--heartbeat-timeout`` over the inventory's settings (bad value: exit 2)."""
+    if threads is not None:
+        if threads < 1:
+            raise fail(f"--threads: expected a whole number of threads >= 1, got {threads}")
+        inv = dataclasses.replace(inv, hosts=tuple(dataclasses.replace(h, threads=threads)
+                                                   for h in inv.hosts))
+    if heartbeat_timeout is not None:
+        if not 0 < heartbeat_timeout < float("inf"):
+            raise fail(f"--heartbeat-timeout: expected seconds > 0, got {heartbeat_timeout}")
+        inv = dataclasses.replace(inv, rendezvous=dataclasses.replace(
+            inv.rendezvous, heartbeat_timeout=heartbeat_timeout))
+    return inv
+
+
 def register(app: typer.Typer) -> None:
     """Add ``hosts check`` and ``launch`` to the ``meshtrain`` app."""
     from meshtrain.cli.main import TRAINING_FLAGS as F
@@ -117,6 +132,13 @@ def register(app: typer.Typer) -> None:
                                                   "keys in known_hosts; changed keys are still refused)."),
         upload: list[Path] = typer.Option([], "--upload", help="Copy a local file into every workdir first."),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress lines from rank 0."),
+        threads: int = typer.Option(
+            None, "--threads", help="Torch intra-op threads of every rank (overrides the inventory's "
+                                    "'threads'; default: every core of each host)."),
+        heartbeat_timeout: float = typer.Option(
+            None, "--heartbeat-timeout", help="Stop the run when a rank sends no heartbeat for this many "
+                                              "seconds (stopped or hung); default: the inventory's "
+                                              "rendezvous.heartbeat_timeout, else 30."),
         profile: str = F["profile"],
         strategy: str = F["strategy"],
         task: str = F["task"],
@@ -149,6 +171,7 @@ def register(app: typer.Typer) -> None:
         if device:
             inv = dataclasses.replace(inv, hosts=tuple(dataclasses.replace(h, device=device)
                                                        for h in inv.hosts))
+        inv = _apply_overrides(inv, threads, heartbeat_timeout)
         if training:
             _check_training_flags(flags, set_)
             forwarded = [w for k, v in flags.items() if v is not None for w in (FORWARDED[k], str(v))]

@@ -1,9 +1,9 @@
 """The inventory: which machines a launched run uses, read from a YAML file.
 
     defaults: {user: alice, python: /opt/homebrew/bin/python3, device: auto}
-    rendezvous: {port: 29500, timeout: 1800}
+    rendezvous: {port: 29500, timeout: 1800, heartbeat_timeout: 30}
     hosts:
-      - {name: studio-1, host: 192.168.1.101, iface: en0}
+      - {name: studio-1, host: 192.168.1.101, iface: en0, threads: 8}
       - {name: studio-2, host: studio-2.local}
 
 Rank 0 is the first host. Every error names the file, the host and the key at fault.
@@ -26,13 +26,14 @@ import yaml
 # Keys a host entry may set; every one except name/host/advertise may also go in defaults.
 HOST_ONLY_KEYS = ("name", "host", "advertise")
 SHARED_KEYS = ("user", "port", "identity_file", "known_hosts", "ssh_config", "python", "workdir",
-               "device", "env", "iface")
+               "device", "env", "iface", "threads")
 TOP_KEYS = ("defaults", "rendezvous", "hosts")
-RENDEZVOUS_KEYS = ("port", "timeout")
+RENDEZVOUS_KEYS = ("port", "timeout", "heartbeat_timeout")
 DEVICES = ("auto", "cpu", "mps", "cuda")
 # The launcher sets these on every rank; an inventory setting them would break the run.
 RESERVED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                "MESHTRAIN_TIMEOUT", "MESHTRAIN_RUN_ID", "GLOO_SOCKET_IFNAME")
+                "MESHTRAIN_TIMEOUT", "MESHTRAIN_RUN_ID", "GLOO_SOCKET_IFNAME", "MESHTRAIN_HEARTBEAT",
+                "MESHTRAIN_HEARTBEAT_FD")
 SECRET_WORDS = ("password", "passphrase", "secret")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -49,6 +50,7 @@ class Rendezvous:
 
     port: int = 29500
     timeout: float = 1800.0  # seconds a collective may wait (a straggler on a slow Mac)
+    heartbeat_timeout: float = 30.0  # a rank silent this long is hung: the run stops
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,7 @@ class Host:
     device: str = "auto"
     env: dict[str, str] = field(default_factory=dict)
     iface: str | None = None  # GLOO_SOCKET_IFNAME on this host
+    threads: int | None = None  # torch intra-op threads of this rank (None: every core)
 
     @property
     def label(self) -> str:
@@ -153,13 +156,24 @@ def _check_keys(mapping: dict[Any, Any], allowed: tuple[str, ...], where: str) -
 def _parse_rendezvous(raw: Any, path: Path) -> Rendezvous:
     where = f"{path}: rendezvous"
     if not isinstance(raw, dict):
-        raise InventoryError(f"{where}: expected a mapping with keys port, timeout")
+        raise InventoryError(f"{where}: expected a mapping with keys {', '.join(RENDEZVOUS_KEYS)}")
     _check_keys(raw, RENDEZVOUS_KEYS, where)
     port = _port(raw.get("port", Rendezvous.port), f"{where}: key 'port'")
-    timeout = raw.get("timeout", Rendezvous.timeout)
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise InventoryError(f"{where}: key 'timeout': expected seconds > 0, got {timeout!r}")
-    return Rendezvous(port=port, timeout=float(timeout))
+    seconds = {}
+    for key in ("timeout", "heartbeat_timeout"):
+        value = raw.get(key, getattr(Rendezvous, key))
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+                or value == float("inf")):
+            raise InventoryError(f"{where}: key {key!r}: expected seconds > 0, got {value!r}")
+        seconds[key] = float(value)
+    return Rendezvous(port=port, **seconds)
+
+
+def parse_threads(value: Any, where: str) -> int:
+    """A thread count: a whole number >= 1 (``where`` names the file, host and key)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InventoryError(f"{where}: expected a whole number of threads >= 1, got {value!r}")
+    return value
 
 
 def _port(value: Any, where: str) -> int:
@@ -228,10 +242,14 @@ def _parse_host(defaults: dict[str, Any], entry: dict[str, Any], rank: int, wher
         if not _IFACE.match(iface):
             raise InventoryError(f"{where}: key 'iface': {iface!r} is not an interface name")
     advertise = _text(merged.get("advertise", hostname), f"{where}: key 'advertise'")
+    threads = merged.get("threads")
+    if threads is not None:
+        threads = parse_threads(threads, f"{where}: key 'threads'")
     return Host(
         name=name, rank=rank, host=alias, hostname=hostname, advertise=advertise,
         user=_text(user, f"{where}: key 'user'"), port=port, identity_file=identity,
         known_hosts=known_hosts, python=python, workdir=workdir, device=device, env=env, iface=iface,
+        threads=threads,
     )
 
 
@@ -243,6 +261,9 @@ def _parse_env(env: Any, where: str) -> dict[str, str]:
         key = str(key)
         if not _ENV_NAME.match(key):
             raise InventoryError(f"{where}: key 'env': {key!r} is not a valid variable name")
+        if key == "MESHTRAIN_THREADS":
+            raise InventoryError(f"{where}: key 'env': set the thread count with 'threads', not "
+                                 "MESHTRAIN_THREADS")
         if key in RESERVED_ENV:
             raise InventoryError(f"{where}: key 'env': {key} is set by the launcher for each rank")
         if isinstance(value, (dict, list)) or value is None:

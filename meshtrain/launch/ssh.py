@@ -23,13 +23,14 @@ from pathlib import Path
 
 import paramiko
 
+from meshtrain.launch.heartbeat import BEAT, HEARTBEAT_FD
 from meshtrain.launch.inventory import Host
+from meshtrain.launch.known_hosts import KnownHosts, append_known_host, load_known_hosts
 
 CONNECT_TIMEOUT = 10.0
 KEEPALIVE_SECONDS = 5
 PID_MARKER = "__MESHTRAIN_PID__"
 EXIT_MARKER = "__MESHTRAIN_EXIT__"
-_known_hosts_lock = threading.Lock()
 
 
 class SSHError(RuntimeError):
@@ -49,30 +50,33 @@ class UnknownHostKey(paramiko.SSHException):
         self.key = key
 
 
-class _RejectUnknown(paramiko.MissingHostKeyPolicy):
-    def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
-        raise UnknownHostKey(hostname, key)
+class RevokedHostKey(paramiko.SSHException):
+    """The host presented a key marked ``@revoked`` in known_hosts."""
+
+    def __init__(self, hostname: str, key: paramiko.PKey) -> None:
+        super().__init__(f"revoked host key for {hostname}")
+        self.hostname = hostname
+        self.key = key
 
 
-class _AcceptNew(paramiko.MissingHostKeyPolicy):
-    """Trust a key seen for the first time and append it to known_hosts.
+class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
+    """Called by paramiko for a key known_hosts does not list for the host.
 
-    Only called for hosts with no recorded key: a key that differs from a recorded
-    one makes paramiko raise BadHostKeyException before any policy is asked.
+    A revoked key is refused first. Otherwise an unknown key is refused, or, when the
+    user opted in, trusted and recorded (OpenSSH's ``accept-new``). A key that differs
+    from a recorded one never gets here: paramiko raises BadHostKeyException first.
     """
 
-    def __init__(self, known_hosts: str) -> None:
-        self.known_hosts = Path(known_hosts)
+    def __init__(self, known: KnownHosts, path: str, accept_new: bool) -> None:
+        self.known, self.path, self.accept_new = known, path, accept_new
 
     def missing_host_key(self, client: paramiko.SSHClient, hostname: str, key: paramiko.PKey) -> None:
+        if self.known.is_revoked(hostname, key):
+            raise RevokedHostKey(hostname, key)
+        if not self.accept_new:
+            raise UnknownHostKey(hostname, key)
         client.get_host_keys().add(hostname, key.get_name(), key)
-        line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
-        with _known_hosts_lock:  # ranks sharing a host connect at once: record it once
-            self.known_hosts.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            if self.known_hosts.exists() and line in self.known_hosts.read_text().splitlines(True):
-                return
-            with open(self.known_hosts, "a") as f:
-                f.write(line)
+        append_known_host(self.path, hostname, key)
 
 
 def known_hosts_name(host: Host) -> str:
@@ -91,13 +95,15 @@ def connect(
     if host.identity_file is not None and not Path(host.identity_file).is_file():
         raise SSHError(host, f"identity_file {host.identity_file} does not exist")
     client = paramiko.SSHClient()
-    if Path(host.known_hosts).is_file():
-        try:
-            client.load_host_keys(host.known_hosts)
-        except Exception as exc:  # noqa: BLE001 - a corrupt file: say which
-            raise SSHError(host, f"cannot read known_hosts {host.known_hosts}: {exc}") from None
-    client.set_missing_host_key_policy(_AcceptNew(host.known_hosts) if accept_new_host_keys
-                                       else _RejectUnknown())
+    try:
+        known = load_known_hosts(host.known_hosts)
+    except OSError as exc:
+        raise SSHError(host, f"cannot read known_hosts {host.known_hosts}: {exc.strerror}") from None
+    for name in known.keys.keys():
+        for kind, key in known.keys[name].items():
+            if not known.is_revoked(known_hosts_name(host), key):  # revoked: never trusted
+                client.get_host_keys().add(name, kind, key)
+    client.set_missing_host_key_policy(_HostKeyPolicy(known, host.known_hosts, accept_new_host_keys))
     try:
         client.connect(
             host.hostname, port=host.port, username=host.user,
@@ -113,8 +119,13 @@ def connect(
             f"check the fingerprint and accept it with --accept-new-host-keys, or run "
             f"`ssh -p {host.port} {host.user}@{host.hostname}` once",
         ) from None
+    except RevokedHostKey as exc:
+        client.close()
+        raise SSHError(host, _revoked_message(host, exc.key)) from None
     except paramiko.BadHostKeyException as exc:
         client.close()
+        if known.is_revoked(known_hosts_name(host), exc.key):
+            raise SSHError(host, _revoked_message(host, exc.key)) from None
         raise SSHError(
             host,
             f"HOST KEY CHANGED (now {exc.key.get_name()} {exc.key.fingerprint}); refusing to connect "
@@ -151,6 +162,11 @@ def connect(
     assert transport is not None
     transport.set_keepalive(KEEPALIVE_SECONDS)
     return client
+
+
+def _revoked_message(host: Host, key: paramiko.PKey) -> str:
+    return (f"host key {key.get_name()} {key.fingerprint} is marked @revoked in {host.known_hosts}; "
+            "refusing to connect (the host must get a new key, which you then accept)")
 
 
 def _reason(exc: Exception) -> str:
@@ -205,7 +221,9 @@ class RemoteProcess:
     """A command running on a host under a pty, its output delivered line by line.
 
     The command's own stdout is a pipe, not the pty, so it prints plain lines rather
-    than redrawing progress bars; its exit status comes back as a marker line.
+    than redrawing progress bars; its exit status comes back as a marker line. Its
+    descriptor 3 is the same pipe: a launched rank writes its heartbeat bytes there
+    (see heartbeat.py); they are taken out of the output and timed in ``last_beat``.
     """
 
     def __init__(self, client: paramiko.SSHClient, command: str, on_line: Callable[[str], None]) -> None:
@@ -213,6 +231,7 @@ class RemoteProcess:
         self.on_line = on_line
         self.pgid: int | None = None  # the remote process group, killed on teardown
         self.status: int | None = None  # the command's exit status, once known
+        self.last_beat: float | None = None  # monotonic time of the last heartbeat; None: none yet
         self._pid_seen = threading.Event()
         transport = client.get_transport()
         if transport is None or not transport.is_active():
@@ -223,7 +242,7 @@ class RemoteProcess:
         # sshd makes the pty's shell a session leader; ask ps in case a login shell forked.
         # No echo: the Ctrl-C sent on teardown would come back as a "^C" line.
         script = (f"stty -echo 2>/dev/null; echo {PID_MARKER} $(ps -o pgid= -p $$ 2>/dev/null || echo $$); "
-                  f"{{ {command} ; echo {EXIT_MARKER} $? ; }} 2>&1 < /dev/null | cat")
+                  f"{{ {command} ; echo {EXIT_MARKER} $? ; }} 2>&1 {HEARTBEAT_FD}>&1 < /dev/null | cat")
         self.channel.exec_command(sh(script))
         self._reader = threading.Thread(target=self._read, name="meshtrain-ssh-reader", daemon=True)
         self._reader.start()
@@ -235,6 +254,9 @@ class RemoteProcess:
                 data = self.channel.recv(65536)
                 if not data:
                     break
+                if BEAT in data:
+                    self.last_beat = time.monotonic()
+                    data = data.replace(BEAT, b"")
                 buffer += data
                 *lines, buffer = buffer.split(b"\n")
                 for raw in lines:
@@ -292,7 +314,9 @@ class RemoteProcess:
         if self.pgid is None:
             return True
         g, polls = self.pgid, max(1, int(grace / 0.1))
-        script = (f"kill -TERM -{g} 2>/dev/null || exit 0; i=0; "
+        # SIGCONT after SIGTERM: a stopped (SIGSTOP, Ctrl-Z) process acts on SIGTERM only once
+        # it runs again; otherwise it would wait for the SIGKILL.
+        script = (f"kill -TERM -{g} 2>/dev/null || exit 0; kill -CONT -{g} 2>/dev/null; i=0; "
                   f"while kill -0 -{g} 2>/dev/null; do i=$((i+1)); "
                   f"if [ $i -gt {polls} ]; then kill -KILL -{g} 2>/dev/null; sleep 0.2; break; fi; "
                   f"sleep 0.1; done; kill -0 -{g} 2>/dev/null && exit 1; exit 0")
