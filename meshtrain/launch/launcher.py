@@ -4,7 +4,7 @@
     argv = training_argv(["--strategy", "diloco", "--steps", "100"])
     result = launch(inventory, argv, LaunchOptions(run_id=new_launch_id("diloco", 3)))
 
-Each rank is ``cd WORKDIR && env RANK=.. WORLD_SIZE=.. MASTER_ADDR=.. ... PYTHON ARGS`` on
+Each rank is ``cd WORKDIR && RANK=.. WORLD_SIZE=.. MASTER_ADDR=.. ... PYTHON ARGS`` on
 its host, under a pty. The first rank that fails (exits non-zero, or its host stops
 answering) stops every other rank: Ctrl-C on its pty, then SIGTERM and SIGKILL to its
 process group, then the connection closes (SIGHUP to anything left). Ctrl-C or
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import paramiko
 
+from meshtrain.launch.heartbeat import HEARTBEAT_FD, heartbeat_interval
 from meshtrain.launch.inventory import Host, Inventory
 from meshtrain.launch.output import RankOutput
 from meshtrain.launch.ssh import Heartbeat, RemoteProcess, SSHError, connect, remote_path, run, sh
@@ -46,7 +47,7 @@ class LaunchOptions:
     accept_new_host_keys: bool = False
     uploads: list[Path] = field(default_factory=list)  # local files put in every workdir first
     connect_timeout: float = 10.0
-    heartbeat_timeout: float = 6.0  # a host that answers nothing this long has dropped
+    host_timeout: float = 6.0  # a host that answers nothing this long has dropped
     grace: float = 2.0  # seconds from Ctrl-C to SIGTERM, and from SIGTERM to SIGKILL
 
 
@@ -117,6 +118,11 @@ def rank_env(inventory: Inventory, host: Host, run_id: str) -> dict[str, str]:
     })
     if host.iface:
         env["GLOO_SOCKET_IFNAME"] = host.iface
+    if host.threads is not None:
+        env["MESHTRAIN_THREADS"] = str(host.threads)
+    # The rank proves it is alive (not stopped, not hung) by beating on fd 3: see heartbeat.py.
+    env["MESHTRAIN_HEARTBEAT"] = f"{heartbeat_interval(inventory.rendezvous.heartbeat_timeout):g}"
+    env["MESHTRAIN_HEARTBEAT_FD"] = str(HEARTBEAT_FD)
     return env
 
 
@@ -124,9 +130,13 @@ def rank_command(inventory: Inventory, host: Host, run_id: str, argv: list[str],
                  training: bool) -> str:
     """The shell line that runs ``host``'s rank in its workdir.
 
-    Variables go on the command line (``env K=V``): sshd passes few or none from the
-    client's environment (AcceptEnv). In a script command a leading ``python`` or
-    ``python3`` means the host's interpreter from the inventory.
+    Variables go on the command line as sh assignments (``K=V PROGRAM``): sshd passes
+    few or none from the client's environment (AcceptEnv). Not ``env K=V PROGRAM``: env
+    (GNU and BSD alike) takes any argument with a ``=`` for one more assignment, so an
+    interpreter at ``/opt/a=b/python`` would never run; sh only takes unquoted
+    ``NAME=`` words, and the program path always starts with ``/`` or ``~``. In a
+    script command a leading ``python`` or ``python3`` means the host's interpreter
+    from the inventory.
     """
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in rank_env(inventory, host, run_id).items())
     args = list(argv)
@@ -138,7 +148,7 @@ def rank_command(inventory: Inventory, host: Host, run_id: str, argv: list[str],
     else:
         program = []
     words = [remote_path(p) for p in program] + [shlex.quote(a) for a in args]
-    return f"cd {remote_path(host.workdir)} && env {env} {' '.join(words)}"
+    return f"cd {remote_path(host.workdir)} && {env} {' '.join(words)}"
 
 
 # --------------------------------------------------------------------------- preflight
@@ -254,7 +264,7 @@ def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], option
     while not failures and stop.signum is None:
         for r in ranks:
             if r.outcome is None:
-                r.outcome = _outcome(r, options)
+                r.outcome = _outcome(r, options, inventory.rendezvous.heartbeat_timeout)
                 if r.outcome is not None and r.outcome != "ok":
                     failures.append(RankFailure(r.host.rank, r.host, r.outcome, output.tail(r.host.rank)))
         if all(r.outcome == "ok" for r in ranks):
@@ -280,7 +290,7 @@ def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], option
     return LaunchResult(code, failures, None, 0.0, teardown_seconds, leftovers)
 
 
-def _outcome(r: _Rank, options: LaunchOptions) -> str | None:
+def _outcome(r: _Rank, options: LaunchOptions, heartbeat_timeout: float) -> str | None:
     """None while the rank runs; "ok"; or why it failed."""
     assert r.process is not None and r.heartbeat is not None
     if r.process.finished:
@@ -289,8 +299,13 @@ def _outcome(r: _Rank, options: LaunchOptions) -> str | None:
             return "lost connection (host down, asleep, or off the network)"
         return "ok" if status == 0 else f"exited with status {status}"
     silent = r.heartbeat.silent_for()
-    if silent > options.heartbeat_timeout:
+    if silent > options.host_timeout:
         return f"stopped answering for {silent:.0f} s (host down or off the network)"
+    last_beat = r.process.last_beat
+    if last_beat is not None and time.monotonic() - last_beat > heartbeat_timeout:
+        # The host answers but the rank's process does not: stopped, deadlocked or stuck.
+        return (f"sent no heartbeat for {time.monotonic() - last_beat:.0f} s (process stopped or hung; "
+                f"heartbeat_timeout {heartbeat_timeout:g} s)")
     return None
 
 
@@ -305,7 +320,7 @@ def _teardown(ranks: list[_Rank], options: LaunchOptions) -> list[str]:
             return None
         transport = r.client.get_transport()
         reachable = transport is not None and transport.is_active()
-        if reachable and r.heartbeat is not None and r.heartbeat.silent_for() > options.heartbeat_timeout:
+        if reachable and r.heartbeat is not None and r.heartbeat.silent_for() > options.host_timeout:
             reachable = False
         gone = False
         if reachable:

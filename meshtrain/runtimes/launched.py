@@ -24,6 +24,8 @@ def run_launched_rank(job: NodeJob) -> FitResult:
     if missing:
         raise RuntimeError(f"launched rank is missing environment variables: {', '.join(missing)}")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    from meshtrain.launch.heartbeat import start_heartbeat  # launch-faults owner: liveness beats
+    start_heartbeat()  # no-op unless `meshtrain launch` started this rank
     timeout = float(os.environ.get("MESHTRAIN_TIMEOUT", job.config.timeout_s))
     return join_and_train(job, rank, world, os.environ["MASTER_ADDR"],
                           int(os.environ["MASTER_PORT"]), timeout, verify_replicas=True)
