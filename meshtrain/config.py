@@ -15,44 +15,53 @@ from typing import Any
 
 import yaml
 
+from meshtrain.settings import SettingError, TrainConfig, check_settings
 from meshtrain.strategies import STRATEGIES, Optim, Strategy
 
 PROFILE_DIRS = [Path.cwd() / "profiles", Path(__file__).resolve().parent.parent / "profiles"]
 
 
-class ConfigError(ValueError):
+class ConfigError(SettingError):
     """A bad profile, key or value: shown as one line naming it, exit 2."""
 
 
 @dataclass
-class RunSpec:
-    """Every setting of a run (the keys of a profile)."""
+class RunSpec(TrainConfig):
+    """Every setting of a run (the keys of a profile): what to train, with which strategy,
+    plus every :class:`~meshtrain.settings.TrainConfig` setting."""
 
-    description: str = ""
-    task: str = "digits"
-    task_options: dict[str, Any] = field(default_factory=dict)
-    data: str | None = None
-    strategy: str = "diloco"
-    strategy_options: dict[str, Any] = field(default_factory=dict)
-    nodes: int = 4
-    steps: int | None = None
-    epochs: float | None = None
-    batch_size: int = 32
-    microbatch_size: int | None = None
-    lr: float | None = None
-    seed: int = 0
-    device: str = "cpu"
-    runtime: str = "threads"
-    shuffle: bool = True
-    val_interval: int | None = None
-    val_size: int | None = None
+    description: str = field(default="", metadata={"help": "What this run is for (profiles)."})
+    task: str = field(default="digits", metadata={"help": "What to train: `meshtrain tasks` lists "
+                                                            "the tasks."})
+    task_options: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "The task's own options (task_options.arch=cnn)."})
+    data: str | None = field(default=None, metadata={"help": "Data file or folder the task reads."})
+    strategy: str = field(default="diloco", metadata={"help": "Strategy: " + ", ".join(STRATEGIES)
+                                                                + " (`meshtrain strategies`)."})
+    strategy_options: dict[str, Any] = field(default_factory=dict, metadata={
+        "help": "The strategy's parameters (H=50 with --set)."})
+    lr: float | None = field(default=None, metadata={
+        "help": "Learning rate (DiLoCo: the inner optimizer's).", "above": 0})
 
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+        return [f.name for f in fields(cls) if f.name not in NOT_IN_PROFILES]
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The spec as a profile (what config.yaml records; replaying it repeats the run)."""
+        out = {k: v for k, v in asdict(self).items() if k not in NOT_IN_PROFILES}
+        if self.data is not None:
+            out["data"] = str(Path(self.data).expanduser().resolve())
+        return out
+
+    def train_config(self, **extra: Any) -> TrainConfig:
+        """The training settings of this spec, as ``Trainer.fit`` takes them."""
+        names = {f.name for f in fields(TrainConfig)}
+        return TrainConfig(**{k: getattr(self, k) for k in names if k != "extra_config"}, **extra)
+
+
+#: Settings a run records elsewhere or never repeats: a replay gets a new run id.
+NOT_IN_PROFILES = ("extra_config", "run_id", "progress")
 
 
 def find_profile(name: str) -> Path:
@@ -95,6 +104,7 @@ def load_profile(name: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
     unknown = sorted(set(raw) - set(RunSpec.field_names()))
     if unknown:
         raise ConfigError(f"profile {path}: unknown key {unknown[0]!r}")
+    check_settings(RunSpec, raw, f"profile {path}: ")
     if base is None:
         return raw
     return merge(load_profile(str(base), _seen + (key,)), raw)
@@ -102,8 +112,8 @@ def load_profile(name: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
 
 def _strip_run_record(raw: dict[str, Any]) -> dict[str, Any]:
     """A run's config.yaml also records what the run resolved; keep only the spec."""
-    if "train" in raw and "spec" in raw:
-        return dict(raw["spec"])
+    if "train" in raw and isinstance(raw.get("spec"), dict):
+        return {k: v for k, v in raw["spec"].items() if k not in NOT_IN_PROFILES}
     return raw
 
 
@@ -154,19 +164,25 @@ def parse_set(items: list[str], strategy_name: str) -> dict[str, Any]:
     return out
 
 
-def resolve_spec(layers: list[dict[str, Any]]) -> RunSpec:
-    """Merge settings layers (earliest first) into a checked :class:`RunSpec`."""
+def resolve_spec(layers: list[tuple[str, dict[str, Any]]]) -> RunSpec:
+    """Merge labelled settings layers (earliest first) into a checked :class:`RunSpec`.
+
+    Each layer is ``(where, settings)``; ``where`` names it in errors (``"--set "``).
+    ``None`` means "not given". ``steps`` and ``epochs`` exclude each other: a layer that
+    gives one clears the other from the layers below it.
+    """
     merged: dict[str, Any] = {}
-    for layer in layers:
-        merged = merge(merged, {k: v for k, v in layer.items() if v is not None or k == "data"})
-    unknown = sorted(set(merged) - set(RunSpec.field_names()))
-    if unknown:
-        raise ConfigError(f"unknown setting {unknown[0]!r}")
+    for where, layer in layers:
+        given = {k: v for k, v in layer.items() if v is not None}
+        check_settings(RunSpec, given, where)
+        if "steps" in given and "epochs" in given:
+            raise ConfigError(f"{where or 'flags: '}give steps or epochs, not both")
+        for exclusive, other in (("steps", "epochs"), ("epochs", "steps")):
+            if exclusive in given:
+                merged.pop(other, None)
+        merged = merge(merged, given)
     spec = RunSpec(**merged)
-    if spec.nodes < 1:
-        raise ConfigError(f"nodes must be >= 1, got {spec.nodes}")
-    if spec.batch_size < 1:
-        raise ConfigError(f"batch size must be >= 1, got {spec.batch_size}")
+    spec.validate()
     strategy_class(spec.strategy)
     return spec
 

@@ -18,7 +18,7 @@ def human_bytes(n: float) -> str:
 
 
 class Progress:
-    """Shows step, loss and bytes sent; does nothing when disabled."""
+    """Shows step, loss (mean of nodes) and bytes sent per node; does nothing when disabled."""
 
     def __init__(self, total: int, *, enabled: bool, title: str) -> None:
         self.total = total
@@ -42,7 +42,7 @@ class Progress:
             self._task = self._bar.add_task(self.title, total=self.total, loss=float("nan"), sent="0 B")
         return self
 
-    def update(self, step: int, loss: float, bytes_sent: int) -> None:
+    def update(self, step: int, loss: float, bytes_sent: float) -> None:
         if not self.enabled:
             return
         if self._bar is not None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import os
 import shutil
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -53,31 +55,65 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
-def new_run_id(strategy: str, nodes: int, out_dir: Path) -> str:
-    """``YYYYmmdd-HHMMSS-<strategy>-<nodes>n``, with a suffix if that name is taken."""
-    base = f"{time.strftime('%Y%m%d-%H%M%S')}-{strategy}-{nodes}n"
-    run_id, n = base, 1
-    while (out_dir / run_id).exists() or (out_dir / f".{run_id}.partial").exists():
-        n += 1
-        run_id = f"{base}-{n}"
-    return run_id
+def new_run_id(strategy: str, nodes: int) -> str:
+    """``YYYYmmdd-HHMMSS-<strategy>-<nodes>n``: :meth:`RunDirectory.reserve` makes it unique."""
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{strategy}-{nodes}n"
 
 
 class RunDirectory:
-    """Writes one run's outputs; :meth:`commit` makes them visible all at once."""
+    """Writes one run's outputs; :meth:`commit` makes them visible all at once.
+
+    :meth:`reserve` claims the name before training starts (an exclusive mkdir of the
+    hidden ``.<run-id>.partial`` folder), so two runs started in the same second get
+    different ids and an unwritable ``--out`` is reported before the first step.
+    """
 
     def __init__(self, out_dir: Path, run_id: str) -> None:
+        self.out_dir = out_dir
+        self.run_id = run_id
         self.final = out_dir / run_id
-        if self.final.exists():
-            raise FileExistsError(f"run directory {self.final} already exists")
         self.partial = out_dir / f".{run_id}.partial"
-        shutil.rmtree(self.partial, ignore_errors=True)
-        self.partial.mkdir(parents=True)
+
+    @classmethod
+    def reserve(cls, out_dir: Path, run_id: str | None, strategy: str, nodes: int) -> RunDirectory:
+        """Claim ``run_id`` (or a fresh id) under ``out_dir``.
+
+        Raises ``FileExistsError`` for a taken ``run_id`` and ``ValueError`` for an output
+        folder that cannot be written.
+        """
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"output folder {out_dir}: cannot create it ({exc.strerror})") from None
+        if not os.access(out_dir, os.W_OK | os.X_OK) or not out_dir.is_dir():
+            raise ValueError(f"output folder {out_dir}: not a writable folder")
+        base = run_id or new_run_id(strategy, nodes)
+        for n in range(1, 1000):
+            candidate = base if n == 1 else f"{base}-{n}"
+            run = cls(out_dir, candidate)
+            if run.final.exists():
+                if run_id is not None:
+                    raise FileExistsError(f"run directory {run.final} already exists; "
+                                          "pick another --run-id")
+                continue
+            try:
+                run.partial.mkdir()
+            except FileExistsError:
+                if run_id is not None:
+                    raise FileExistsError(f"run id {run_id!r} is in use by a run still going in "
+                                          f"{out_dir}") from None
+                continue
+            return run
+        raise ValueError(f"output folder {out_dir}: no free run id starting {base!r}")
 
     def write_config(self, config: dict[str, Any]) -> None:
         atomic_write_text(self.partial / "config.yaml", yaml.safe_dump(config, sort_keys=False))
 
-    def write_metrics(self, history: list[dict[str, Any]]) -> None:
+    def write_metrics(self, history: list[dict[str, Any]], initial: dict[str, Any] | None = None) -> None:
+        """metrics.csv: one row per step, after a step-0 row holding the evaluation before
+        training (when there is validation data)."""
+        if initial:
+            history = [{"step": 0, "node_val_loss": initial.get("val_loss"), **initial}, *history]
         extra = sorted({k for row in history for k in row} - set(METRIC_COLUMNS))
         buf = io.StringIO()
         writer = csv.DictWriter(buf, fieldnames=METRIC_COLUMNS + extra, extrasaction="ignore")
@@ -87,7 +123,9 @@ class RunDirectory:
         atomic_write_text(self.partial / "metrics.csv", buf.getvalue())
 
     def write_summary(self, summary: dict[str, Any]) -> None:
-        atomic_write_text(self.partial / "summary.json", json.dumps(summary, indent=2) + "\n")
+        """summary.json, strict JSON: a non-finite number is written as null."""
+        text = json.dumps(_finite_or_none(summary), indent=2, allow_nan=False)
+        atomic_write_text(self.partial / "summary.json", text + "\n")
 
     def write_model(self, model: torch.nn.Module) -> None:
         """``save_pretrained`` models (Hugging Face) save a folder; others a state dict."""
@@ -97,7 +135,8 @@ class RunDirectory:
         else:
             atomic_write(self.partial / "model.pt", lambda tmp: torch.save(model.state_dict(), tmp))
 
-    def write_plot(self, history: list[dict[str, Any]], title: str) -> None:
+    def write_plot(self, history: list[dict[str, Any]], title: str,
+                   initial: dict[str, Any] | None = None) -> None:
         """loss.png: training and validation loss against steps and against bytes sent."""
         import matplotlib
 
@@ -110,6 +149,8 @@ class RunDirectory:
         ax2.plot([r["total_bytes_sent"] / 1e6 for r in history], [r["train_loss"] for r in history])
         val = [(r["step"], r["total_bytes_sent"] / 1e6, r["val_loss"]) for r in history
                if r.get("val_loss") is not None]
+        if initial and initial.get("val_loss") is not None:
+            val.insert(0, (0, 0.0, initial["val_loss"]))
         if val:
             ax1.plot([v[0] for v in val], [v[2] for v in val], "o-", label="val (global model)")
             ax2.plot([v[1] for v in val], [v[2] for v in val], "o-")
@@ -126,6 +167,39 @@ class RunDirectory:
 
     def discard(self) -> None:
         shutil.rmtree(self.partial, ignore_errors=True)
+
+    def keep_incomplete(self) -> Path:
+        """Writing failed part-way (a full disk): keep what was written, visibly marked."""
+        target = self.out_dir / f"{self.run_id}.incomplete"
+        os.replace(self.partial, target)
+        return target
+
+    @property
+    def error_log(self) -> Path:
+        return self.out_dir / f"{self.run_id}.error.log"
+
+    def write_error_log(self, error: BaseException) -> None:
+        """``<out>/<run-id>.error.log``: the error and every traceback known (best effort)."""
+        text = f"{type(error).__name__}: {error}\n\n"
+        node_traceback = getattr(error, "traceback", None)
+        if node_traceback:
+            text += f"traceback of the failing node:\n{node_traceback}\n"
+        text += "traceback here:\n" + "".join(
+            traceback.format_exception(type(error), error, error.__traceback__))
+        try:
+            atomic_write_text(self.error_log, text)
+        except OSError:
+            pass  # the error itself is still raised; a full disk must not hide it
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(v) for v in value]
+    return value
 
 
 def _csv_value(v: Any, column: str = "") -> Any:

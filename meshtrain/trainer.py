@@ -16,7 +16,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,60 +37,10 @@ from meshtrain.data import (
 )
 from meshtrain.devices import resolve_device
 from meshtrain.progress import Progress
-from meshtrain.run_dir import RunDirectory, new_run_id
+from meshtrain.run_dir import RunDirectory
 from meshtrain.seeding import mix_seed
+from meshtrain.settings import TrainConfig
 from meshtrain.strategies import DiLoCo, Strategy
-
-RUNTIMES = ("threads", "processes")
-
-
-@dataclass
-class TrainConfig:
-    """Everything about a run except the model, the data and the strategy."""
-
-    nodes: int = 1
-    max_steps: int | None = None
-    epochs: float | None = None
-    batch_size: int = 32
-    microbatch_size: int | None = None
-    seed: int = 0
-    device: str = "cpu"
-    runtime: str = "threads"
-    shuffle: bool = True
-    val_interval: int | None = None
-    val_size: int | None = None
-    out_dir: str = "runs"
-    run_id: str | None = None
-    progress: bool = True
-    timeout_s: float = 1800.0  # a collective waiting longer than this fails the run
-    cluster: str = "gbe"  # named cluster for the projected wall-clock (meshtrain.cluster)
-    step_seconds: float | None = None  # compute per step on that cluster, if known
-    threads: int | None = None  # torch intra-op threads per node (resolved by fit)
-    extra_config: dict[str, Any] = field(default_factory=dict)  # recorded in config.yaml
-
-    def validate(self) -> None:
-        if self.nodes < 1:
-            raise ValueError(f"nodes must be >= 1, got {self.nodes}")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
-        if self.microbatch_size is not None and not 1 <= self.microbatch_size <= self.batch_size:
-            raise ValueError(
-                f"microbatch_size must be between 1 and batch_size ({self.batch_size}), "
-                f"got {self.microbatch_size}"
-            )
-        if (self.max_steps is None) == (self.epochs is None):
-            raise ValueError("give exactly one of max_steps and epochs")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1, got {self.max_steps}")
-        if self.epochs is not None and self.epochs <= 0:
-            raise ValueError(f"epochs must be > 0, got {self.epochs}")
-        if self.runtime not in RUNTIMES + ("launched",):
-            raise ValueError(f"runtime must be one of {RUNTIMES}, got {self.runtime!r}")
-        get_cluster(self.cluster)
-        if self.threads is not None and self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
-        if self.val_interval is not None and self.val_interval < 1:
-            raise ValueError(f"val_interval must be >= 1, got {self.val_interval}")
 
 
 @dataclass
@@ -105,6 +55,7 @@ class NodeJob:
     config: TrainConfig
     run_id: str
     started: float
+    run_dir: RunDirectory | None = None  # reserved before the first step (where rank 0 writes)
 
 
 @dataclass
@@ -158,29 +109,18 @@ class Trainer:
         strategy: Strategy | None = None,
         nodes: int | None = None,
         max_steps: int | None = None,
-        batch_size: int = 32,
+        batch_size: int | None = None,
         *,
-        epochs: float | None = None,
-        microbatch_size: int | None = None,
-        seed: int = 0,
-        device: str = "cpu",
-        runtime: str = "threads",
-        shuffle: bool = True,
-        val_interval: int | None = None,
-        val_size: int | None = None,
-        out_dir: str | os.PathLike[str] = "runs",
-        run_id: str | None = None,
-        progress: bool = True,
-        timeout_s: float = 1800.0,
-        cluster: str = "gbe",
-        step_seconds: float | None = None,
-        threads: int | None = None,
-        extra_config: dict[str, Any] | None = None,
+        config: TrainConfig | None = None,
+        **settings: Any,
     ) -> FitResult:
         """Train and return the global model, per-step history and the run directory.
 
-        ``cluster`` names the cluster whose wall-clock the summary projects (see
-        ``meshtrain clusters``); ``step_seconds`` is a node's compute per step there.
+        Settings are those of :class:`~meshtrain.settings.TrainConfig` (``meshtrain
+        settings`` lists them with their defaults), given as a ``config``, as keywords
+        (``epochs=2, runtime="processes", cluster="wifi"``), or both (keywords win);
+        ``max_steps`` is the ``steps`` setting. Everything is checked, and the run
+        directory reserved, before any node starts: see :meth:`prepare`.
 
         ``threads`` is torch's intra-op thread count per node. Default: the
         MESHTRAIN_THREADS environment variable if set, else every core on a launched
@@ -190,60 +130,79 @@ class Trainer:
         Inside a launched rank (RANK and WORLD_SIZE set, as by ``meshtrain launch`` or
         torchrun) this process joins the group as that rank instead of spawning nodes.
         """
+        job = self.prepare(strategy, nodes, max_steps, batch_size, config=config, **settings)
+        return run_job(job)
+
+    def prepare(
+        self,
+        strategy: Strategy | None = None,
+        nodes: int | None = None,
+        max_steps: int | None = None,
+        batch_size: int | None = None,
+        *,
+        config: TrainConfig | None = None,
+        **settings: Any,
+    ) -> NodeJob:
+        """Check every setting and reserve the run directory; the job :func:`run_job` runs.
+
+        Raises ``ValueError`` (bad settings, a batch larger than a shard, a taken run id,
+        an unwritable output folder) before anything has trained.
+        """
+        given = {"nodes": nodes, "steps": max_steps, "batch_size": batch_size}
+        settings.update({k: v for k, v in given.items() if v is not None})
+        unknown = sorted(set(settings) - {f.name for f in fields(TrainConfig)})
+        if unknown:
+            raise TypeError(f"fit() got an unexpected setting {unknown[0]!r}")
+        if isinstance(settings.get("out_dir"), os.PathLike):
+            settings["out_dir"] = os.fspath(settings["out_dir"])
+        config = replace(config or TrainConfig(), **settings)
         strategy = strategy if strategy is not None else DiLoCo()
-        launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-        if launched:
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             world = int(os.environ["WORLD_SIZE"])
             if nodes is not None and nodes != world:
                 raise ValueError(f"nodes={nodes} but this launched run has WORLD_SIZE={world}")
-            nodes, runtime = world, "launched"
-        config = TrainConfig(
-            nodes=nodes if nodes is not None else 1,
-            max_steps=max_steps if (max_steps is not None or epochs is not None) else 100,
-            epochs=epochs,
-            batch_size=batch_size,
-            microbatch_size=microbatch_size,
-            seed=seed,
-            device=device,
-            runtime=runtime,
-            shuffle=shuffle,
-            val_interval=val_interval,
-            val_size=val_size,
-            out_dir=str(out_dir),
-            run_id=run_id,
-            progress=progress,
-            timeout_s=timeout_s,
-            cluster=cluster,
-            step_seconds=step_seconds,
-            threads=resolve_threads(threads, runtime),
-            extra_config=dict(extra_config or {}),
-        )
+            config = replace(config, nodes=world, runtime="launched")
+        if config.steps is None and config.epochs is None:
+            config = replace(config, steps=100)
+        config = replace(config, threads=resolve_threads(config.threads, config.runtime))
         config.validate()
-        out = Path(config.out_dir)
-        if run_id is not None and (out / run_id).exists():
-            raise FileExistsError(f"run directory {out / run_id} already exists; pick another --run-id")
+        resolve_device(config.device)
         if isinstance(self.train_data, Dataset):
             size = len(self.train_data)  # type: ignore[arg-type]
-            if batch_size > size // config.nodes:
+            if config.batch_size > size // config.nodes:
                 raise ValueError(
-                    f"batch size {batch_size} is larger than the shard of each node "
+                    f"batch size {config.batch_size} is larger than the shard of each node "
                     f"({size // config.nodes} samples of {size} over {config.nodes} nodes)"
                 )
-        job = NodeJob(
+        writes = os.environ.get("RANK", "0") == "0"  # only rank 0 writes the run directory
+        run_id = config.run_id or os.environ.get("MESHTRAIN_RUN_ID")
+        run_dir = RunDirectory.reserve(Path(config.out_dir), run_id, strategy.name, config.nodes) \
+            if writes else None
+        return NodeJob(
             model=self.model,
             train_data=self.train_data,
             val_data=self.val_data,
             collate_fn=self.collate_fn,
             strategy=strategy,
             config=config,
-            run_id=run_id or os.environ.get("MESHTRAIN_RUN_ID") or new_run_id(
-                strategy.name, config.nodes, out
-            ),
+            run_id=run_dir.run_id if run_dir else (run_id or "rank"),
             started=time.time(),
+            run_dir=run_dir,
         )
-        from meshtrain import runtimes  # runtimes import this module
 
+
+def run_job(job: NodeJob) -> FitResult:
+    """Train a prepared job on its runtime. On failure the reserved run directory is
+    removed and the error, with every node's traceback, goes to ``<out>/<run-id>.error.log``."""
+    from meshtrain import runtimes  # runtimes import this module
+
+    try:
         return runtimes.run(job)
+    except BaseException as exc:
+        if job.run_dir is not None:
+            job.run_dir.discard()
+            job.run_dir.write_error_log(exc)
+        raise
 
 
 def resolve_threads(threads: int | None, runtime: str) -> int:
@@ -320,7 +279,7 @@ def train_node(
     batches = NodeBatches(train_set, rank=rank, nodes=cfg.nodes, batch_size=cfg.batch_size,
                           seed=cfg.seed, shuffle=cfg.shuffle, shard=shard)
     comm.step = -1  # start-up traffic
-    max_steps = cfg.max_steps or _agreed_epoch_steps(cfg.epochs, len(batches), comm)  # type: ignore[arg-type]
+    max_steps = cfg.steps or _agreed_epoch_steps(cfg.epochs, len(batches), comm)  # type: ignore[arg-type]
     strategy = copy.deepcopy(job.strategy)
     if verify_replicas:
         _verify_replicas(model, comm)
@@ -331,10 +290,13 @@ def train_node(
 
     val_batches = _validation_batches(job, rank, device)
     evaluator = _GlobalEvaluator(model, val_batches) if rank == 0 and val_batches else None
+    # Step 0: the global model before training, so every run shows before and after.
+    initial = evaluator.evaluate(strategy.params_data()) if evaluator else {}
     history_val: dict[int, dict[str, float]] = {}
     losses: list[float] = []
     seconds: list[float] = []
     progress = Progress(max_steps, enabled=cfg.progress and rank == 0, title=strategy.name)
+    shown = _ProgressNumbers(comm, startup_sent, max_steps) if cfg.progress else None
 
     loop_started = time.perf_counter()
     with progress:
@@ -352,14 +314,19 @@ def train_node(
                     loss = model(batch)
                 (loss * weight).backward()
                 loss_value += loss.item() * weight
+            if not math.isfinite(loss_value):
+                raise NonFiniteLoss(f"loss is {loss_value} at step {step + 1} on node {rank}")
             strategy.step(step)
             losses.append(loss_value)
             seconds.append(time.time() - job.started)
             last = step == max_steps - 1
             if cfg.val_interval and (step + 1) % cfg.val_interval == 0 and not last and val_batches:
                 history_val[step] = _validate(strategy, model, comm, evaluator, val_batches)
-            progress.update(step + 1, loss_value, comm.log.bytes_sent)
+            if shown is not None and shown.due(step):
+                progress.update(step + 1, *shown.collect(loss_value))
         strategy.finish(max_steps - 1)
+        if shown is not None:  # the final sync's bytes count too
+            progress.update(max_steps, *shown.collect(losses[-1]))
     loop_seconds = time.perf_counter() - loop_started
     # After finish every node holds the global model: node val loss equals the global one.
     final = evaluator.evaluate(strategy.params_data()) if evaluator else {}
@@ -372,9 +339,34 @@ def train_node(
     reports = [NodeReport(**r) for r in gathered]
     history = _history(job, strategy, reports, history_val, final, max_steps)
     summary = _summary(job, strategy, history, final, reports, model)
+    summary["initial"] = initial
     summary["projected"] = _projection(job, comm, loop_seconds, max_steps)
     run_dir = _write_run(job, strategy, model, history, summary)
     return FitResult(model=model, history=history, run_dir=run_dir, summary=summary)
+
+
+class NonFiniteLoss(RuntimeError):
+    """A node's loss became NaN or infinite: the run stops, naming the step and node."""
+
+
+class _ProgressNumbers:
+    """What the progress bar shows, defined as in the results: the loss is the mean over
+    nodes, bytes are sent per node (mean) since the first step. Collected by a small
+    unrecorded all-reduce about 100 times a run, on a schedule every node knows."""
+
+    def __init__(self, comm: Communicator, startup_sent: int, steps: int) -> None:
+        self.comm = comm
+        self.startup_sent = startup_sent
+        self.every = max(1, steps // 100)
+        self.steps = steps
+
+    def due(self, step: int) -> bool:
+        return (step + 1) % self.every == 0 and step + 1 < self.steps
+
+    def collect(self, loss: float) -> tuple[float, float]:
+        numbers = torch.tensor([loss, self.comm.log.bytes_sent - self.startup_sent], dtype=torch.float64)
+        self.comm.all_reduce(numbers, op="mean", record=False)
+        return float(numbers[0]), float(numbers[1])
 
 
 def _agreed_epoch_steps(epochs: float, batches_per_epoch: int, comm: Communicator) -> int:
@@ -582,17 +574,43 @@ def _write_run(
     summary: dict[str, Any],
 ) -> Path:
     cfg = job.config
-    run = RunDirectory(Path(cfg.out_dir), job.run_id)
+    run = job.run_dir or RunDirectory.reserve(Path(cfg.out_dir), job.run_id, strategy.name, cfg.nodes)
     try:
         train = {k: v for k, v in asdict(cfg).items() if k not in ("extra_config", "progress")}
         run.write_config({**cfg.extra_config, "strategy": strategy.config(), "train": train,
-                          "model": type(model).__name__})
-        run.write_metrics(history)
+                          "model": type(model).__name__, "provenance": provenance()})
+        run.write_metrics(history, summary.get("initial") or {})
         run.write_model(model)
-        run.write_plot(history, f"{strategy.name}, {cfg.nodes} nodes")
+        run.write_plot(history, f"{strategy.name}, {cfg.nodes} nodes", summary.get("initial") or {})
         summary["wall_seconds"] = time.time() - job.started
         run.write_summary(summary)
         return run.commit()
+    except OSError as exc:
+        if run.partial.is_dir() and any(run.partial.iterdir()):
+            kept = run.keep_incomplete()
+            raise OSError(exc.errno, f"writing the run directory failed ({exc.strerror or exc}); "
+                                     f"what was written is kept in {kept}") from exc
+        run.discard()
+        raise
     except BaseException:
         run.discard()
         raise
+
+
+def provenance() -> dict[str, Any]:
+    """Where a run came from: versions, the command line, and the git commit of the cwd."""
+    import platform
+    import subprocess
+    import sys
+
+    from meshtrain import __version__
+
+    commit = None
+    try:
+        found = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        if found.returncode == 0:
+            commit = found.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return {"meshtrain": __version__, "torch": str(torch.__version__), "python": platform.python_version(),
+            "command": " ".join(sys.argv), "git_commit": commit}

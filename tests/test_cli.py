@@ -29,8 +29,11 @@ def test_default_simulate_runs_digits_with_diloco_on_4_nodes(tmp_path: Path) -> 
     assert summary["final_accuracy"] > 0.85  # real learning on real digits
     assert summary["final_val_loss"] < 0.6
     rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
-    assert len(rows) == 300
-    assert float(rows[-1]["train_loss"]) < float(rows[0]["train_loss"])
+    assert len(rows) == 301  # a step-0 evaluation of the untrained model, then 300 steps
+    assert rows[0]["step"] == "0" and rows[0]["train_loss"] == ""
+    assert float(rows[0]["val_loss"]) == pytest.approx(summary["initial"]["val_loss"])
+    assert summary["initial"]["val_accuracy"] < 0.3 < summary["final_accuracy"]  # before and after
+    assert float(rows[-1]["train_loss"]) < float(rows[1]["train_loss"])
     # DiLoCo(H=25) on 9,610 float32 parameters, 4 nodes: 12 ring all-reduces, each
     # sending 2*(3/4)*S bytes per node on average (chunks of 2403/2403/2402/2402 values).
     assert summary["bytes_sent_per_node"] == 12 * 2 * 3 / 4 * 9610 * 4
@@ -52,6 +55,34 @@ def test_config_yaml_repeats_the_run(tmp_path: Path) -> None:
     second = json.loads((tmp_path / "a" / "second" / "summary.json").read_text())
     assert first["final_train_loss"] == second["final_train_loss"]
     assert first["bytes_sent_per_node"] == second["bytes_sent_per_node"]
+
+
+def test_replay_repeats_data_cluster_and_threads_from_another_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run's config.yaml repeats the run whatever the task: the data file (recorded as an
+    absolute path), the cluster and the thread count come back too."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    (work / "tiny.txt").write_text("to be or not to be, that is the question. " * 60)
+    monkeypatch.chdir(work)
+    first = runner.invoke(app, ["simulate", "--task", "gpt", "--data", "tiny.txt", "--steps", "6",
+                                "--nodes", "2", "--cluster", "wifi", "--threads", "1", "--no-progress",
+                                "--set", "task_options.dim=32", "--set", "task_options.block_size=16",
+                                "--out", str(tmp_path / "runs"), "--run-id", "first"])
+    assert first.exit_code == 0, first.output
+    monkeypatch.chdir(elsewhere)
+    again = runner.invoke(app, ["simulate", "--profile", str(tmp_path / "runs" / "first" / "config.yaml"),
+                                "--no-progress", "--run-id", "second"])
+    assert again.exit_code == 0, again.output
+    one = json.loads((tmp_path / "runs" / "first" / "summary.json").read_text())
+    two = json.loads((tmp_path / "runs" / "second" / "summary.json").read_text())
+    assert two["projected"]["cluster"] == "wifi"
+    assert one["final_train_loss"] == two["final_train_loss"]
+    config = yaml.safe_load((tmp_path / "runs" / "second" / "config.yaml").read_text())
+    assert config["spec"]["data"] == str(work / "tiny.txt") and config["train"]["threads"] == 1
+    assert config["provenance"]["torch"] and config["provenance"]["command"]
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "sparta", "sparta-diloco", "fedavg", "demo"])
@@ -84,7 +115,7 @@ def test_gpt_task_trains_on_a_text_file(tmp_path: Path) -> None:
     (summary,) = (tmp_path / "runs").glob("*/summary.json")
     data = json.loads(summary.read_text())
     rows = list(csv.DictReader((summary.parent / "metrics.csv").open()))
-    assert data["final_train_loss"] < float(rows[0]["train_loss"]) - 0.5
+    assert data["final_train_loss"] < float(rows[1]["train_loss"]) - 0.5  # rows[0]: step 0
 
 
 def test_listings(tmp_path: Path) -> None:
@@ -115,6 +146,23 @@ def test_listings(tmp_path: Path) -> None:
         (["--device", "cuda"], "device 'cuda'"),
         (["--runtime", "fibers"], "runtime must be one of"),
         (["--set", "H=0"], "H must be >= 1"),
+        # Wrong types and out-of-range values, named where they came from.
+        (["--set", "nodes=abc"], "--set nodes must be a whole number, got 'abc'"),
+        (["--set", "steps=abc"], "--set steps must be a whole number, got 'abc'"),
+        (["--set", "batch_size=[1,2]"], "--set batch_size must be a whole number, got [1, 2]"),
+        (["--set", "task_options.hidden=-3"], "task_options.hidden must be >= 1, got -3"),
+        (["--set", "task_options.hidden=abc"], "task_options.hidden must be a whole number"),
+        (["--step-seconds", "-1"], "step_seconds must be > 0, got -1.0"),
+        (["--set", "warmup_steps=-10"], "warmup_steps must be >= 0, got -10"),
+        (["--set", "min_lr=-1"], "min_lr must be between 0 and lr"),
+        (["--set", "outer_momentum=2"], "outer_momentum must be in [0, 1), got 2"),
+        (["--set", "val_size=0"], "--set val_size must be >= 1, got 0"),
+        (["--lr", "nan"], "lr must be a finite number, got nan"),
+        (["--data", "x.txt"], "task 'digits' reads no data file"),
+        (["--steps", "5", "--epochs", "1"], "give steps or epochs, not both"),
+        (["--run-id", "../x"], "run id '../x'"),
+        (["--run-id", "a/b"], "run id 'a/b'"),
+        (["--threads", "0"], "threads must be >= 1"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
@@ -128,6 +176,87 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, tmp_pat
     assert message in result.output
     assert "Traceback" not in result.output
     assert not any(tmp_path.iterdir()), "a failed run must leave nothing behind"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('steps: "10"\n', "steps must be a whole number, got '10'"),
+        ("strategy_options: 5\n", "strategy_options must be a mapping (key: value), got 5"),
+        ("nodes: 2.5\n", "nodes must be a whole number, got 2.5"),
+        ("shuffle: maybe\n", "shuffle must be true or false, got 'maybe'"),
+    ],
+)
+def test_wrong_typed_profile_is_one_line(tmp_path: Path, text: str, message: str) -> None:
+    profile = tmp_path / "p.yaml"
+    profile.write_text(text)
+    result = runner.invoke(app, ["simulate", "--profile", str(profile), "--out", str(tmp_path / "r")])
+    assert result.exit_code == 2, result.output
+    assert f"profile {profile}: {message}" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_binary_file_is_not_gpt_text(tmp_path: Path) -> None:
+    blob = tmp_path / "blob.bin"
+    blob.write_bytes(bytes(range(256)) * 100)
+    result = runner.invoke(app, ["simulate", "--task", "gpt", "--data", str(blob), "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "is not UTF-8 text" in result.output
+
+
+def test_epochs_from_set_or_profile_replace_the_task_step_count(tmp_path: Path) -> None:
+    """digits suggests steps: 300; epochs given later in the layers wins instead of clashing."""
+    result = runner.invoke(app, ["simulate", "--set", "epochs=0.5", "--nodes", "2", "--no-progress",
+                                 "--out", str(tmp_path), "--run-id", "e"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "e" / "summary.json").read_text())
+    # 1500 training digits over 2 nodes: 750 per node, 23 full batches of 32 per epoch.
+    assert summary["steps"] == 12  # ceil(0.5 * 23)
+
+
+def test_a_value_error_during_training_is_a_failure_not_bad_input(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Exit 2 means nothing ran; an error raised mid-run (whatever its type) is exit 1."""
+    from meshtrain.tasks import digits
+
+    class Breaks(digits.DigitsMLP):
+        calls = 0
+
+        def forward(self, batch):  # noqa: ANN001, ANN202
+            type(self).calls += 1
+            if type(self).calls > 6:
+                raise ValueError("shape mismatch deep inside the model")
+            return super().forward(batch)
+
+    monkeypatch.setattr(digits, "DigitsMLP", Breaks)
+    result = runner.invoke(app, ["simulate", "--no-progress", "--out", str(tmp_path), "--run-id", "v"])
+    assert result.exit_code == 1, result.output
+    assert "failed: ValueError: shape mismatch deep inside the model" in result.output
+    assert "Traceback" not in result.output  # the one-line report...
+    log = (tmp_path / "v.error.log").read_text()  # ...and the full traceback in the error log
+    assert "Traceback" in log and "in forward" in log
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v.error.log"]
+    verbose = runner.invoke(app, ["simulate", "--no-progress", "--out", str(tmp_path), "--verbose"])
+    assert verbose.exit_code == 1 and "in forward" in verbose.output
+
+
+def test_non_finite_loss_stops_the_run_naming_step_and_node(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["simulate", "--strategy", "ddp", "--set", "optim=sgd", "--lr", "1e30",
+                                 "--no-progress", "--out", str(tmp_path)])
+    assert result.exit_code == 1, result.output
+    assert "NonFiniteLoss: loss is" in result.output and "at step" in result.output
+    assert "on node" in result.output
+
+
+def test_version_and_plain_strategy_descriptions() -> None:
+    from meshtrain import __version__
+
+    version = runner.invoke(app, ["--version"])
+    assert version.exit_code == 0 and version.output.strip() == f"meshtrain {__version__}"
+    strategies = runner.invoke(app, ["strategies"], env={"COLUMNS": "200"})
+    assert "`" not in strategies.output  # docstrings' RST markup is not shown raw
+    listed = runner.invoke(app, ["settings"], env={"COLUMNS": "200"})
+    assert listed.exit_code == 0 and "threads" in listed.output and "batch_size" in listed.output
 
 
 def test_bad_input_through_the_real_entry_point(tmp_path: Path) -> None:

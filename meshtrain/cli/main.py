@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ from meshtrain.config import (
 )
 from meshtrain.devices import resolve_device
 from meshtrain.progress import human_bytes
+from meshtrain.settings import help_for
 from meshtrain.strategies import STRATEGIES, Strategy
 from meshtrain.tasks import TASKS, TaskOptions, check_options, get_task
 
@@ -38,72 +41,112 @@ console = Console()
 errors = Console(stderr=True)
 
 
+def _show_version(value: bool) -> None:
+    if value:
+        from meshtrain import __version__
+
+        console.print(f"meshtrain {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(False, "--version", callback=_show_version, is_eager=True,
+                                 help="Print meshtrain's version and exit."),
+) -> None:
+    """Train with communication-efficient strategies on simulated nodes or real machines."""
+
+
 def fail(message: str, code: int = 2) -> typer.Exit:
     """Print one clear line (no traceback) and return the exit to raise."""
     errors.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
+def _flag(name: str, *flags: str, **kwargs: Any) -> Any:
+    """A CLI option for setting ``name``, its help taken from the setting's one definition."""
+    spec_fields = {f.name: f for f in dataclasses.fields(RunSpec)}
+    return typer.Option(None, *flags, help=spec_fields[name].metadata.get("help", ""), **kwargs)
+
+
 # Flags shared by `simulate` and `launch` (the launcher forwards them to every rank).
 TRAINING_FLAGS = dict(
     profile=typer.Option(None, "--profile", "-p", help="Profile name (profiles/NAME.yaml) or path."),
-    strategy=typer.Option(None, "--strategy", "-s", help="Strategy: " + ", ".join(STRATEGIES) + "."),
-    task=typer.Option(None, "--task", "-t", help="Task: " + ", ".join(TASKS) + "."),
-    data=typer.Option(None, "--data", help="Data file or folder the task reads."),
-    steps=typer.Option(None, "--steps", help="Training steps (each node takes one batch a step)."),
-    batch_size=typer.Option(None, "--batch-size", "-b", help="Batch size per node."),
-    microbatch_size=typer.Option(None, "--microbatch-size", help="Accumulate gradients in pieces."),
-    lr=typer.Option(None, "--lr", help="Learning rate (DiLoCo: the inner optimizer's)."),
-    device=typer.Option(None, "--device", help="cpu, cuda, mps or auto."),
-    seed=typer.Option(None, "--seed", help="Seed of weights, data order and shared choices."),
-    val_interval=typer.Option(None, "--val-interval", help="Evaluate every N steps."),
-    set_=typer.Option([], "--set", help="Override any setting: key=value (H=50, task_options.arch=cnn)."),
+    strategy=_flag("strategy", "--strategy", "-s"),
+    task=_flag("task", "--task", "-t"),
+    data=_flag("data", "--data"),
+    steps=_flag("steps", "--steps"),
+    epochs=_flag("epochs", "--epochs"),
+    batch_size=_flag("batch_size", "--batch-size", "-b"),
+    microbatch_size=_flag("microbatch_size", "--microbatch-size"),
+    lr=_flag("lr", "--lr"),
+    device=_flag("device", "--device"),
+    seed=_flag("seed", "--seed"),
+    threads=_flag("threads", "--threads"),
+    val_interval=_flag("val_interval", "--val-interval"),
+    set_=typer.Option([], "--set", help="Override any setting: key=value (H=50, steps=100, "
+                                        "task_options.arch=cnn); values are read as YAML."),
 )
 
 
 def build_run(
     flags: dict[str, Any], overrides: list[str], launched: bool
 ) -> tuple[RunSpec, Any, Any]:
-    """Resolve settings layers into a spec, then build the task and the strategy."""
-    profile = load_profile(flags.pop("profile")) if flags.get("profile") else {}
-    task_name = flags.get("task") or profile.get("task") or RunSpec.task
+    """Resolve settings layers into a spec, then build the task and the strategy.
+
+    Layers, later ones winning: RunSpec defaults < the task's suggestions < a profile <
+    flags < ``--set``. Every layer is checked against the settings' one definition.
+    """
+    profile_name = flags.pop("profile", None)
+    profile = load_profile(profile_name) if profile_name else {}
     strategy_name = flags.get("strategy") or profile.get("strategy") or RunSpec.strategy
-    task = get_task(task_name)
+    set_layer = parse_set(overrides, strategy_name)  # bare names (H=50) are this strategy's
+    strategy_name = set_layer.get("strategy") or strategy_name
     strategy_class(strategy_name)
+    task = get_task(set_layer.get("task") or flags.get("task") or profile.get("task") or RunSpec.task)
     defaults = {**task.defaults, "strategy_options": task.strategy_defaults.get(strategy_name, {})}
-    spec = resolve_spec([defaults, profile, flags, parse_set(overrides, strategy_name)])
+    spec = resolve_spec([
+        (f"task {task.name!r} defaults: ", defaults),
+        (f"profile {profile_name}: ", profile),
+        ("", flags),
+        ("--set ", set_layer),
+    ])
     if launched:
         spec.nodes = int(os.environ["WORLD_SIZE"])
+    if spec.data is not None and not task.takes_data:
+        raise ConfigError(f"task {task.name!r} reads no data file: drop --data {spec.data}")
     try:
         resolve_device(spec.device)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    bundle = task.build(TaskOptions(spec.data, spec.seed, check_options(task, spec.task_options)))
     strategy = build_strategy(spec)
+    bundle = task.build(TaskOptions(spec.data, spec.seed, check_options(task, spec.task_options)))
     return spec, bundle, strategy
 
 
 @app.command()
 def simulate(
-    nodes: int = typer.Option(None, "--nodes", "-n", help="Number of simulated nodes (default 4)."),
-    runtime: str = typer.Option(None, "--runtime", help="threads (fast) or processes (gloo)."),
-    out: Path = typer.Option(Path("runs"), "--out", help="Where run directories go."),
-    run_id: str = typer.Option(None, "--run-id", help="Name of the run directory."),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar."),
-    cluster: str = typer.Option("gbe", "--cluster", help="Project wall-clock on this named cluster "
-                                "(`meshtrain clusters` lists them)."),
-    step_seconds: float = typer.Option(None, "--step-seconds", help="A node's compute per step on "
-                                       "that cluster, if known (default: measured here)."),
+    nodes: int = _flag("nodes", "--nodes", "-n"),
+    runtime: str = _flag("runtime", "--runtime"),
+    out: str = _flag("out_dir", "--out"),
+    run_id: str = _flag("run_id", "--run-id"),
+    progress: bool = typer.Option(None, "--progress/--no-progress", help=help_for("progress")),
+    cluster: str = _flag("cluster", "--cluster"),
+    step_seconds: float = _flag("step_seconds", "--step-seconds"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="On failure, print the failing "
+                                 "node's full traceback (always written to <out>/<run-id>.error.log)."),
     profile: str = TRAINING_FLAGS["profile"],
     strategy: str = TRAINING_FLAGS["strategy"],
     task: str = TRAINING_FLAGS["task"],
     data: str = TRAINING_FLAGS["data"],
     steps: int = TRAINING_FLAGS["steps"],
+    epochs: float = TRAINING_FLAGS["epochs"],
     batch_size: int = TRAINING_FLAGS["batch_size"],
     microbatch_size: int = TRAINING_FLAGS["microbatch_size"],
     lr: float = TRAINING_FLAGS["lr"],
     device: str = TRAINING_FLAGS["device"],
     seed: int = TRAINING_FLAGS["seed"],
+    threads: int = TRAINING_FLAGS["threads"],
     val_interval: int = TRAINING_FLAGS["val_interval"],
     set_: list[str] = TRAINING_FLAGS["set_"],
 ) -> None:
@@ -111,6 +154,9 @@ def simulate(
 
     With no arguments: 4 nodes train an MLP on scikit-learn's digits with DiLoCo.
     Inside a launched rank (RANK and WORLD_SIZE set) it trains that one rank instead.
+
+    Exit codes: 0 done; 1 a node failed (its error is shown); 2 bad input (nothing ran);
+    130 interrupted.
 
     Examples:
 
@@ -123,39 +169,52 @@ def simulate(
       meshtrain simulate --profile whisper-tiny-lora --nodes 2 --data recordings/
     """
     from meshtrain import NodeFailed, Trainer
+    from meshtrain.trainer import run_job
 
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    flags = dict(profile=profile, strategy=strategy, task=task, data=data, steps=steps,
+    flags = dict(profile=profile, strategy=strategy, task=task, data=data, steps=steps, epochs=epochs,
                  batch_size=batch_size, microbatch_size=microbatch_size, lr=lr, device=device,
-                 seed=seed, val_interval=val_interval, nodes=nodes, runtime=runtime)
+                 seed=seed, threads=threads, val_interval=val_interval, nodes=nodes, runtime=runtime,
+                 out_dir=out, run_id=run_id, progress=progress, cluster=cluster,
+                 step_seconds=step_seconds)
+    # Everything is checked before the first step: up to here, an error is bad input (2).
     try:
         spec, bundle, strat = build_run(flags, set_, launched)
-        result = Trainer(bundle.model, bundle.train_data, bundle.val_data, bundle.collate_fn).fit(
-            strategy=strat,
-            nodes=None if launched else spec.nodes,
-            max_steps=spec.steps,
-            epochs=spec.epochs,
-            batch_size=spec.batch_size,
-            microbatch_size=spec.microbatch_size,
-            seed=spec.seed,
-            device=spec.device,
-            runtime=spec.runtime,
-            shuffle=spec.shuffle,
-            val_interval=spec.val_interval,
-            val_size=spec.val_size,
-            out_dir=out,
-            run_id=run_id,
-            progress=progress,
-            cluster=cluster,
-            step_seconds=step_seconds,
-            extra_config={"spec": spec.to_dict()},
-        )
-    except NodeFailed as exc:
-        raise fail(str(exc), code=1) from None
-    except (ValueError, FileExistsError) as exc:  # ConfigError, TaskError, rejected settings
+        config = spec.train_config(extra_config={"spec": spec.to_dict()})
+        trainer = Trainer(bundle.model, bundle.train_data, bundle.val_data, bundle.collate_fn)
+        job = trainer.prepare(strat, config=config)
+    except (ValueError, FileExistsError) as exc:  # ConfigError, TaskError, SettingError
         raise fail(str(exc)) from None
+    # From here on, an error is a failure of the run (1), never "bad input".
+    try:
+        result = run_job(job)
+    except NodeFailed as exc:
+        _report_failure(exc, job, verbose)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        errors.print("interrupted: the run was stopped and nothing was kept", style="bold red")
+        raise typer.Exit(130) from None
+    except Exception as exc:  # noqa: BLE001 - the run failed here, after starting
+        _report_failure(exc, job, verbose)
+        raise typer.Exit(1) from None
     if result.run_dir is not None:
         print_summary(result.summary, result.run_dir)
+
+
+def _report_failure(exc: BaseException, job: Any, verbose: bool) -> None:
+    """One line for the failure; the full traceback under --verbose and in the error log."""
+    message = str(exc) if isinstance(exc, RuntimeError) and "failed" in str(exc) else \
+        f"{type(exc).__name__}: {exc}"
+    errors.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    if verbose:
+        node_traceback = getattr(exc, "traceback", None)
+        if node_traceback:
+            errors.print(node_traceback, highlight=False, soft_wrap=True, markup=False)
+        else:
+            errors.print("".join(traceback.format_exception(exc)), highlight=False, soft_wrap=True,
+                         markup=False)
+    if job.run_dir is not None and job.run_dir.error_log.exists():
+        errors.print(f"full traceback: {job.run_dir.error_log}", highlight=False, soft_wrap=True)
 
 
 def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
@@ -165,11 +224,17 @@ def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
     table.add_column(justify="right")
     table.add_row("steps", str(summary["steps"]))
     table.add_row("final train loss", f"{summary['final_train_loss']:.4f}")
+    initial = summary.get("initial") or {}
+
+    def before_after(value: float, before: float | None) -> str:
+        return f"{value:.4f}" if before is None else f"{before:.4f} at step 0 -> {value:.4f}"
+
     if summary.get("final_val_loss") is not None:
-        table.add_row("final val loss", f"{summary['final_val_loss']:.4f}")
+        table.add_row("val loss", before_after(summary["final_val_loss"], initial.get("val_loss")))
     for key, value in summary.items():
         if key.startswith("final_") and key not in ("final_train_loss", "final_val_loss"):
-            table.add_row(key.removeprefix("final_").replace("_", " "), f"{value:.4f}")
+            metric = key.removeprefix("final_")
+            table.add_row(metric.replace("_", " "), before_after(value, initial.get(f"val_{metric}")))
     table.add_row("sent per node", human_bytes(summary["bytes_sent_per_node"]))
     table.add_row("trainable parameters", f"{summary['trainable_parameters']:,}")
     table.add_row("wall clock here", f"{summary['wall_seconds']:.1f} s")
@@ -199,7 +264,7 @@ def list_strategies() -> None:
         params = ", ".join(
             f"{n}={_show_default(p.default)}" for n, p in cls.parameters().items() if n not in shared
         )
-        doc = (inspect.getdoc(cls) or "").splitlines()[0]
+        doc = (inspect.getdoc(cls) or "").splitlines()[0].replace("``", "").replace("`", "")
         table.add_row(name, doc, params)
     console.print(table)
 
@@ -208,6 +273,21 @@ def _show_default(value: Any) -> str:
     if value is inspect.Parameter.empty:
         return "(required)"
     return repr(value) if isinstance(value, str) else str(value)
+
+
+@app.command("settings")
+def list_settings() -> None:
+    """List every run setting with its default: flags, profiles and --set all take these."""
+    table = Table(title="settings (a profile key, --set NAME=VALUE, or the flag shown)")
+    table.add_column("name", style="bold")
+    table.add_column("default")
+    table.add_column("what it sets")
+    for f in dataclasses.fields(RunSpec):
+        if f.name in ("extra_config",):
+            continue
+        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        table.add_row(f.name, _show_default(default), f.metadata.get("help", ""))
+    console.print(table)
 
 
 @app.command("clusters")

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from meshtrain.data import Collate, DataFactory
+from meshtrain.settings import SettingError, check_value
 
 
 class TaskError(ValueError):
@@ -51,6 +52,8 @@ class Task:
     strategy_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: Options this task understands, with their defaults (for `meshtrain tasks`).
     options: dict[str, Any] = field(default_factory=dict)
+    #: Whether the task reads ``--data`` (a file or folder).
+    takes_data: bool = True
 
 
 @dataclass(frozen=True)
@@ -81,9 +84,30 @@ def get_task(name: str) -> Task:
 
 
 def check_options(task: Task, options: dict[str, Any]) -> dict[str, Any]:
-    """The task's option defaults overlaid with ``options``; unknown names are errors."""
+    """The task's option defaults overlaid with ``options``.
+
+    Unknown names are errors, and so is a value whose type differs from the default's
+    (a whole number where the default is one, a number where it is a float, ...); a
+    task checks ranges itself when it builds.
+    """
     unknown = sorted(set(options) - set(task.options))
     if unknown:
         known = ", ".join(task.options) or "none"
         raise TaskError(f"task {task.name!r} has no option {unknown[0]!r} (options: {known})")
+    for name, value in options.items():
+        default = task.options[name]
+        if default is None or value is None:
+            continue
+        annotation = float if isinstance(default, float) else type(default)
+        try:
+            check_value(f"task_options.{name}", value, annotation)
+        except SettingError as exc:
+            raise TaskError(f"task {task.name!r}: {exc}") from None
     return {**task.options, **options}
+
+
+def require_positive(task: str, options: dict[str, Any], *names: str) -> None:
+    """Raise :class:`TaskError` unless each named option is >= 1."""
+    for name in names:
+        if options[name] < 1:
+            raise TaskError(f"task {task!r}: task_options.{name} must be >= 1, got {options[name]!r}")

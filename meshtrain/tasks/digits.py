@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from meshtrain.tasks import Task, TaskBundle, TaskError, TaskOptions
+from meshtrain.tasks import Task, TaskBundle, TaskError, TaskOptions, require_positive
 
 VAL_SAMPLES = 297
 
@@ -69,6 +69,7 @@ def build(opts: TaskOptions) -> TaskBundle:
     arch, hidden = opts.options["arch"], opts.options["hidden"]
     if arch not in ("mlp", "cnn"):
         raise TaskError(f"task 'digits': option arch must be 'mlp' or 'cnn', got {arch!r}")
+    require_positive("digits", opts.options, "hidden")
     train, val = load_digits_split()
     torch.manual_seed(opts.seed)  # the same initial weights for the same seed
     model = DigitsMLP(hidden) if arch == "mlp" else DigitsCNN(hidden)
@@ -86,4 +87,5 @@ TASK = Task(
         "fedavg": {"lr": 0.1},
     },
     options={"arch": "mlp", "hidden": 128},
+    takes_data=False,
 )

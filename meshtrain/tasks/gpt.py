@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from meshtrain.tasks import Task, TaskBundle, TaskError, TaskOptions
+from meshtrain.tasks import Task, TaskBundle, TaskError, TaskOptions, require_positive
 
 
 class CharWindows(Dataset):
@@ -81,8 +81,22 @@ def build(opts: TaskOptions) -> TaskBundle:
     path = Path(opts.data).expanduser()
     if not path.is_file():
         raise TaskError(f"task 'gpt': data file {path} does not exist")
-    text = path.read_text(encoding="utf-8", errors="replace")
-    block = int(opts.options["block_size"])
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise TaskError(f"task 'gpt': {path} is not UTF-8 text (byte {exc.start}); give a text file") \
+            from None
+    if "\x00" in text:
+        raise TaskError(f"task 'gpt': {path} holds NUL bytes: it looks binary, give a text file")
+    o = opts.options
+    require_positive("gpt", o, "block_size", "layers", "heads", "dim")
+    if not 0 <= o["dropout"] < 1:
+        raise TaskError(f"task 'gpt': task_options.dropout must be in [0, 1), got {o['dropout']!r}")
+    if o["dim"] % o["heads"]:
+        raise TaskError(f"task 'gpt': task_options.dim ({o['dim']}) must be a multiple of heads "
+                        f"({o['heads']})")
+    block = o["block_size"]
     if len(text) < 20 * block:
         raise TaskError(f"task 'gpt': {path} has {len(text)} characters; need at least {20 * block}")
     vocab = sorted(set(text))
@@ -90,7 +104,6 @@ def build(opts: TaskOptions) -> TaskBundle:
     ids = torch.tensor([lookup[c] for c in text], dtype=torch.long)
     cut = math.floor(len(ids) * 0.9)
     torch.manual_seed(opts.seed)
-    o = opts.options
     model = CharGPT(len(vocab), block, o["layers"], o["heads"], o["dim"], o["dropout"])
     return TaskBundle(model, CharWindows(ids[:cut], block), CharWindows(ids[cut:], block))
 
