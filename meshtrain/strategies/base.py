@@ -113,8 +113,12 @@ class Strategy:
         min_lr: float = 0.0,
         modules: Sequence[CommunicationModule] = (),
     ) -> None:
-        if lr <= 0:
-            raise ValueError(f"lr must be > 0, got {lr}")
+        if not (math.isfinite(lr) and lr > 0):
+            raise ValueError(f"lr must be a finite number > 0, got {lr}")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}")
+        if not (math.isfinite(min_lr) and 0 <= min_lr <= lr):
+            raise ValueError(f"min_lr must be between 0 and lr ({lr}), got {min_lr}")
         if lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {lr_schedule!r}")
         if max_norm is not None and max_norm <= 0:

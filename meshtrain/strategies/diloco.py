@@ -11,6 +11,7 @@ is needed. The inner optimizer state is never reset.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -24,6 +25,10 @@ class OuterSync(CommunicationModule):
     def __init__(self, H: int, outer_lr: float, outer_momentum: float, nesterov: bool) -> None:
         if H < 1:
             raise ValueError(f"H must be >= 1, got {H}")
+        if not (math.isfinite(outer_lr) and outer_lr > 0):
+            raise ValueError(f"outer_lr must be a finite number > 0, got {outer_lr}")
+        if not 0 <= outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
         self.H = H
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
