@@ -16,8 +16,11 @@ from pathlib import Path
 
 import pytest
 from ssh_fixtures import (
+    PYTHON,
     SshWorld,
+    free_port,
     loopback_world,
+    processes_with,
     rank_processes,
     read_until,
     start_meshtrain,
@@ -220,3 +223,51 @@ def test_revoked_host_key_is_refused_with_a_clear_message(world: SshWorld, tmp_p
                                            r"\S+ is marked @revoked in .*known_hosts; refusing"):
             connect(_host(world, tmp_path, known), accept_new_host_keys=True)
         assert known.read_text() == text  # nothing recorded
+
+
+# --------------------------------------------------------------------------- heartbeat
+def _training_rank_pid(run_id: str, rank: int) -> int:
+    """The interpreter of ``rank`` of the launched training run ``run_id``."""
+    for line in processes_with(f"--run-id {run_id}"):
+        pid = int(line.split()[0])
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if line.split()[2] == PYTHON and f"RANK={rank}".encode() in env:
+            return pid
+    raise AssertionError(f"no rank {rank} among {processes_with(run_id)}")
+
+
+def test_stopped_rank_is_named_within_the_heartbeat_timeout(world: SshWorld, tmp_path: Path) -> None:
+    """SIGSTOP one rank mid-training: without the heartbeat its peer waits in a collective
+    until the rendezvous timeout, then the peer is blamed. Now the stopped rank is named
+    within the heartbeat timeout and every process of the run is gone."""
+    port = world.servers[0].port
+    inv = world.inventory(tmp_path / "inv.yaml", [
+        {"name": "alpha", "host": "127.0.0.1", "port": port},
+        {"name": "beta", "host": "127.0.0.1", "port": port},
+    ], workdir=str(tmp_path / "remote"), rendezvous={"port": free_port(), "timeout": 600})
+    run_id = f"hb-{uuid.uuid4().hex[:10]}"
+    proc = start_meshtrain(world, "launch", str(inv), "--heartbeat-timeout", "5", "--run-id", run_id,
+                           "--out", str(tmp_path / "runs"), "--task", "digits", "--strategy", "diloco",
+                           "--set", "H=2", "--steps", "20000", "--batch-size", "8", "--threads", "1",
+                           cwd=tmp_path)
+    try:
+        seen = read_until(proc, ["/20000  loss"], timeout=120)
+        os.kill(_training_rank_pid(run_id, 1), signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        output, _ = proc.communicate(timeout=60)
+        elapsed = time.monotonic() - stopped_at
+    finally:
+        proc.kill()
+    output = seen + output
+    assert proc.returncode == 1, output
+    assert re.search(r"rank 1 on beta sent no heartbeat for \d+ s \(process stopped or hung; "
+                     r"heartbeat_timeout 5 s\); stopping the other ranks", output), output
+    assert re.search(r"failed: rank 1 on beta \(root@127\.0\.0\.1:\d+\) sent no heartbeat", output), output
+    assert "failed: rank 0" not in output  # the waiting peer is not blamed
+    assert elapsed < 5 + 15, output
+    assert "\x06" not in output  # the beats never reach the user's output
+    left = wait_until_gone(f"--run-id {run_id}", timeout=10)
+    assert not left, f"processes left behind: {left}"
