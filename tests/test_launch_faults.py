@@ -271,3 +271,100 @@ def test_stopped_rank_is_named_within_the_heartbeat_timeout(world: SshWorld, tmp
     assert "\x06" not in output  # the beats never reach the user's output
     left = wait_until_gone(f"--run-id {run_id}", timeout=10)
     assert not left, f"processes left behind: {left}"
+
+
+# --------------------------------------------------------------------------- copy-back
+# Writes a run directory where the launcher looks for rank 0's (runs/<run id>), then exits.
+WRITER = textwrap.dedent("""
+    import os, sys
+    if os.environ["RANK"] == "0":
+        run = os.path.join("runs", os.environ["MESHTRAIN_RUN_ID"])
+        os.makedirs(os.path.join(run, "sub"))
+        with open(os.path.join(run, "model.pt"), "wb") as f:
+            f.write(bytes(range(256)) * 4096)  # 1 MiB
+        with open(os.path.join(run, "sub", "metrics.csv"), "w") as f:
+            f.write("step,loss\\n1,0.5\\n")
+        if sys.argv[1:] == ["big"]:
+            with open(os.path.join(run, "big.bin"), "wb") as f:
+                f.truncate(4 << 30)  # sparse on the host, 4 GiB through the copy
+    print("rank", os.environ["RANK"], "wrote", flush=True)
+""")
+
+
+def launch_writer(world: SshWorld, tmp_path: Path, *args: str, port: int | None = None,
+                  prefix: list[str] | None = None, out: Path | None = None) -> tuple[list[str], str]:
+    """The launch command line of the writer script, and its run id."""
+    port = port or world.servers[0].port
+    inv = world.inventory(tmp_path / "inv.yaml", [
+        {"name": "alpha", "host": "127.0.0.1", "port": port},
+        {"name": "beta", "host": "127.0.0.1", "port": port},
+    ], workdir=str(tmp_path / "remote"))
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    run_id = f"copy-{uuid.uuid4().hex[:8]}"
+    command = [*(prefix or []), PYTHON, "-m", "meshtrain", "launch", str(inv), "--run-id", run_id,
+               "--out", str(out or tmp_path / "runs"), "--upload", str(script), "--", "python", "writer.py",
+               *args]
+    return command, run_id
+
+
+def fetch_command(output: str, world: SshWorld) -> str:
+    """The command the launcher printed to fetch the run directory, made to trust the test sshd."""
+    found = re.search(r"\(fetch it with: (.*)\)$", output, re.M)
+    assert found, output
+    trust = f" -o UserKnownHostsFile={world.known_hosts} -o BatchMode=yes"
+    return re.sub(r"\b(scp|ssh) -", rf"\1{trust} -", found.group(1), count=1)
+
+
+def test_copy_back_to_a_full_disk_says_where_the_run_is(world: SshWorld, tmp_path: Path) -> None:
+    """--out on a 256 KiB tmpfs (its own mount namespace): ENOSPC. Before, a traceback that
+    never said where the run was; now one line with the remote path and the command to fetch
+    it, which works."""
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("cannot create a mount namespace here (unshare -m) for a tiny tmpfs")
+    tiny = tmp_path / "tiny"
+    tiny.mkdir()
+    command, run_id = launch_writer(world, tmp_path, out=tiny)
+    mount = f"mount -t tmpfs -o size=256k tmpfs {tiny} && exec \"$@\""
+    result = subprocess.run(["unshare", "-m", "sh", "-c", mount, "sh", *command], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "Traceback" not in output
+    remote = tmp_path / "remote" / "runs" / run_id
+    assert re.search(rf"^meshtrain: could not copy the run directory to {tiny}/{run_id}: No space left on "
+                     rf"device \(.*\); the run directory is still on alpha: {remote} \(fetch it with: "
+                     rf"mkdir -p {tiny}/{run_id} && ssh -p \d+ -i \S+ root@127\.0\.0\.1 "
+                     rf"'tar -C {remote} -cf - \.' \| tar -C {tiny}/{run_id} -xf -\)$", output, re.M), output
+    assert "all 2 ranks finished" in output and "not copied back" in output
+    assert (remote / "model.pt").is_file()  # the run is intact on the host
+    fetched = tmp_path / "fetched"
+    fetched.mkdir()
+    fetch = fetch_command(output, world).replace(f"{tiny}/", f"{fetched}/")
+    subprocess.run(fetch, shell=True, check=True, timeout=60, capture_output=True)
+    assert (fetched / run_id / "model.pt").read_bytes() == (remote / "model.pt").read_bytes()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_stops_the_copy_back(world: SshWorld, tmp_path: Path, signum: int) -> None:
+    """Before, the launcher ignored Ctrl-C and SIGTERM until the whole copy was done."""
+    command, run_id = launch_writer(world, tmp_path, "big")
+    proc = subprocess.Popen(command, cwd=tmp_path, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        seen = read_until(proc, ["meshtrain: copying alpha:"], timeout=60)
+        time.sleep(0.5)  # well inside the 4 GiB file
+        proc.send_signal(signum)
+        sent_at = time.monotonic()
+        output, _ = proc.communicate(timeout=30)
+        elapsed = time.monotonic() - sent_at
+    finally:
+        proc.kill()
+    output = seen + output
+    assert proc.returncode == 128 + signum, output
+    assert elapsed < 5, output
+    remote = tmp_path / "remote" / "runs" / run_id
+    assert (f"meshtrain: {signal.Signals(signum).name} received during the copy-back; the run directory is "
+            f"still on alpha: {remote} (fetch it with: mkdir -p") in output, output
+    assert "Traceback" not in output
+    assert list((tmp_path / "runs").iterdir()) == []  # neither a partial copy nor a finished one

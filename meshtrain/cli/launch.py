@@ -200,6 +200,9 @@ def register(app: typer.Typer) -> None:
                 errors.print(f"last lines of rank {failure.rank}:", style="bold")
                 for line in failure.tail[-10:]:
                     errors.print(Text(f"  {line}"), soft_wrap=True)
+        if result.copy_failed:
+            console.print(f"all {inv.world_size} ranks finished in {result.seconds:.1f} s, but the run "
+                          "directory was not copied back (see above)", highlight=False)
         if result.exit_code == 0:
             where = f"; run directory: {result.run_dir}" if result.run_dir else ""
             console.print(f"all {inv.world_size} ranks finished in {result.seconds:.1f} s{where}",

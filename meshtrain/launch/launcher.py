@@ -18,7 +18,6 @@ import os
 import shlex
 import shutil
 import signal
-import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +32,15 @@ from meshtrain.launch.heartbeat import HEARTBEAT_FD, heartbeat_interval
 from meshtrain.launch.inventory import Host, Inventory
 from meshtrain.launch.output import RankOutput
 from meshtrain.launch.ssh import Heartbeat, RemoteProcess, SSHError, connect, remote_path, run, sh
+from meshtrain.launch.transfer import (
+    TransferError,
+    fetch_tree,
+    has_sftp,
+    has_tar,
+    put_files,
+    remote_dir_exists,
+    sftp_path,
+)
 
 POLL_SECONDS = 0.1
 REMOTE_RUNS = "runs"  # under each host's workdir: where rank 0 writes <run_id>/
@@ -71,6 +79,7 @@ class LaunchResult:
     seconds: float
     teardown_seconds: float | None = None  # from the failure (or signal) to every rank stopped
     leftovers: list[str] = field(default_factory=list)  # ranks that could not be confirmed stopped
+    copy_failed: bool = False  # every rank succeeded but the run directory could not be copied back
 
 
 class PreflightError(RuntimeError):
@@ -198,20 +207,8 @@ def preflight(inventory: Inventory, options: LaunchOptions) -> list[paramiko.SSH
 
 def upload(client: paramiko.SSHClient, host: Host, files: list[Path]) -> None:
     """Put local files into ``host``'s workdir (e.g. the script a command runs)."""
-    if not files:
-        return
-    with client.open_sftp() as sftp:
-        workdir = _sftp_path(host.workdir)
-        for f in files:
-            sftp.put(str(f), f"{workdir}/{f.name}")
-            sftp.chmod(f"{workdir}/{f.name}", f.stat().st_mode & 0o777)
-
-
-def _sftp_path(path: str) -> str:
-    # SFTP does not expand ~, but relative paths start at the home folder.
-    if path == "~":
-        return "."
-    return path[2:] if path.startswith("~/") else path
+    if files:
+        put_files(client, host.workdir, files, use_sftp=has_sftp(client))
 
 
 # --------------------------------------------------------------------------- launching
@@ -269,8 +266,7 @@ def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], option
                     failures.append(RankFailure(r.host.rank, r.host, r.outcome, output.tail(r.host.rank)))
         if all(r.outcome == "ok" for r in ranks):
             _teardown(ranks, options)  # anything the ranks left running in the background
-            run_dir = _copy_back(ranks[0], options, output)
-            return LaunchResult(0, [], run_dir, 0.0)
+            return _copy_back(ranks[0], options, output, stop)
         if not failures:
             time.sleep(POLL_SECONDS)
 
@@ -366,47 +362,91 @@ def _wait(done: Callable[[], bool], seconds: float) -> bool:
 
 
 # --------------------------------------------------------------------------- copy back
-def _copy_back(rank0: _Rank, options: LaunchOptions, output: RankOutput) -> Path | None:
+class CopyInterrupted(BaseException):  # noqa: N818 - a signal, not an error
+    """Ctrl-C, SIGTERM or SIGHUP arrived while the run directory was being copied.
+
+    A BaseException, like KeyboardInterrupt: raised by the signal handler wherever the
+    copy is, it must get through libraries' ``except Exception`` blocks.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _copy_back(rank0: _Rank, options: LaunchOptions, output: RankOutput, stop: _Signal) -> LaunchResult:
     """Copy ``<workdir>/runs/<run_id>/`` from rank 0's host to ``<out_dir>/<run_id>/``.
 
-    Written to a hidden folder first and renamed, so a failed copy leaves nothing half done.
+    Written to a hidden folder first and renamed, so a failed copy leaves nothing half
+    done. A failed or interrupted copy says where the run directory still is and the
+    command that fetches it; a signal stops the copy at once (exit 128+N).
     """
-    remote = f"{_sftp_path(rank0.host.workdir)}/{REMOTE_RUNS}/{options.run_id}"
+    host = rank0.host
+    remote = f"{host.workdir}/{REMOTE_RUNS}/{options.run_id}"
     final = options.out_dir / options.run_id
-    with rank0.client.open_sftp() as sftp:
-        try:
-            sftp.stat(remote)
-        except OSError:
-            return None  # a script that wrote no run directory
+    partial = options.out_dir / f".{options.run_id}.copying"
+    use_sftp = False  # the tar command in messages works whether or not the host has sftp
+    try:
+        stop.raise_now()  # from here on a signal interrupts the copy where it is
+        if not remote_dir_exists(rank0.client, remote):
+            return LaunchResult(0, [], None, 0.0)  # a script that wrote no run directory
         if final.exists():
-            output.note(f"{final} already exists; not overwriting it with {rank0.host.name}:{remote}",
+            output.note(f"{final} already exists; not overwriting it with {host.name}:{remote}",
                         style="bold yellow")
-            return final
-        partial = options.out_dir / f".{options.run_id}.copying"
+            return LaunchResult(0, [], final, 0.0)
+        use_sftp = not has_tar(rank0.client)
+        if use_sftp and not has_sftp(rank0.client):
+            raise TransferError(f"{host.name} has neither tar nor an sftp server")
+        output.note(f"copying {host.name}:{sftp_path(remote)} to {final}")
+        options.out_dir.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)
-        try:
-            _get_tree(sftp, remote, partial)
-            os.replace(partial, final)
-        except BaseException:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise
+        fetch_tree(rank0.client, remote, partial, use_sftp=use_sftp)
+        os.replace(partial, final)
+    except CopyInterrupted as exc:
+        stop.raising = False
+        shutil.rmtree(partial, ignore_errors=True)
+        output.note(f"{signal.Signals(exc.signum).name} received during the copy-back; "
+                    + _still_there(host, remote, options.out_dir, use_sftp), style="bold yellow")
+        return LaunchResult(128 + exc.signum, [], None, 0.0)
+    except (OSError, EOFError, paramiko.SSHException, TransferError) as exc:
+        stop.raising = False
+        shutil.rmtree(partial, ignore_errors=True)
+        reason = f"{exc.strerror} ({exc.filename})" if isinstance(exc, OSError) and exc.strerror else exc
+        output.note(f"could not copy the run directory to {final}: {reason or type(exc).__name__}; "
+                    + _still_there(host, remote, options.out_dir, use_sftp), style="bold red")
+        return LaunchResult(1, [], None, 0.0, copy_failed=True)
+    finally:
+        stop.raising = False
     output.note(f"run directory copied to {final}")
-    return final
+    return LaunchResult(0, [], final, 0.0)
 
 
-def _get_tree(sftp: paramiko.SFTPClient, remote: str, local: Path) -> None:
-    local.mkdir(parents=True)
-    for entry in sftp.listdir_attr(remote):
-        source, target = f"{remote}/{entry.filename}", local / entry.filename
-        if stat.S_ISDIR(entry.st_mode or 0):
-            _get_tree(sftp, source, target)
-        else:
-            sftp.get(source, str(target))
+def _still_there(host: Host, remote: str, out_dir: Path, use_sftp: bool) -> str:
+    """Where the run directory still is, and the command that fetches it into ``out_dir``."""
+    path = sftp_path(remote)  # scp and ssh start at the home folder, like SFTP
+    key = f" -i {shlex.quote(host.identity_file)}" if host.identity_file else ""
+    target = f"{host.user}@{host.hostname}"
+    if use_sftp:
+        fetch = f"scp -r -P {host.port}{key} {target}:{shlex.quote(path)} {shlex.quote(str(out_dir))}/"
+    else:  # what the launcher does, and it works where sftp is off (scp now speaks SFTP)
+        local = shlex.quote(str(out_dir / Path(path).name))
+        fetch = (f"mkdir -p {local} && ssh -p {host.port}{key} {target} "
+                 f"{shlex.quote('tar -C ' + shlex.quote(path) + ' -cf - .')} | tar -C {local} -xf -")
+    return f"the run directory is still on {host.name}: {path} (fetch it with: {fetch})"
 
 
 # --------------------------------------------------------------------------- signals
 class _Signal:
+    """The first stopping signal received, and whether it should interrupt right away."""
+
     signum: int | None = None
+    raising: bool = False  # True during the copy-back: the handler raises CopyInterrupted
+
+    def raise_now(self) -> None:
+        """From now on a signal raises :class:`CopyInterrupted`; one already received does now."""
+        self.raising = True
+        if self.signum is not None:
+            raise CopyInterrupted(self.signum)
 
 
 @contextmanager
@@ -418,6 +458,9 @@ def _stop_on_signals() -> Iterator[_Signal]:
         return
     def handler(signum: int, frame: object) -> None:
         flag.signum = signum
+        if flag.raising:
+            flag.raising = False  # once: the clean-up after it must not be interrupted again
+            raise CopyInterrupted(signum)
     wanted = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
     previous = {s: signal.signal(s, handler) for s in wanted}
     try:

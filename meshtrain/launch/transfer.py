@@ -1,0 +1,136 @@
+"""Files to and from a host without assuming SFTP.
+
+Some sshd configurations (and hardened Macs) drop the ``Subsystem sftp`` line, and
+paramiko then fails with a bare "Channel closed". Uploads use SFTP where the host
+offers it (:func:`has_sftp`, also shown by ``hosts check``) and otherwise pipe the
+file's bytes into ``cat``. A run directory comes back as one tar stream over an
+ordinary command (``tar -cf - .`` exists on Linux and macOS alike): no SFTP needed, no
+round trip per file, and the launcher's main thread reads it, so Ctrl-C interrupts it
+at once. SFTP is the fallback for a host without tar.
+"""
+
+from __future__ import annotations
+
+import shlex
+import stat
+import tarfile
+from pathlib import Path
+
+import paramiko
+
+from meshtrain.launch.ssh import remote_path, sh
+
+CHUNK = 1 << 16
+
+
+class TransferError(RuntimeError):
+    """A copy failed; the message says what and where."""
+
+
+def has_sftp(client: paramiko.SSHClient) -> bool:
+    """Whether the host's sshd serves the SFTP subsystem."""
+    try:
+        client.open_sftp().close()
+        return True
+    except (paramiko.SSHException, EOFError, OSError):
+        return False
+
+
+def sftp_path(path: str) -> str:
+    """A host path as SFTP takes it: no ``~`` expansion, relative paths start at home."""
+    if path == "~":
+        return "."
+    return path[2:] if path.startswith("~/") else path
+
+
+def put_files(client: paramiko.SSHClient, folder: str, files: list[Path], *, use_sftp: bool) -> None:
+    """Copy local ``files`` into the host's ``folder`` (which exists), keeping their modes."""
+    if not files:
+        return
+    if use_sftp:
+        with client.open_sftp() as sftp:
+            for f in files:
+                target = f"{sftp_path(folder)}/{f.name}"
+                sftp.put(str(f), target)
+                sftp.chmod(target, f.stat().st_mode & 0o777)
+        return
+    for f in files:
+        target = f"{remote_path(folder)}/{shlex.quote(f.name)}"
+        mode = f.stat().st_mode & 0o777
+        channel = _exec(client, sh(f"cat > {target} && chmod {mode:o} {target}"))
+        try:
+            with open(f, "rb") as source:
+                while block := source.read(CHUNK):
+                    channel.sendall(block)
+            channel.shutdown_write()
+            _check_status(channel, f"writing {folder}/{f.name}")
+        finally:
+            channel.close()
+
+
+def remote_dir_exists(client: paramiko.SSHClient, path: str) -> bool:
+    """Whether ``path`` is a folder on the host."""
+    channel = _exec(client, sh(f"test -d {remote_path(path)}"))
+    try:
+        return channel.recv_exit_status() == 0
+    finally:
+        channel.close()
+
+
+def has_tar(client: paramiko.SSHClient) -> bool:
+    """Whether ``tar`` can be run on the host."""
+    channel = _exec(client, sh("command -v tar >/dev/null 2>&1"))
+    try:
+        return channel.recv_exit_status() == 0
+    finally:
+        channel.close()
+
+
+def fetch_tree(client: paramiko.SSHClient, remote: str, local: Path, *, use_sftp: bool) -> None:
+    """Copy the host's folder ``remote`` to the new local folder ``local`` (made here):
+    a tar stream, or SFTP if ``use_sftp`` (for a host without tar)."""
+    if use_sftp:
+        with client.open_sftp() as sftp:
+            _get_tree(sftp, sftp_path(remote), local)
+        return
+    local.mkdir(parents=True)
+    channel = _exec(client, sh(f"tar -C {remote_path(remote)} -cf - ."))
+    try:
+        with channel.makefile("rb") as stream, tarfile.open(fileobj=stream, mode="r|") as archive:
+            # "data": no absolute paths, no escaping the folder, no device files.
+            archive.extractall(local, filter="data")
+        _check_status(channel, f"tar of {remote}")
+    except tarfile.TarError as exc:
+        raise TransferError(f"tar stream of {remote} is broken: {exc}") from None
+    finally:
+        channel.close()
+
+
+def _get_tree(sftp: paramiko.SFTPClient, remote: str, local: Path) -> None:
+    local.mkdir(parents=True)
+    for entry in sftp.listdir_attr(remote):
+        source, target = f"{remote}/{entry.filename}", local / entry.filename
+        if stat.S_ISDIR(entry.st_mode or 0):
+            _get_tree(sftp, source, target)
+        else:
+            sftp.get(source, str(target))
+
+
+def _exec(client: paramiko.SSHClient, command: str) -> paramiko.Channel:
+    transport = client.get_transport()
+    if transport is None or not transport.is_active():
+        raise TransferError("SSH connection is closed")
+    channel = transport.open_session()
+    channel.exec_command(command)
+    return channel
+
+
+def _check_status(channel: paramiko.Channel, what: str) -> None:
+    status = channel.recv_exit_status()
+    if status != 0:
+        error = b""
+        while channel.recv_stderr_ready():
+            error += channel.recv_stderr(CHUNK)
+        detail = error.decode(errors="replace").strip().splitlines()
+        raise TransferError(f"{what} failed on the host (status {status})"
+                            + (f": {detail[-1]}" if detail else ""))
