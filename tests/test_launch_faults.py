@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from ssh_fixtures import (
     PYTHON,
+    SSHD,
+    Sshd,
     SshWorld,
     free_port,
     loopback_world,
@@ -24,6 +26,7 @@ from ssh_fixtures import (
     rank_processes,
     read_until,
     start_meshtrain,
+    start_sshd,
     wait_until_gone,
 )
 
@@ -368,3 +371,58 @@ def test_a_signal_stops_the_copy_back(world: SshWorld, tmp_path: Path, signum: i
             f"still on alpha: {remote} (fetch it with: mkdir -p") in output, output
     assert "Traceback" not in output
     assert list((tmp_path / "runs").iterdir()) == []  # neither a partial copy nor a finished one
+
+
+# --------------------------------------------------------------------------- no sftp
+@pytest.fixture(scope="module")
+def no_sftp_port(world: SshWorld) -> Iterator[int]:
+    """A second sshd on loopback whose config has no ``Subsystem sftp`` line."""
+    folder = world.folder / "sshd-no-sftp"
+    server = start_sshd(folder, world.user_key.with_suffix(".pub"))
+    server.stop()
+    config = folder / "sshd_config"
+    config.write_text("".join(line for line in config.read_text().splitlines(True)
+                              if not line.startswith("Subsystem")))
+    pid_file, log = folder / "sshd.pid", folder / "sshd-no-sftp.log"
+    pid_file.unlink(missing_ok=True)
+    subprocess.run([SSHD, "-f", str(config), "-E", str(log)], check=True, timeout=20)
+    deadline = time.monotonic() + 15
+    while not (pid_file.exists() and pid_file.read_text().strip() and log.exists()
+               and "Server listening" in log.read_text()):
+        assert time.monotonic() < deadline, log.read_text() if log.exists() else "sshd did not start"
+        time.sleep(0.05)
+    restarted = Sshd(server.address, server.port, server.host_key, int(pid_file.read_text()), log)
+    world.trust(restarted)
+    try:
+        yield restarted.port
+    finally:
+        restarted.stop()
+
+
+def test_host_without_sftp_is_reported_and_copied_with_tar(world: SshWorld, no_sftp_port: int,
+                                                            tmp_path: Path) -> None:
+    """Before, the upload and the copy-back ended in paramiko's "Channel closed" traceback."""
+    from meshtrain.launch.inventory import load_inventory
+    from meshtrain.launch.ssh import connect
+    from meshtrain.launch.transfer import has_sftp
+
+    command, run_id = launch_writer(world, tmp_path, port=no_sftp_port)
+    inv = tmp_path / "inv.yaml"
+    client = connect(load_inventory(inv).hosts[0])
+    try:
+        assert not has_sftp(client)  # the server really refuses the subsystem
+    finally:
+        client.close()
+
+    check = subprocess.run([PYTHON, "-m", "meshtrain", "hosts", "check", str(inv)], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert check.stdout.count("ok unavailable, tar fallback used") == 2, check.stdout
+
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    remote, local = tmp_path / "remote" / "runs" / run_id, tmp_path / "runs" / run_id
+    assert (local / "model.pt").read_bytes() == (remote / "model.pt").read_bytes()
+    assert (local / "sub" / "metrics.csv").read_text() == "step,loss\n1,0.5\n"
+    assert (tmp_path / "remote" / "writer.py").read_text() == WRITER  # the upload went through cat

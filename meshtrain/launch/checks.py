@@ -2,7 +2,8 @@
 
 Per host, in parallel: SSH reachable and authenticated; the interpreter exists;
 meshtrain and torch match the launching machine's versions; the device is there; the
-workdir is writable; and the rendezvous port on rank 0 can be reached from every host
+workdir is writable; files can be copied (SFTP, or tar/cat over SSH where the sftp
+subsystem is off); and the rendezvous port on rank 0 can be reached from every host
 (a firewall on rank 0 is the usual culprit).
 """
 
@@ -20,8 +21,9 @@ import torch
 import meshtrain
 from meshtrain.launch.inventory import Host, Inventory
 from meshtrain.launch.ssh import RemoteProcess, SSHError, connect, remote_path, run, sh
+from meshtrain.launch.transfer import has_sftp, has_tar
 
-CHECKS = ("ssh", "python", "meshtrain", "torch", "device", "workdir", "rendezvous")
+CHECKS = ("ssh", "python", "meshtrain", "torch", "device", "workdir", "sftp", "rendezvous")
 
 # Run on each host by its interpreter: versions, device and workdir, as one JSON line.
 PROBE = r"""
@@ -122,6 +124,7 @@ def check_hosts(inventory: Inventory, *, accept_new_host_keys: bool = False,
             return
         clients[report.host.rank] = client
         report.checks["ssh"] = Check(True, "ok")
+        report.checks["sftp"] = _transfer_check(client)
         _probe_host(client, report, timeout)
 
     try:
@@ -167,6 +170,16 @@ def _probe_host(client: paramiko.SSHClient, report: HostReport, timeout: float) 
     else:
         report.checks["workdir"] = Check(False, "not writable", f"cannot write in {host.workdir} "
                                          f"({info.get('workdir_error')}): pick a folder the user owns")
+
+
+def _transfer_check(client: paramiko.SSHClient) -> Check:
+    """SFTP, or the tar/cat fallback the launcher uses without it (transfer.py)."""
+    if has_sftp(client):
+        return Check(True, "available")
+    if has_tar(client):
+        return Check(True, "unavailable, tar fallback used")
+    return Check(False, "unavailable, no tar", "the host has no sftp server and no tar: enable "
+                 "'Subsystem sftp' in its sshd_config, or install tar")
 
 
 def _version_check(name: str, theirs: str | None, ours: str, error: str | None, host: Host) -> Check:
