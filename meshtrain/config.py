@@ -61,7 +61,7 @@ class RunSpec(TrainConfig):
 
 
 #: Settings a run records elsewhere or never repeats: a replay gets a new run id.
-NOT_IN_PROFILES = ("extra_config", "run_id", "progress")
+NOT_IN_PROFILES = ("extra_config", "run_id", "progress", "resume")
 
 
 def find_profile(name: str) -> Path:

@@ -66,6 +66,12 @@ class TrainConfig:
                                    "(`meshtrain clusters` lists them).")
     step_seconds: float | None = _setting(None, "A node's compute per step on that cluster, if "
                                                 "known (default: measured here).", above=0)
+    checkpoint_every: int | None = _setting(None, "Write a checkpoint every N steps (DiLoCo-like "
+                                                   "strategies: rounded up to a multiple of H, so "
+                                                   "it follows an outer sync).", minimum=1)
+    keep_checkpoints: int = _setting(2, "How many of the newest checkpoints to keep.", minimum=1)
+    resume: str | None = _setting(None, "Continue a stopped run from its newest intact checkpoint "
+                                        "(its <run-id>.checkpoints folder or run directory).")
     extra_config: dict[str, Any] = _setting(None, "Recorded in config.yaml as given.", factory=dict)
 
     def validate(self) -> None:

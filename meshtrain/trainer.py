@@ -16,16 +16,19 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, astuple, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from torch import nn
 from torch.utils.data import Dataset
 
+from meshtrain import checkpoint
 from meshtrain.cluster import get_cluster, measured_step_seconds, project
 from meshtrain.comm import Communicator
+from meshtrain.comm.communicator import CommLog, CommRecord
 from meshtrain.data import (
     Collate,
     DataFactory,
@@ -56,6 +59,8 @@ class NodeJob:
     run_id: str
     started: float
     run_dir: RunDirectory | None = None  # reserved before the first step (where rank 0 writes)
+    checkpoints: Path | None = None  # where checkpoints go (checkpoint_every set)
+    resume: checkpoint.Found | None = None  # the checkpoint this run continues from
 
 
 @dataclass
@@ -174,10 +179,27 @@ class Trainer:
                     f"batch size {config.batch_size} is larger than the shard of each node "
                     f"({size // config.nodes} samples of {size} over {config.nodes} nodes)"
                 )
+        resume = checkpoint.find_latest(config.resume) if config.resume else None
+        if resume is not None and resume.nodes != config.nodes:
+            raise ValueError(f"--resume {config.resume}: the checkpoint has {resume.nodes} nodes, "
+                             f"this run {config.nodes}")
+        if config.checkpoint_every and getattr(strategy, "H", None):
+            # Checkpoint right after an outer sync (DiLoCo, FedAvg): round up to a multiple of H.
+            h = int(strategy.H)  # type: ignore[attr-defined]
+            config = replace(config, checkpoint_every=-(-config.checkpoint_every // h) * h)
         writes = os.environ.get("RANK", "0") == "0"  # only rank 0 writes the run directory
-        run_id = config.run_id or os.environ.get("MESHTRAIN_RUN_ID")
+        run_id = config.run_id or (resume.run_id if resume else None) or os.environ.get("MESHTRAIN_RUN_ID")
         run_dir = RunDirectory.reserve(Path(config.out_dir), run_id, strategy.name, config.nodes) \
             if writes else None
+        run_id = run_dir.run_id if run_dir else (run_id or "rank")
+        checkpoints = None
+        if config.checkpoint_every:
+            checkpoints = resume.folder.parent if resume else checkpoint.checkpoint_folder(
+                config.out_dir, run_id)
+            checkpoints.mkdir(parents=True, exist_ok=True)
+            if writes and "spec" in config.extra_config:
+                checkpoint.write_synced(checkpoints / checkpoint.SPEC, lambda f: f.write(
+                    yaml.safe_dump(config.extra_config["spec"], sort_keys=False).encode()))
         return NodeJob(
             model=self.model,
             train_data=self.train_data,
@@ -185,9 +207,11 @@ class Trainer:
             collate_fn=self.collate_fn,
             strategy=strategy,
             config=config,
-            run_id=run_dir.run_id if run_dir else (run_id or "rank"),
+            run_id=run_id,
             started=time.time(),
             run_dir=run_dir,
+            checkpoints=checkpoints,
+            resume=resume,
         )
 
 
@@ -290,17 +314,49 @@ def train_node(
 
     val_batches = _validation_batches(job, rank, device)
     evaluator = _GlobalEvaluator(model, val_batches) if rank == 0 and val_batches else None
-    # Step 0: the global model before training, so every run shows before and after.
-    initial = evaluator.evaluate(strategy.params_data()) if evaluator else {}
     history_val: dict[int, dict[str, float]] = {}
     losses: list[float] = []
     seconds: list[float] = []
+    first_step, seconds_before, loop_before = 0, 0.0, 0.0
+    if job.resume is not None:
+        saved = checkpoint.load_node(job.resume, rank)
+        model.load_state_dict(saved["model"])
+        strategy.load_state_dict(saved["strategy"])
+        batches.load_state_dict(saved["data"])
+        _set_node_rng_state(saved["rng"], rng_guard)
+        comm.log = CommLog([CommRecord(*r) for r in saved["comm"]], *saved["comm_totals"])
+        losses, seconds, history_val = list(saved["losses"]), list(saved["seconds"]), saved["val"]
+        initial, startup_sent = saved["initial"], saved["startup_sent"]
+        first_step, loop_before = saved["step"], saved["loop_seconds"]
+        seconds_before = seconds[-1] if seconds else 0.0
+    else:
+        # Step 0: the global model before training, so every run shows before and after.
+        initial = evaluator.evaluate(strategy.params_data()) if evaluator else {}
     progress = Progress(max_steps, enabled=cfg.progress and rank == 0, title=strategy.name)
     shown = _ProgressNumbers(comm, startup_sent, max_steps) if cfg.progress else None
 
+    def save_checkpoint(steps_done: int) -> None:
+        """Every node saves its state; rank 0 publishes the checkpoint once all have."""
+        assert job.checkpoints is not None
+        state = {
+            "run_id": job.run_id, "step": steps_done, "rank": rank,
+            "model": model.state_dict(), "strategy": strategy.state_dict(),
+            "data": batches.state_dict(), "rng": _node_rng_state(rng_guard),
+            "comm": [astuple(r) for r in comm.log.records],
+            "comm_totals": [comm.log.bytes_sent, comm.log.bytes_received, comm.log.seconds],
+            "losses": losses, "seconds": seconds, "val": history_val, "initial": initial,
+            "startup_sent": startup_sent,
+            "loop_seconds": loop_before + time.perf_counter() - loop_started,
+        }
+        digest = checkpoint.save_node(job.checkpoints, steps_done, rank, state)
+        hashes = comm.gather_json({"rank": rank, "sha256": digest})
+        if hashes is not None:
+            checkpoint.commit(job.checkpoints, steps_done, job.run_id,
+                              {h["rank"]: h["sha256"] for h in hashes}, cfg.keep_checkpoints)
+
     loop_started = time.perf_counter()
     with progress:
-        for step in range(max_steps):
+        for step in range(first_step, max_steps):
             node.step = comm.step = step
             indices = batches.next_indices()
             loss_value = 0.0
@@ -318,16 +374,18 @@ def train_node(
                 raise NonFiniteLoss(f"loss is {loss_value} at step {step + 1} on node {rank}")
             strategy.step(step)
             losses.append(loss_value)
-            seconds.append(time.time() - job.started)
+            seconds.append(seconds_before + time.time() - job.started)
             last = step == max_steps - 1
             if cfg.val_interval and (step + 1) % cfg.val_interval == 0 and not last and val_batches:
                 history_val[step] = _validate(strategy, model, comm, evaluator, val_batches)
+            if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and not last:
+                save_checkpoint(step + 1)
             if shown is not None and shown.due(step):
                 progress.update(step + 1, *shown.collect(loss_value))
         strategy.finish(max_steps - 1)
         if shown is not None:  # the final sync's bytes count too
             progress.update(max_steps, *shown.collect(losses[-1]))
-    loop_seconds = time.perf_counter() - loop_started
+    loop_seconds = loop_before + time.perf_counter() - loop_started
     # After finish every node holds the global model: node val loss equals the global one.
     final = evaluator.evaluate(strategy.params_data()) if evaluator else {}
 
@@ -343,6 +401,22 @@ def train_node(
     summary["projected"] = _projection(job, comm, loop_seconds, max_steps)
     run_dir = _write_run(job, strategy, model, history, summary)
     return FitResult(model=model, history=history, run_dir=run_dir, summary=summary)
+
+
+def _node_rng_state(rng_guard: Callable[[], Any] | None) -> torch.Tensor:
+    """This node's random stream (in the threads runtime it lives behind the guard)."""
+    if rng_guard is None:
+        return torch.get_rng_state()
+    with rng_guard():
+        return torch.get_rng_state()
+
+
+def _set_node_rng_state(state: torch.Tensor, rng_guard: Callable[[], Any] | None) -> None:
+    if rng_guard is None:
+        torch.set_rng_state(state)
+        return
+    with rng_guard():
+        torch.set_rng_state(state)
 
 
 class NonFiniteLoss(RuntimeError):
@@ -584,6 +658,8 @@ def _write_run(
         run.write_plot(history, f"{strategy.name}, {cfg.nodes} nodes", summary.get("initial") or {})
         summary["wall_seconds"] = time.time() - job.started
         run.write_summary(summary)
+        if job.checkpoints is not None and job.checkpoints.is_dir():
+            os.replace(job.checkpoints, run.partial / "checkpoints")  # the finished run keeps them
         return run.commit()
     except OSError as exc:
         if run.partial.is_dir() and any(run.partial.iterdir()):

@@ -254,3 +254,20 @@ def gloo_comm_worker(rank: int, world: int, port: int, results: object) -> None:
     buf = io.BytesIO()
     torch.save(out, buf)
     results.put((rank, buf.getvalue()))
+
+
+class CrashesAt(MLP):
+    """An MLP with dropout whose every node raises at forward call ``at_call`` (a run that
+    is interrupted part-way); ``at_call=None`` never raises."""
+
+    def __init__(self, at_call: int | None = None) -> None:
+        super().__init__(dropout=0.1)
+        self.at_call = at_call
+        self.calls = 0
+
+    def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            if self.calls == self.at_call:
+                raise RuntimeError(f"interrupted at forward call {self.calls}")
+        return super().forward(batch)

@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from meshtrain import checkpoint
 from meshtrain.cluster import CLUSTERS
 from meshtrain.config import (
     ConfigError,
@@ -133,6 +134,11 @@ def simulate(
     progress: bool = typer.Option(None, "--progress/--no-progress", help=help_for("progress")),
     cluster: str = _flag("cluster", "--cluster"),
     step_seconds: float = _flag("step_seconds", "--step-seconds"),
+    checkpoint_every: int = _flag("checkpoint_every", "--checkpoint-every"),
+    keep: int = _flag("keep_checkpoints", "--keep"),
+    resume: str = typer.Option(None, "--resume", help="Continue a stopped run from its newest intact "
+                               "checkpoint: its <run-id>.checkpoints folder (settings come from there; "
+                               "flags given now win)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="On failure, print the failing "
                                  "node's full traceback (always written to <out>/<run-id>.error.log)."),
     profile: str = TRAINING_FLAGS["profile"],
@@ -172,11 +178,25 @@ def simulate(
     from meshtrain.trainer import run_job
 
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if resume:
+        try:
+            found = checkpoint.find_latest(resume)
+        except checkpoint.CheckpointError as exc:
+            raise fail(str(exc)) from None
+        for note in found.skipped:
+            errors.print(f"[yellow]skipped a damaged checkpoint:[/] {note}", highlight=False)
+        spec_file = found.folder.parent / checkpoint.SPEC
+        if profile is None and spec_file.is_file():
+            profile = str(spec_file)
+        out = out or str(found.folder.parent.parent)
+        console.print(f"resuming run {found.run_id} after step {found.step} ({found.folder})",
+                      highlight=False)
     flags = dict(profile=profile, strategy=strategy, task=task, data=data, steps=steps, epochs=epochs,
                  batch_size=batch_size, microbatch_size=microbatch_size, lr=lr, device=device,
                  seed=seed, threads=threads, val_interval=val_interval, nodes=nodes, runtime=runtime,
                  out_dir=out, run_id=run_id, progress=progress, cluster=cluster,
-                 step_seconds=step_seconds)
+                 step_seconds=step_seconds, checkpoint_every=checkpoint_every, keep_checkpoints=keep,
+                 resume=resume)
     # Everything is checked before the first step: up to here, an error is bad input (2).
     try:
         spec, bundle, strat = build_run(flags, set_, launched)
@@ -192,7 +212,8 @@ def simulate(
         _report_failure(exc, job, verbose)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
-        errors.print("interrupted: the run was stopped and nothing was kept", style="bold red")
+        errors.print("interrupted: the run was stopped; no run directory was written", style="bold red")
+        _resume_hint(job)
         raise typer.Exit(130) from None
     except Exception as exc:  # noqa: BLE001 - the run failed here, after starting
         _report_failure(exc, job, verbose)
@@ -215,6 +236,15 @@ def _report_failure(exc: BaseException, job: Any, verbose: bool) -> None:
                          markup=False)
     if job.run_dir is not None and job.run_dir.error_log.exists():
         errors.print(f"full traceback: {job.run_dir.error_log}", highlight=False, soft_wrap=True)
+    _resume_hint(job)
+
+
+def _resume_hint(job: Any) -> None:
+    """After a stop: where the last checkpoint is and the command that continues from it."""
+    if job.checkpoints is not None and any(job.checkpoints.glob("step-*")):
+        latest = sorted(job.checkpoints.glob("step-*"))[-1]
+        errors.print(f"last checkpoint: {latest}\nresume with: meshtrain simulate --resume "
+                     f"{job.checkpoints}", highlight=False, soft_wrap=True)
 
 
 def print_summary(summary: dict[str, Any], run_dir: Path) -> None:

@@ -1,0 +1,158 @@
+"""Checkpoints: everything a run needs to continue exactly where it stopped.
+
+A run with ``checkpoint_every=N`` keeps ``<out>/<run-id>.checkpoints/``:
+
+    spec.yaml            the run's settings (what ``--resume`` rebuilds the run from)
+    step-000040/         one folder per checkpoint, newest kept ``keep_checkpoints``
+        node-0.pt ...    each node's state: model, optimizer and strategy state, data
+                         position, random stream, and its numbers so far
+        meta.json        written last, by rank 0: run id, step, and every node file's
+                         SHA-256; a folder without it (or whose files do not match it) is
+                         not a checkpoint and is skipped in favour of the one before
+
+Every file is written to a temporary name, fsynced, and renamed; a checkpoint folder is
+renamed into place only when complete. Node files are read with
+``torch.load(weights_only=True)``: tensors and plain containers only, never code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+META = "meta.json"
+SPEC = "spec.yaml"
+
+
+class CheckpointError(ValueError):
+    """No usable checkpoint where one was asked for: one line naming the folder and why."""
+
+
+def checkpoint_folder(out_dir: str | Path, run_id: str) -> Path:
+    """Where a run's checkpoints live (beside its run directory, so a failed run keeps them)."""
+    return Path(out_dir) / f"{run_id}.checkpoints"
+
+
+def step_folder(folder: Path, step: int) -> Path:
+    return folder / f"step-{step:06d}"
+
+
+def write_synced(path: Path, write: Any) -> None:
+    """``write(file)`` into a temporary file beside ``path``, fsync it, rename into place."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def save_node(folder: Path, step: int, rank: int, state: dict[str, Any]) -> str:
+    """Write one node's state for the checkpoint after ``step`` steps; its SHA-256."""
+    pending = folder / f".step-{step:06d}.partial"
+    pending.mkdir(parents=True, exist_ok=True)
+    path = pending / f"node-{rank}.pt"
+    write_synced(path, lambda f: torch.save(state, f))
+    return _sha256(path)
+
+
+def commit(folder: Path, step: int, run_id: str, hashes: dict[int, str], keep: int) -> Path:
+    """Rank 0, once every node has saved: write meta.json, publish the folder, prune old ones."""
+    pending = folder / f".step-{step:06d}.partial"
+    meta = {"run_id": run_id, "step": step, "nodes": len(hashes),
+            "files": {f"node-{r}.pt": h for r, h in sorted(hashes.items())}}
+    write_synced(pending / META, lambda f: f.write(json.dumps(meta, indent=2).encode()))
+    final = step_folder(folder, step)
+    if final.exists():  # a resumed run passing the same step again
+        shutil.rmtree(final)
+    os.replace(pending, final)
+    _fsync_dir(folder)
+    for old in sorted(folder.glob("step-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+@dataclass
+class Found:
+    """A checkpoint that passed every check."""
+
+    folder: Path
+    step: int
+    run_id: str
+    nodes: int
+    skipped: list[str]  # why newer checkpoint folders were not used
+
+
+def find_latest(path: str | Path) -> Found:
+    """The newest complete, intact checkpoint under ``path``.
+
+    ``path`` is a ``<run-id>.checkpoints`` folder, a run directory holding
+    ``checkpoints/``, or one ``step-N`` folder. Damaged or partial checkpoints are
+    skipped (and listed in ``skipped``) in favour of the previous good one.
+    """
+    root = Path(path).expanduser()
+    if (root / "checkpoints").is_dir():
+        root = root / "checkpoints"
+    if not root.is_dir():
+        raise CheckpointError(f"--resume {path}: no such folder")
+    candidates = [root] if (root / META).exists() or root.name.startswith("step-") else \
+        sorted(root.glob("step-*"), reverse=True)
+    skipped: list[str] = []
+    for candidate in candidates:
+        problem = _problem(candidate)
+        if problem is None:
+            meta = json.loads((candidate / META).read_text())
+            return Found(candidate, int(meta["step"]), str(meta["run_id"]), int(meta["nodes"]), skipped)
+        skipped.append(f"{candidate.name}: {problem}")
+    detail = f" ({'; '.join(skipped)})" if skipped else ""
+    raise CheckpointError(f"--resume {path}: no complete checkpoint found{detail}")
+
+
+def load_node(found: Found, rank: int) -> dict[str, Any]:
+    """Node ``rank``'s state from a checkpoint :func:`find_latest` accepted."""
+    state = torch.load(found.folder / f"node-{rank}.pt", weights_only=True, map_location="cpu")
+    if state.get("run_id") != found.run_id or state.get("step") != found.step:
+        raise CheckpointError(f"{found.folder}/node-{rank}.pt belongs to another run or step")
+    return state
+
+
+def _problem(folder: Path) -> str | None:
+    """Why ``folder`` is not a usable checkpoint, or None."""
+    try:
+        meta = json.loads((folder / META).read_text())
+        files = meta["files"]
+        int(meta["step"]), str(meta["run_id"]), int(meta["nodes"])
+    except FileNotFoundError:
+        return "incomplete (no meta.json)"
+    except (ValueError, KeyError, TypeError):
+        return "meta.json is damaged"
+    for name, digest in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if _sha256(path) != digest:
+            return f"{name} does not match its checksum (truncated or changed)"
+    return None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
