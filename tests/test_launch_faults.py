@@ -426,3 +426,32 @@ def test_host_without_sftp_is_reported_and_copied_with_tar(world: SshWorld, no_s
     assert (local / "model.pt").read_bytes() == (remote / "model.pt").read_bytes()
     assert (local / "sub" / "metrics.csv").read_text() == "step,loss\n1,0.5\n"
     assert (tmp_path / "remote" / "writer.py").read_text() == WRITER  # the upload went through cat
+
+
+# A rank whose disk fills while it writes the run directory keeps what it wrote as
+# runs/<run id>.incomplete (run_dir.py) and fails; this stands in for it.
+PARTIAL_WRITER = textwrap.dedent("""
+    import os, sys
+    if os.environ["RANK"] == "0":
+        kept = os.path.join("runs", os.environ["MESHTRAIN_RUN_ID"] + ".incomplete")
+        os.makedirs(kept)
+        with open(os.path.join(kept, "model.pt"), "wb") as f:
+            f.write(b"weights")
+        print("OSError: [Errno 28] No space left on device", flush=True)
+        sys.exit(1)
+""")
+
+
+def test_failed_run_points_at_the_incomplete_run_directory(world: SshWorld, tmp_path: Path) -> None:
+    command, run_id = launch_writer(world, tmp_path)
+    (tmp_path / "writer.py").write_text(PARTIAL_WRITER)
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    kept = tmp_path / "remote" / "runs" / f"{run_id}.incomplete"
+    assert (f"meshtrain: rank 0 kept what it wrote in an incomplete run directory; the run directory is "
+            f"still on alpha: {kept} (fetch it with: mkdir -p") in output, output
+    fetched = tmp_path / "fetched"
+    subprocess.run(fetch_command(output, world).replace(str(tmp_path / "runs"), str(fetched)), shell=True,
+                   check=True, timeout=60, capture_output=True)
+    assert (fetched / f"{run_id}.incomplete" / "model.pt").read_bytes() == b"weights"

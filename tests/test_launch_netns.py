@@ -2,7 +2,8 @@
 sshd and its own address (10.200.0.10, 10.200.0.11), the launcher in a third namespace.
 
 * Launching DiLoCo on the two hosts gives bit-identical weights to
-  ``meshtrain simulate --nodes 2 --runtime processes`` with the same options.
+  ``meshtrain simulate --nodes 2 --runtime processes`` with the same options, the same
+  thread count included (floating-point sums are grouped differently at 1 and 2 threads).
 * ``hosts check`` reaches rank 0's rendezvous port from both hosts.
 * An address where no host answers is a one-line error before anything starts.
 * A host whose network drops mid-run is noticed, and the other rank is stopped in < 15 s.
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from ssh_fixtures import (
     PYTHON,
     Namespaces,
@@ -36,8 +38,10 @@ from ssh_fixtures import (
 )
 
 pytestmark = pytest.mark.slow
+# --threads 1 on both sides: like with like on any machine (simulate's default is 1 per node,
+# a launched rank's is every core of its host).
 TRAINING = ["--task", "digits", "--strategy", "diloco", "--steps", "20", "--set", "H=5", "--seed", "3",
-            "--batch-size", "16", "--no-progress"]
+            "--batch-size", "16", "--no-progress", "--threads", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +70,7 @@ def test_launch_on_two_hosts_matches_simulate_bit_for_bit(world, tmp_path: Path)
     assert "box1 r1 | " in launched.stdout
     local = tmp_path / "runs" / run_id
     assert {"config.yaml", "metrics.csv", "summary.json", "model.pt"} <= {p.name for p in local.iterdir()}
+    assert yaml.safe_load((local / "config.yaml").read_text())["threads"] == 1  # recorded
 
     simulated = subprocess.run(
         [PYTHON, "-m", "meshtrain", "simulate", "--nodes", "2", "--runtime", "processes", "--device", "cpu",

@@ -282,6 +282,7 @@ def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], option
     teardown_seconds = time.monotonic() - t0
     output.note(f"all ranks stopped in {teardown_seconds:.1f} s" if not leftovers else
                 "could not confirm these ranks stopped: " + "; ".join(leftovers), style="bold")
+    _report_incomplete(ranks[0], options, output)
     code = 1 if failures else 128 + int(stop.signum)  # type: ignore[arg-type]
     return LaunchResult(code, failures, None, 0.0, teardown_seconds, leftovers)
 
@@ -419,6 +420,19 @@ def _copy_back(rank0: _Rank, options: LaunchOptions, output: RankOutput, stop: _
         stop.raising = False
     output.note(f"run directory copied to {final}")
     return LaunchResult(0, [], final, 0.0)
+
+
+def _report_incomplete(rank0: _Rank, options: LaunchOptions, output: RankOutput) -> None:
+    """After a failure: say so if rank 0 kept a part-written run directory (a full disk at
+    the end keeps what was written, model.pt included, as ``<run_id>.incomplete``)."""
+    remote = f"{rank0.host.workdir}/{REMOTE_RUNS}/{options.run_id}.incomplete"
+    try:
+        kept = remote_dir_exists(rank0.client, remote)
+    except Exception:  # noqa: BLE001 - rank 0's host is gone: nothing more to say
+        return
+    if kept:
+        output.note("rank 0 kept what it wrote in an incomplete run directory; "
+                    + _still_there(rank0.host, remote, options.out_dir, use_sftp=False), style="bold")
 
 
 def _still_there(host: Host, remote: str, out_dir: Path, use_sftp: bool) -> str:
