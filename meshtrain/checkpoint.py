@@ -63,10 +63,12 @@ def save_node(folder: Path, step: int, rank: int, state: dict[str, Any]) -> str:
     return _sha256(path)
 
 
-def commit(folder: Path, step: int, run_id: str, hashes: dict[int, str], keep: int) -> Path:
-    """Rank 0, once every node has saved: write meta.json, publish the folder, prune old ones."""
+def commit(folder: Path, step: int, run_id: str, hashes: dict[int, str], keep: int, nodes: int) -> Path:
+    """Once every node has saved: write meta.json (the checksums of the node files in this
+    folder), publish the folder, prune old ones. Local runtimes share one folder, which rank
+    0 commits; each launched rank commits its own folder on its own host."""
     pending = folder / f".step-{step:06d}.partial"
-    meta = {"run_id": run_id, "step": step, "nodes": len(hashes),
+    meta = {"run_id": run_id, "step": step, "nodes": nodes,
             "files": {f"node-{r}.pt": h for r, h in sorted(hashes.items())}}
     write_synced(pending / META, lambda f: f.write(json.dumps(meta, indent=2).encode()))
     final = step_folder(folder, step)

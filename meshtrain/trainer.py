@@ -349,10 +349,13 @@ def train_node(
             "loop_seconds": loop_before + time.perf_counter() - loop_started,
         }
         digest = checkpoint.save_node(job.checkpoints, steps_done, rank, state)
-        hashes = comm.gather_json({"rank": rank, "sha256": digest})
-        if hashes is not None:
+        hashes = comm.gather_json({"rank": rank, "sha256": digest})  # also: every node has saved
+        if cfg.runtime == "launched":  # every host keeps its own rank's checkpoint
+            checkpoint.commit(job.checkpoints, steps_done, job.run_id, {rank: digest},
+                              cfg.keep_checkpoints, cfg.nodes)
+        elif hashes is not None:
             checkpoint.commit(job.checkpoints, steps_done, job.run_id,
-                              {h["rank"]: h["sha256"] for h in hashes}, cfg.keep_checkpoints)
+                              {h["rank"]: h["sha256"] for h in hashes}, cfg.keep_checkpoints, cfg.nodes)
 
     loop_started = time.perf_counter()
     with progress:
