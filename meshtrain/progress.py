@@ -27,6 +27,7 @@ class Progress:
         self.interactive = enabled and sys.stdout.isatty()
         self._bar: RichProgress | None = None
         self._next_line = 0
+        self.lines: list[str] = []  # the plain progress lines, kept for the run's log.txt
 
     def __enter__(self) -> Progress:
         if self.interactive:
@@ -47,10 +48,12 @@ class Progress:
             return
         if self._bar is not None:
             self._bar.update(self._task, completed=step, loss=loss, sent=human_bytes(bytes_sent))
-        elif step >= self._next_line or step == self.total:
-            # Plain lines (piped or streamed from remote ranks): about ten per run.
-            print(f"step {step}/{self.total}  loss {loss:.4f}  sent {human_bytes(bytes_sent)}",
-                  flush=True)
+        if step >= self._next_line or step == self.total:
+            # Plain lines (piped or streamed from remote ranks, and the log): about ten per run.
+            line = f"step {step}/{self.total}  loss {loss:.4f}  sent {human_bytes(bytes_sent)}"
+            self.lines.append(line)
+            if self._bar is None:
+                print(line, flush=True)
             self._next_line = step + max(1, self.total // 10)
 
     def __exit__(

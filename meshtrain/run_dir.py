@@ -122,6 +122,10 @@ class RunDirectory:
             writer.writerow({k: _csv_value(row.get(k), k) for k in METRIC_COLUMNS + extra})
         atomic_write_text(self.partial / "metrics.csv", buf.getvalue())
 
+    def write_log(self, lines: list[str]) -> None:
+        """log.txt: what the run printed (the command, progress lines; the CLI adds its table)."""
+        atomic_write_text(self.partial / "log.txt", "".join(f"{line}\n" for line in lines))
+
     def write_summary(self, summary: dict[str, Any]) -> None:
         """summary.json, strict JSON: a non-finite number is written as null."""
         text = json.dumps(_finite_or_none(summary), indent=2, allow_nan=False)

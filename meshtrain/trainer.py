@@ -402,7 +402,7 @@ def train_node(
     summary = _summary(job, strategy, history, final, reports, model)
     summary["initial"] = initial
     summary["projected"] = _projection(job, comm, loop_seconds, max_steps)
-    run_dir = _write_run(job, strategy, model, history, summary)
+    run_dir = _write_run(job, strategy, model, history, summary, progress.lines)
     return FitResult(model=model, history=history, run_dir=run_dir, summary=summary)
 
 
@@ -649,6 +649,7 @@ def _write_run(
     model: nn.Module,
     history: list[dict[str, Any]],
     summary: dict[str, Any],
+    log_lines: list[str],
 ) -> Path:
     cfg = job.config
     run = job.run_dir or RunDirectory.reserve(Path(cfg.out_dir), job.run_id, strategy.name, cfg.nodes)
@@ -657,6 +658,7 @@ def _write_run(
         run.write_config({**cfg.extra_config, "strategy": strategy.config(), "train": train,
                           "model": type(model).__name__, "provenance": provenance()})
         run.write_metrics(history, summary.get("initial") or {})
+        run.write_log([f"$ {provenance()['command']}", *log_lines])
         run.write_model(model)
         run.write_plot(history, f"{strategy.name}, {cfg.nodes} nodes", summary.get("initial") or {})
         summary["wall_seconds"] = time.time() - job.started

@@ -41,6 +41,8 @@ def test_default_simulate_runs_digits_with_diloco_on_4_nodes(tmp_path: Path) -> 
     assert config["spec"]["strategy"] == "diloco"
     assert config["strategy"]["H"] == 25
     assert (run_dir / "model.pt").is_file() and (run_dir / "loss.png").is_file()
+    log = (run_dir / "log.txt").read_text()  # what the run printed, command first, table last
+    assert log.startswith("$ ") and "step 300/300  loss" in log and "│ accuracy" in log
 
 
 def test_config_yaml_repeats_the_run(tmp_path: Path) -> None:

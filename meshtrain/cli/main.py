@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import io
 import os
 import sys
 import traceback
@@ -28,6 +29,7 @@ from meshtrain.config import (
 )
 from meshtrain.devices import resolve_device
 from meshtrain.progress import human_bytes
+from meshtrain.run_dir import atomic_write_text
 from meshtrain.settings import help_for
 from meshtrain.strategies import STRATEGIES, Strategy
 from meshtrain.tasks import TASKS, TaskOptions, check_options, get_task
@@ -277,6 +279,12 @@ def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
         )
     console.print(table)
     console.print(f"run directory: [bold]{run_dir}[/]", highlight=False)
+    # The run's log.txt ends with the same table, as text.
+    recorder = Console(record=True, width=100, file=io.StringIO())
+    recorder.print(table)
+    log = run_dir / "log.txt"
+    if log.is_file():
+        atomic_write_text(log, log.read_text() + recorder.export_text())
 
 
 @app.command("strategies")
