@@ -70,7 +70,7 @@ def test_launch_on_two_hosts_matches_simulate_bit_for_bit(world, tmp_path: Path)
     assert "box1 r1 | " in launched.stdout
     local = tmp_path / "runs" / run_id
     assert {"config.yaml", "metrics.csv", "summary.json", "model.pt"} <= {p.name for p in local.iterdir()}
-    assert yaml.safe_load((local / "config.yaml").read_text())["threads"] == 1  # recorded
+    assert yaml.safe_load((local / "config.yaml").read_text())["train"]["threads"] == 1  # recorded
 
     simulated = subprocess.run(
         [PYTHON, "-m", "meshtrain", "simulate", "--nodes", "2", "--runtime", "processes", "--device", "cpu",
