@@ -455,3 +455,24 @@ def test_failed_run_points_at_the_incomplete_run_directory(world: SshWorld, tmp_
     subprocess.run(fetch_command(output, world).replace(str(tmp_path / "runs"), str(fetched)), shell=True,
                    check=True, timeout=60, capture_output=True)
     assert (fetched / f"{run_id}.incomplete" / "model.pt").read_bytes() == b"weights"
+
+
+def test_interpreter_path_with_an_equals_sign(world: SshWorld, tmp_path: Path) -> None:
+    """Before, the rank ran as `env K=V /opt/py=3/python ...`, env took the path for one more
+    assignment and exited 127, though the preflight had found the interpreter."""
+    folder = tmp_path / "py=3.11" / "bin"
+    folder.mkdir(parents=True)
+    interpreter = folder / "python"
+    interpreter.write_text(f'#!/bin/sh\nexec {PYTHON} "$@"\n')
+    interpreter.chmod(0o755)
+    port = world.servers[0].port
+    inv = world.inventory(tmp_path / "inv.yaml", [
+        {"name": "alpha", "host": "127.0.0.1", "port": port},
+        {"name": "beta", "host": "127.0.0.1", "port": port},
+    ], workdir=str(tmp_path / "remote"), python=str(interpreter))
+    result = subprocess.run(
+        [PYTHON, "-m", "meshtrain", "launch", str(inv), "--", "python", "-c",
+         "import os; print('rank', os.environ['RANK'], 'ran')"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "alpha r0 | rank 0 ran" in result.stdout and "beta r1  | rank 1 ran" in result.stdout
