@@ -426,6 +426,8 @@ def _report_incomplete(rank0: _Rank, options: LaunchOptions, output: RankOutput)
     """After a failure: say so if rank 0 kept a part-written run directory (a full disk at
     the end keeps what was written, model.pt included, as ``<run_id>.incomplete``)."""
     remote = f"{rank0.host.workdir}/{REMOTE_RUNS}/{options.run_id}.incomplete"
+    if rank0.heartbeat is not None and rank0.heartbeat.silent_for() > options.host_timeout:
+        return  # rank 0's host is gone: asking it would only wait
     try:
         kept = remote_dir_exists(rank0.client, remote)
     except Exception:  # noqa: BLE001 - rank 0's host is gone: nothing more to say

@@ -18,9 +18,11 @@ from pathlib import Path
 
 import paramiko
 
-from meshtrain.launch.ssh import remote_path, sh
+from meshtrain.launch.ssh import remote_path, run, sh
 
 CHUNK = 1 << 16
+QUESTION_TIMEOUT = 10.0  # seconds for a yes/no question to a host (one that vanished never answers)
+STALL_TIMEOUT = 60.0  # seconds a copy may go without receiving a byte
 
 
 class TransferError(RuntimeError):
@@ -70,20 +72,12 @@ def put_files(client: paramiko.SSHClient, folder: str, files: list[Path], *, use
 
 def remote_dir_exists(client: paramiko.SSHClient, path: str) -> bool:
     """Whether ``path`` is a folder on the host."""
-    channel = _exec(client, sh(f"test -d {remote_path(path)}"))
-    try:
-        return channel.recv_exit_status() == 0
-    finally:
-        channel.close()
+    return run(client, sh(f"test -d {remote_path(path)}"), timeout=QUESTION_TIMEOUT).status == 0
 
 
 def has_tar(client: paramiko.SSHClient) -> bool:
     """Whether ``tar`` can be run on the host."""
-    channel = _exec(client, sh("command -v tar >/dev/null 2>&1"))
-    try:
-        return channel.recv_exit_status() == 0
-    finally:
-        channel.close()
+    return run(client, sh("command -v tar >/dev/null 2>&1"), timeout=QUESTION_TIMEOUT).status == 0
 
 
 def fetch_tree(client: paramiko.SSHClient, remote: str, local: Path, *, use_sftp: bool) -> None:
@@ -91,6 +85,7 @@ def fetch_tree(client: paramiko.SSHClient, remote: str, local: Path, *, use_sftp
     a tar stream, or SFTP if ``use_sftp`` (for a host without tar)."""
     if use_sftp:
         with client.open_sftp() as sftp:
+            sftp.get_channel().settimeout(STALL_TIMEOUT)
             _get_tree(sftp, sftp_path(remote), local)
         return
     local.mkdir(parents=True)
@@ -120,7 +115,8 @@ def _exec(client: paramiko.SSHClient, command: str) -> paramiko.Channel:
     transport = client.get_transport()
     if transport is None or not transport.is_active():
         raise TransferError("SSH connection is closed")
-    channel = transport.open_session()
+    channel = transport.open_session(timeout=QUESTION_TIMEOUT)
+    channel.settimeout(STALL_TIMEOUT)  # a host that vanished mid-copy: an error, not a hang
     channel.exec_command(command)
     return channel
 
