@@ -170,6 +170,21 @@ def test_fedavg_islands_change_between_rounds():
     assert len({tuple(map(tuple, g)) for g in rounds}) > 1
 
 
+def test_fedavg_weighted_islands_bytes(tmp_path, comms):
+    nodes, steps, island = 4, 6, 2
+    res = run(FedAvg(H=2, island_size=island, weighted=True, lr=0.05), tmp_path, nodes=nodes,
+              steps=steps, data=unequal_factory)
+    # Every average, the final full one included, carries the node's weight in its bucket.
+    group = 2 * (island - 1) / island * (48 + 1) * F32
+    full = ring_mean(48 + 1, nodes)
+    assert [r["bytes_sent"] for r in res.history] == pytest.approx([0, group, 0, group, 0, group + full])
+    check_totals(res)
+    for comm in comms.values():
+        assert [(r.step, r.kind, r.group_size) for r in comm.log.records] == [
+            (1, "all_reduce", 2), (3, "all_reduce", 2), (5, "all_reduce", 2), (5, "all_reduce", 4)
+        ]
+
+
 def test_fedavg_weighted_bytes_include_the_weight(tmp_path):
     nodes = 3
     res = run(FedAvg(H=2, weighted=True, lr=0.05), tmp_path, nodes=nodes, steps=4, data=unequal_factory)

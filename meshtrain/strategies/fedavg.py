@@ -4,6 +4,11 @@ Every H steps the nodes average their parameters. With ``island_size`` they are
 split each round into random groups that average only among themselves (group-sized
 traffic); the split comes from a generator seeded by (run seed, round), so every
 node computes the same one and nothing is broadcast.
+
+With ``weighted=True`` every average, inside an island or over all nodes, is the
+sample-weighted mean ``sum_i n_i theta_i / sum_i n_i`` of McMahan et al., and so is
+the global model: the final sync after the last step (a full average over all nodes
+when islands leave them apart) and the model evaluated between syncs.
 """
 
 from __future__ import annotations
@@ -42,30 +47,50 @@ class ModelAveraging(CommunicationModule):
         return next(g for g in self.islands(sync_round) if rank in g)
 
     @torch.no_grad()
+    def averaged(
+        self, params: list[torch.Tensor], group: list[int] | None, *, record: bool = True
+    ) -> None:
+        """Replace ``params`` in place by their (weighted) mean over ``group``: one all-reduce."""
+        comm = self.strategy.comm
+        if not self.weighted:
+            comm.all_reduce(params, op="mean", group=group, record=record)
+            return
+        # One bucket: [w * theta_i ..., w]; sum, then divide by the total weight.
+        weight = float(max(1, self.strategy.num_samples))
+        first = params[0]
+        buffers = [p * weight for p in params]
+        buffers.append(torch.tensor([weight], dtype=first.dtype, device=first.device))
+        comm.all_reduce(buffers, op="sum", group=group, record=record)
+        total = buffers[-1]
+        for p, b in zip(params, buffers[:-1], strict=True):
+            p.copy_(b / total)
+
     def average(self, step: int, group: list[int] | None) -> None:
-        params = self.strategy.params_data()
-        if self.weighted:
-            # One bucket: [w * theta_i ..., w]; sum, then divide by the total weight.
-            weight = float(max(1, self.strategy.num_samples))
-            buffers = [p * weight for p in params] + [torch.tensor([weight], dtype=params[0].dtype)]
-            self.strategy.comm.all_reduce(buffers, op="sum", group=group)
-            total = buffers[-1]
-            for p, b in zip(params, buffers[:-1], strict=True):
-                p.copy_(b / total)
-        else:
-            self.strategy.comm.all_reduce(params, op="mean", group=group)
+        self.averaged(self.strategy.params_data(), group)
         self.last_average = step
 
     def after_optimizer_step(self, step: int) -> None:
         if (step + 1) % self.H == 0:
             self.average(step, self.my_island(step // self.H))
 
+    def _islands_apart(self) -> bool:
+        """True when rounds average inside islands smaller than the whole cluster."""
+        return self.island_size is not None and self.island_size < self.strategy.comm.world_size
+
     def finish(self, step: int) -> bool:
-        if self.island_size is not None:
-            return False  # islands differ: the strategy's final full average follows
-        if self.last_average != step:
+        # The global model is the (weighted) mean over ALL nodes: after island rounds the
+        # nodes still differ, so one full average follows even if a round just ended.
+        if self._islands_apart() or self.last_average != step:
             self.average(step, None)
         return True
+
+    def global_parameters(self) -> list[torch.Tensor] | None:
+        """The global model between syncs: the weighted mean when weighted (unrecorded)."""
+        if not self.weighted:
+            return None  # the strategy's plain mean of the nodes
+        params = [p.detach().clone() for p in self.strategy.params]
+        self.averaged(params, None, record=False)
+        return params
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_average": self.last_average}
@@ -79,8 +104,10 @@ class FedAvg(Strategy):
 
     Args:
         H: local steps between averages (H=1 with SGD and equal shards is DDP).
-        island_size: average within random groups of this size each round.
-        weighted: weight each node by its number of training samples (McMahan et al.).
+        island_size: average within random groups of this size each round; after the
+            last step one full average over all nodes gives the global model.
+        weighted: weight each node by its number of training samples (McMahan et al.),
+            in every average including the final one.
     """
 
     name = "fedavg"

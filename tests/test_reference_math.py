@@ -1,0 +1,152 @@
+"""Strategies against independent plain-PyTorch references written from the papers.
+
+Each reference below is the algorithm spelled out with torch tensors and torch optimizers,
+one model copy per node, without meshtrain's helpers. Where an algorithm draws random
+choices that every node derives from a seed (FedAvg's islands, SPARTA's indices), the
+reference takes those choices as an input; their own properties are tested separately.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from helpers import MLP, regression_data, unequal_factory
+from torch import nn
+from torch.testing import assert_close
+from torch.utils.data import TensorDataset
+
+from meshtrain import Trainer
+from meshtrain.comm import ThreadCommunicator, ThreadHub
+from meshtrain.strategies import FedAvg
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def fit(model, data, strategy, tmp_path, **kwargs):
+    kwargs.setdefault("shuffle", False)
+    kwargs.setdefault("progress", False)
+    return Trainer(model, data).fit(strategy, out_dir=tmp_path, **kwargs)
+
+
+def node_batch(data: TensorDataset, step: int, batch: int) -> tuple[torch.Tensor, ...]:
+    """Batch ``step`` of a node reading its own dataset in order, dropping the last partial batch."""
+    per_epoch = len(data) // batch
+    start = (step % per_epoch) * batch
+    return tuple(t[start : start + batch] for t in data.tensors)
+
+
+def assert_params_close(model: nn.Module, expected: list[torch.Tensor], **tol) -> None:
+    for (name, p), e in zip(model.named_parameters(), expected, strict=True):
+        assert_close(p.detach(), e, **(tol or TOL), msg=lambda m, n=name: f"{n}: {m}")
+
+
+def assert_params_differ(model: nn.Module, other: list[torch.Tensor]) -> None:
+    assert any(not torch.allclose(p.detach(), o, **TOL) for p, o in zip(model.parameters(), other,
+                                                                           strict=True))
+
+
+# ------------------------------------------------------------------------------- FedAvg
+def islands_of_run(nodes: int, island_size: int, seed: int, rounds: int) -> list[list[list[int]]]:
+    """The seeded island split of each round, as every node of a run computes it."""
+    strategy = FedAvg(H=1, island_size=island_size)
+    strategy.setup(MLP(), ThreadCommunicator(ThreadHub(nodes), 0), seed=seed, max_steps=1)
+    return [strategy.modules[0].islands(r) for r in range(rounds)]
+
+
+def reference_fedavg(
+    datasets: list[TensorDataset], *, H: int, steps: int, batch: int, lr: float, weighted: bool,
+    islands: list[list[list[int]]] | None, final_weighted: bool | None = None,
+) -> list[torch.Tensor]:
+    """FedAvg (McMahan et al. 2017) with island rounds, plain torch.
+
+    Every node runs SGD locally; every H steps each island replaces its members' parameters
+    by their mean weighted by n_i (the node's sample count) or unweighted. The global model
+    after the last step is the same mean over ALL nodes (``final_weighted`` overrides its
+    weighting, to build the wrong answer a test must tell apart).
+    """
+    n = len(datasets)
+    models = [MLP() for _ in range(n)]
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in models]
+    weights = [float(len(d)) if weighted else 1.0 for d in datasets]
+
+    def mean_over(members: list[int]) -> list[torch.Tensor]:
+        total = sum(weights[r] for r in members)
+        per_tensor = zip(*[list(models[r].parameters()) for r in members], strict=True)
+        return [sum(weights[r] * t.detach() for r, t in zip(members, ts, strict=True)) / total
+                for ts in per_tensor]
+
+    for s in range(steps):
+        for r, (m, opt) in enumerate(zip(models, opts, strict=True)):
+            opt.zero_grad()
+            m(node_batch(datasets[r], s, batch)).backward()
+            opt.step()
+        if (s + 1) % H == 0:
+            groups = islands[s // H] if islands is not None else [list(range(n))]
+            for group in groups:
+                mean = mean_over(group)
+                with torch.no_grad():
+                    for r in group:
+                        for p, v in zip(models[r].parameters(), mean, strict=True):
+                            p.copy_(v)
+    if final_weighted is not None and final_weighted != weighted:
+        weights = [float(len(d)) if final_weighted else 1.0 for d in datasets]
+    return mean_over(list(range(n)))
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("steps", [8, 7])  # 7: the last round is cut short before the final sync
+def test_fedavg_islands_end_on_the_weighted_mean_of_all_nodes(weighted, steps, tmp_path):
+    nodes, island, H, batch, lr, seed = 4, 2, 2, 4, 0.1, 4
+    result = fit(MLP(), unequal_factory, FedAvg(H=H, island_size=island, weighted=weighted, lr=lr),
+                 tmp_path, nodes=nodes, max_steps=steps, batch_size=batch, seed=seed)
+    datasets = [unequal_factory(r, nodes, "train") for r in range(nodes)]
+    assert [len(d) for d in datasets] == [16, 24, 32, 40]
+    islands = islands_of_run(nodes, island, seed, steps // H)
+    expected = reference_fedavg(datasets, H=H, steps=steps, batch=batch, lr=lr, weighted=weighted,
+                                islands=islands)
+    assert_params_close(result.model, expected)
+    # The test tells the two means apart: the other weighting is a different model.
+    other = reference_fedavg(datasets, H=H, steps=steps, batch=batch, lr=lr, weighted=not weighted,
+                             islands=islands)
+    assert_params_differ(result.model, other)
+    # Nor is it weighted rounds ending on a plain mean (or plain rounds on a weighted one).
+    mixed = reference_fedavg(datasets, H=H, steps=steps, batch=batch, lr=lr, weighted=weighted,
+                             islands=islands, final_weighted=not weighted)
+    assert_params_differ(result.model, mixed)
+
+
+def test_fedavg_weighted_without_islands_is_the_reference(tmp_path):
+    nodes, H, steps, batch, lr = 3, 3, 7, 4, 0.1
+    result = fit(MLP(), unequal_factory, FedAvg(H=H, weighted=True, lr=lr), tmp_path, nodes=nodes,
+                 max_steps=steps, batch_size=batch)
+    datasets = [unequal_factory(r, nodes, "train") for r in range(nodes)]
+    expected = reference_fedavg(datasets, H=H, steps=steps, batch=batch, lr=lr, weighted=True,
+                                islands=None)
+    assert_params_close(result.model, expected)
+
+
+def test_fedavg_weighted_global_model_between_syncs_is_the_weighted_mean(tmp_path):
+    """Mid-training validation evaluates the same global model the run ends on."""
+    nodes, batch, lr = 3, 4, 0.1
+    val = regression_data(8, seed=5)
+
+    def factory(rank, n, split):
+        return unequal_factory(rank, n, split) if split == "train" else val
+
+    # H larger than the run: the only average is the final one, so the evaluation after
+    # step 2 (val_interval=2) sees the nodes apart and must weight them.
+    trainer = Trainer(MLP(), factory, factory)
+    result = trainer.fit(FedAvg(H=100, weighted=True, lr=lr), nodes=nodes, max_steps=2,
+                         batch_size=batch, val_interval=1, shuffle=False, out_dir=tmp_path,
+                         progress=False)
+    datasets = [unequal_factory(r, nodes, "train") for r in range(nodes)]
+    after_one = reference_fedavg(datasets, H=100, steps=1, batch=batch, lr=lr, weighted=True,
+                                 islands=None)
+    model = copy.deepcopy(MLP())
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), after_one, strict=True):
+            p.copy_(v)
+        expected = model(val.tensors).item()
+    assert result.history[0]["val_loss"] == pytest.approx(expected, rel=1e-5)
