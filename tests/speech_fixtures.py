@@ -54,6 +54,24 @@ def speech_fixture(tmp_path_factory: pytest.TempPathFactory) -> SpeechAssets:
     return _build(tmp_path_factory.getbasetemp() / "hf-speech")
 
 
+@functools.cache
+def _build_kind(root: Path, kind: str) -> Path:
+    return make_tiny_whisper(root / f"tiny-whisper-{kind}", SPOKEN, seed=0, kind=kind)
+
+
+@pytest.fixture(scope="session", name="english_model")
+def english_model_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Whisper saved like ``whisper-tiny.en``: Whisper's tokenizer (language tokens
+    included) but a generation config with ``is_multilingual: false`` and no ``lang_to_id``."""
+    return _build_kind(tmp_path_factory.getbasetemp() / "hf-speech", "english")
+
+
+@pytest.fixture(scope="session", name="multilingual_model")
+def multilingual_model_fixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Whisper saved like ``whisper-tiny``: ``lang_to_id`` and ``task_to_id`` for every language."""
+    return _build_kind(tmp_path_factory.getbasetemp() / "hf-speech", "multilingual")
+
+
 def whisper_options(model_dir: Path, **overrides: object) -> dict[str, object]:
     """Whisper task options for the tiny model (checked against the task's option names)."""
     from meshtrain.tasks import check_options

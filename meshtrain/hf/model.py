@@ -124,7 +124,7 @@ class HFModel(nn.Module):
             with _quiet_transformers():
                 model = PeftModel.from_pretrained(base, str(path), is_trainable=True)
         else:
-            model = _with_lora(_load_pretrained(name_or_path), lora, seed)
+            model = _with_lora(_load_pretrained(model_reference(name_or_path)), lora, seed)
         return cls(model, tokenizer, feature_extractor, **kwargs)
 
     @classmethod
@@ -171,9 +171,12 @@ class HFModel(nn.Module):
 
     # -------------------------------------------------------------- evaluation
     @torch.no_grad()
-    def transcribe(self, batch: dict[str, torch.Tensor]) -> list[str]:
-        """Greedy transcripts of a batch's ``input_features`` (``generate_kwargs`` apply)."""
+    def transcribe(self, batch: dict[str, torch.Tensor], max_new_tokens: int | None = None) -> list[str]:
+        """Greedy transcripts of a batch's ``input_features`` (``generate_kwargs`` apply;
+        ``max_new_tokens`` overrides theirs)."""
         kwargs = {"max_new_tokens": 128, **self.generate_kwargs}
+        if max_new_tokens is not None:
+            kwargs["max_new_tokens"] = max_new_tokens
         limit = getattr(self.config, "max_target_positions", None)
         if limit is not None:  # Whisper refuses to decode past its positions; leave room for the prefix
             kwargs["max_new_tokens"] = min(kwargs["max_new_tokens"], limit - 8)
@@ -221,6 +224,13 @@ class HFModel(nn.Module):
 def is_adapter_folder(name_or_path: str) -> bool:
     """Whether ``name_or_path`` is a folder holding a saved LoRA adapter (peft format)."""
     return (Path(name_or_path) / ADAPTER_CONFIG).is_file()
+
+
+def model_reference(name_or_path: str) -> str:
+    """How a saved adapter should name its base model: a local folder as an absolute path
+    (so the adapter reloads from any directory), anything else (a hub id) as given."""
+    path = Path(name_or_path).expanduser()
+    return str(path.resolve()) if path.exists() else name_or_path
 
 
 def word_error_rate(references: Sequence[str], hypotheses: Sequence[str]) -> float:

@@ -18,8 +18,9 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from meshtrain.hf.tokenizer import END_TOKEN, START_TOKEN, build_tokenizer
+from meshtrain.hf.tokenizer import END_TOKEN, START_TOKEN, build_tokenizer, whisper_tokenizer
 
 #: Short sentences (under 3 s when spoken by espeak-ng) for the demo dataset.
 SENTENCES = [
@@ -72,17 +73,28 @@ def make_speech_dataset(
     return out
 
 
+#: What :func:`make_tiny_whisper` can imitate: ``plain`` (a BPE tokenizer, no language
+#: tokens), ``english`` (like ``whisper-tiny.en``: Whisper's tokenizer, a generation config
+#: with ``is_multilingual: false`` and no ``lang_to_id``) or ``multilingual`` (like
+#: ``whisper-tiny``: ``lang_to_id`` and ``task_to_id`` for every Whisper language).
+KINDS = ("plain", "english", "multilingual")
+
+
 def make_tiny_whisper(
-    directory: str | Path, texts: Sequence[str], seed: int = 0, vocab_size: int = 512,
+    directory: str | Path, texts: Sequence[str], seed: int = 0, vocab_size: int = 512, kind: str = "plain",
 ) -> Path:
     """Save a tiny random Whisper, its tokenizer (trained on ``texts``) and its feature
-    extractor to ``directory``, loadable with ``from_pretrained`` like a hub checkpoint."""
+    extractor to ``directory``, loadable with ``from_pretrained`` like a hub checkpoint.
+    ``kind`` (see :data:`KINDS`) picks which real checkpoint's tokens it imitates."""
     from transformers import WhisperConfig
 
     from meshtrain.hf.model import HFModel
     from meshtrain.hf.speech import feature_extractor_for
 
-    tokenizer = build_tokenizer(texts, vocab_size=vocab_size)
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    tokenizer = (build_tokenizer(texts, vocab_size=vocab_size) if kind == "plain"
+                 else whisper_tokenizer(texts, vocab_size=vocab_size))
     start, end = tokenizer.convert_tokens_to_ids([START_TOKEN, END_TOKEN])
     config = WhisperConfig(
         vocab_size=len(tokenizer), decoder_start_token_id=start, bos_token_id=start,
@@ -92,8 +104,27 @@ def make_tiny_whisper(
     config.architectures = ["WhisperForConditionalGeneration"]
     model = HFModel.from_config(config, seed=seed, tokenizer=tokenizer,
                                 feature_extractor=feature_extractor_for(config))
+    if kind != "plain":
+        multilingual = kind == "multilingual"
+        _whisper_generation_config(model.base.generation_config, tokenizer, multilingual=multilingual)
     model.save_pretrained(str(directory))
     return Path(directory)
+
+
+def _whisper_generation_config(generation: Any, tokenizer: Any, multilingual: bool) -> None:
+    """Set the fields a hub Whisper's generation_config.json carries."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    ids = tokenizer.convert_tokens_to_ids
+    # A config marked as derived from the model config is rebuilt from it on loading,
+    # which would drop every field below.
+    generation._from_model_config = False
+    generation.no_timestamps_token_id = ids("<|notimestamps|>")
+    generation.return_timestamps = False
+    generation.is_multilingual = multilingual
+    if multilingual:
+        generation.lang_to_id = {f"<|{c}|>": ids(f"<|{c}|>") for c in LANGUAGES}
+        generation.task_to_id = {t: ids(f"<|{t}|>") for t in ("transcribe", "translate")}
 
 
 def read_transcripts(data: str | Path) -> list[str]:
@@ -114,11 +145,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     model.add_argument("directory")
     model.add_argument("--data", required=True, help="speech folder whose transcripts train the tokenizer")
     model.add_argument("--seed", type=int, default=0)
+    model.add_argument("--kind", choices=KINDS, default="plain",
+                       help="plain BPE; or like whisper-tiny.en (english), whisper-tiny (multilingual)")
     args = parser.parse_args(argv)
     if args.what == "dataset":
         print(make_speech_dataset(args.directory, voice=args.voice))
     else:
-        print(make_tiny_whisper(args.directory, read_transcripts(args.data), seed=args.seed))
+        print(make_tiny_whisper(args.directory, read_transcripts(args.data), seed=args.seed, kind=args.kind))
 
 
 if __name__ == "__main__":

@@ -86,6 +86,37 @@ def build_tokenizer(
     return tokenizer
 
 
+def whisper_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> Any:
+    """A real ``WhisperTokenizer`` with a small BPE trained on ``texts`` and Whisper's
+    special tokens in Whisper's order (``<|startoftranscript|>``, one token per language,
+    ``<|translate|>``, ``<|transcribe|>``, ..., ``<|notimestamps|>``), so language and task
+    prefixes behave exactly as with a hub checkpoint's tokenizer."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, trainers
+    from transformers import WhisperTokenizer
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    texts = [t for t in texts if t]
+    if not texts:
+        raise TokenizerError("cannot build a tokenizer from no text")
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[END_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(texts, trainer)
+    trained = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in trained["merges"]]
+    tokenizer = WhisperTokenizer(vocab=trained["vocab"], merges=merges)
+    # The tokenizer finds a language token at start + 1 + its index in LANGUAGES: keep that order.
+    specials = [START_TOKEN, *(f"<|{code}|>" for code in LANGUAGES), "<|translate|>", "<|transcribe|>",
+                "<|startoflm|>", "<|startofprev|>", "<|nospeech|>", "<|notimestamps|>"]
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in specials],
+                         special_tokens=True)
+    tokenizer.set_prefix_tokens()  # rebuild the label template now that the prefix tokens exist
+    return tokenizer
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__

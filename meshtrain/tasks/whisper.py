@@ -16,7 +16,8 @@ OPTIONS: dict[str, Any] = {
     "tokenizer": None,  # default: the model's own
     "lora": {"r": 8, "alpha": 32, "dropout": 0.1, "target_modules": ["q_proj", "v_proj"]},  # null: full
     "save_merged": False,  # with LoRA, also save the merged model under model/merged/
-    "language": None,  # e.g. "en": the language token real Whisper labels and decoding use
+    "language": None,  # e.g. "en": the language token multilingual Whisper labels and decoding use
+    # (English-only checkpoints, *.en, take none: en is accepted and dropped)
     "task": "transcribe",
     "val_fraction": 0.1,  # held out when DIR has no validation/ split
     "max_new_tokens": 128,
@@ -38,6 +39,7 @@ def build(opts: TaskOptions) -> TaskBundle:
         is_adapter_folder,
         load_tokenizer,
     )
+    from meshtrain.hf.decoding import DecodingError, apply_to_tokenizer, check_generation, resolve_decoding
 
     o = opts.options
     if not opts.data:
@@ -47,13 +49,14 @@ def build(opts: TaskOptions) -> TaskBundle:
         train_clips, val_clips = find_splits(opts.data, float(o["val_fraction"]), opts.seed, o["text_column"])
         # A saved LoRA run (model/ with adapter_config.json) continues with its own adapter.
         lora = None if is_adapter_folder(o["model"]) else LoRA.from_options(o["lora"])
-        model = HFModel.from_pretrained(
-            o["model"], lora=lora, seed=opts.seed, wer=True,
-            generate_kwargs=_generate_kwargs(o), save_merged=bool(o["save_merged"]),
-        )
+        model = HFModel.from_pretrained(o["model"], lora=lora, seed=opts.seed, wer=True,
+                                        save_merged=bool(o["save_merged"]))
         tokenizer = model.tokenizer = load_tokenizer(o["tokenizer"] or o["model"])
-        if o["language"] and hasattr(tokenizer, "set_prefix_tokens"):
-            tokenizer.set_prefix_tokens(language=o["language"], task=o["task"])
+        # English-only checkpoints take no language/task tokens: decide the prefix now, the
+        # same for the labels and for generate, instead of failing at the first validation.
+        decoding = resolve_decoding(model.base, o["language"], o["task"], o["model"])
+        apply_to_tokenizer(tokenizer, decoding)
+        model.generate_kwargs = {"max_new_tokens": int(o["max_new_tokens"]), **decoding.generate_kwargs()}
         config = model.config
         if len(tokenizer) > config.vocab_size:
             raise TokenizerError(f"tokenizer has {len(tokenizer)} tokens but model {o['model']} only "
@@ -62,16 +65,10 @@ def build(opts: TaskOptions) -> TaskBundle:
         limit = getattr(config, "max_target_positions", None)
         train = SpeechDataset(train_clips, model.feature_extractor, tokenizer, limit)
         val = SpeechDataset(val_clips, model.feature_extractor, tokenizer, limit) if val_clips else None
-    except (SpeechDataError, TokenizerError, ModelLoadError) as exc:
+        check_generation(model, train[0]["input_features"], o["model"])
+    except (SpeechDataError, TokenizerError, ModelLoadError, DecodingError) as exc:
         raise TaskError(str(exc)) from exc
     return TaskBundle(model, train, val, SpeechCollator(config.decoder_start_token_id))
-
-
-def _generate_kwargs(o: dict[str, Any]) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"max_new_tokens": int(o["max_new_tokens"])}
-    if o["language"]:  # real multilingual Whisper: decode in the language it was tuned on
-        kwargs.update(language=o["language"], task=o["task"])
-    return kwargs
 
 
 TASK = Task(
