@@ -162,3 +162,29 @@ def test_bare_whisper_config_builds_the_speech_seq2seq_model() -> None:
     assert not getattr(config, "architectures", None)
     model = HFModel.from_config(config)
     assert type(model.base).__name__ == "WhisperForConditionalGeneration"
+
+
+def test_saved_adapter_reloads_from_any_directory(speech: SpeechAssets, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A base model given by a relative path is recorded absolute; a hub id stays an id."""
+    import json
+
+    from meshtrain.hf.model import model_reference
+
+    model, batch = batch_of(speech)
+    monkeypatch.chdir(speech.model.parent)
+    tuned = HFModel.from_pretrained(speech.model.name, lora=LoRA(r=4), seed=3)  # relative, as typed
+    with torch.no_grad():
+        for name, p in tuned.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    saved = tmp_path / "adapter"
+    tuned.save_pretrained(str(saved))
+    recorded = json.loads((saved / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert recorded == str(speech.model.resolve())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    reloaded = HFModel.from_pretrained(str(saved))
+    assert eval_loss(reloaded, batch) == pytest.approx(eval_loss(tuned, batch), abs=1e-6)
+    assert model_reference("openai/whisper-tiny.en") == "openai/whisper-tiny.en"
