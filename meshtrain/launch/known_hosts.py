@@ -5,15 +5,15 @@ previous line, an ``@revoked`` or ``@cert-authority`` marker line), which makes 
 host fail. Here, as in OpenSSH, a line that cannot be read is skipped, marker lines are
 understood (``@revoked`` keys are refused for the hosts they match; ``@cert-authority``
 lines are skipped, host certificates are not supported), and new keys are appended
-safely: a newline first if the file lacks a final one, the whole file replaced at once.
+safely: a newline first if the file lacks a final one, one locked write.
 """
 
 from __future__ import annotations
 
 import binascii
+import fcntl
 import os
 import re
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,27 +97,23 @@ def host_matches(hostname: str, patterns: list[str]) -> bool:
 def append_known_host(path: str | os.PathLike[str], hostname: str, key: paramiko.PKey) -> None:
     """Record ``hostname``'s ``key`` at the end of ``path`` unless that exact line is there.
 
-    The file is rewritten to a temporary file beside it and renamed over it, so a crash
-    never leaves half a line, and a missing final newline is added first so the new key
-    never ends up glued to the last line.
+    Like OpenSSH, an append to the file itself (its permissions, owner and any symlink
+    stay as they are), under an exclusive lock so that two launchers recording at once
+    neither interleave nor record a key twice. A missing final newline is added first,
+    so the new key never ends up glued to the last line; the line goes out in one write.
     """
-    file = Path(os.path.realpath(path))  # a symlinked file stays a symlink
-    line = f"{hostname} {key.get_name()} {key.get_base64()}\n"
+    line = f"{hostname} {key.get_name()} {key.get_base64()}\n".encode()
+    file = Path(path)
     with _append_lock:
         file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        old = file.read_text() if file.exists() else ""
-        if line in old.splitlines(True) or line.rstrip("\n") in old.splitlines():
-            return
-        text = old + ("\n" if old and not old.endswith("\n") else "") + line
-        mode = file.stat().st_mode & 0o777 if file.exists() else 0o644
-        fd, temp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.")
+        fd = os.open(file, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(temp, mode)
-            os.replace(temp, file)
-        except BaseException:
-            Path(temp).unlink(missing_ok=True)
-            raise
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            size = os.fstat(fd).st_size
+            old = os.pread(fd, size, 0) if size else b""
+            if line in old.splitlines(True) or line.rstrip(b"\n") in old.splitlines():
+                return
+            os.write(fd, (b"\n" if old and not old.endswith(b"\n") else b"") + line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)  # also releases the lock
