@@ -476,3 +476,34 @@ def test_interpreter_path_with_an_equals_sign(world: SshWorld, tmp_path: Path) -
         cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "alpha r0 | rank 0 ran" in result.stdout and "beta r1  | rank 1 ran" in result.stdout
+
+
+CHATTY = textwrap.dedent("""
+    import os, time
+    from meshtrain.launch.heartbeat import start_heartbeat
+    start_heartbeat()
+    for i in range(3000):
+        print(f"rank {os.environ['RANK']} line {i} " + "x" * 100, flush=True)
+    time.sleep(8)  # beating all along, while the launcher's own output is stuck
+    print("rank", os.environ["RANK"], "done", flush=True)
+""")
+
+
+def test_a_stalled_terminal_is_not_a_hung_rank(world: SshWorld, tmp_path: Path) -> None:
+    """While the launcher cannot print (its output pipe is full and nobody reads it), it
+    cannot read the ranks' beats either: that silence is its own, not the ranks'."""
+    port = world.servers[0].port
+    inv = world.inventory(tmp_path / "inv.yaml", [
+        {"name": "alpha", "host": "127.0.0.1", "port": port},
+        {"name": "beta", "host": "127.0.0.1", "port": port},
+    ], workdir=str(tmp_path / "remote"))
+    (tmp_path / "chatty.py").write_text(CHATTY)
+    proc = start_meshtrain(world, "launch", str(inv), "--heartbeat-timeout", "2", "--upload",
+                           str(tmp_path / "chatty.py"), "--", "python", "chatty.py", cwd=tmp_path)
+    try:
+        time.sleep(10)  # nobody reads: the pipe fills within the first lines
+        output, _ = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, output[-3000:]
+    assert "rank 0 done" in output and "rank 1 done" in output

@@ -298,10 +298,10 @@ def _outcome(r: _Rank, options: LaunchOptions, heartbeat_timeout: float) -> str 
     silent = r.heartbeat.silent_for()
     if silent > options.host_timeout:
         return f"stopped answering for {silent:.0f} s (host down or off the network)"
-    last_beat = r.process.last_beat
-    if last_beat is not None and time.monotonic() - last_beat > heartbeat_timeout:
+    quiet = r.process.beat_silence()
+    if quiet is not None and quiet > heartbeat_timeout:
         # The host answers but the rank's process does not: stopped, deadlocked or stuck.
-        return (f"sent no heartbeat for {time.monotonic() - last_beat:.0f} s (process stopped or hung; "
+        return (f"sent no heartbeat for {quiet:.0f} s (process stopped or hung; "
                 f"heartbeat_timeout {heartbeat_timeout:g} s)")
     return None
 

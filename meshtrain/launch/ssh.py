@@ -31,6 +31,7 @@ CONNECT_TIMEOUT = 10.0
 KEEPALIVE_SECONDS = 5
 PID_MARKER = "__MESHTRAIN_PID__"
 EXIT_MARKER = "__MESHTRAIN_EXIT__"
+BLOCKED_PRINT = 1.0  # seconds printing a chunk of output may take before we count it as blocked
 
 
 class SSHError(RuntimeError):
@@ -232,6 +233,7 @@ class RemoteProcess:
         self.pgid: int | None = None  # the remote process group, killed on teardown
         self.status: int | None = None  # the command's exit status, once known
         self.last_beat: float | None = None  # monotonic time of the last heartbeat; None: none yet
+        self._delivering = False
         self._pid_seen = threading.Event()
         transport = client.get_transport()
         if transport is None or not transport.is_active():
@@ -259,12 +261,26 @@ class RemoteProcess:
                     data = data.replace(BEAT, b"")
                 buffer += data
                 *lines, buffer = buffer.split(b"\n")
-                for raw in lines:
-                    self._line(raw.decode(errors="replace").rstrip("\r"))
+                self._delivering, started = True, time.monotonic()  # see beat_silence()
+                try:
+                    for raw in lines:
+                        self._line(raw.decode(errors="replace").rstrip("\r"))
+                finally:
+                    self._delivering = False
+                    if self.last_beat is not None and time.monotonic() - started > BLOCKED_PRINT:
+                        self.last_beat = time.monotonic()  # its beats waited unread: a fresh window
         except (OSError, EOFError, paramiko.SSHException):
             pass  # connection lost: the caller sees it through finished()/connected
         if buffer:
             self._line(buffer.decode(errors="replace").rstrip("\r"))
+
+    def beat_silence(self) -> float | None:
+        """Seconds since the rank's last heartbeat; None before its first. Time this side
+        spent blocked printing its output (a paused terminal, a full pipe) is not the
+        rank's silence: beats waited unread meanwhile."""
+        if self.last_beat is None or self._delivering:
+            return None if self.last_beat is None else 0.0
+        return time.monotonic() - self.last_beat
 
     def _line(self, line: str) -> None:
         if line.startswith(PID_MARKER) and self.pgid is None:
