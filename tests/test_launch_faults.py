@@ -1,6 +1,11 @@
 """Faults during a launch, through a real sshd on 127.0.0.1: a rank fails, a rank is
 killed, the launcher gets Ctrl-C / SIGTERM / SIGKILL. Every time the other ranks stop
-within 15 s, and ps finds nothing left behind (neither ranks nor SSH sessions)."""
+within 15 s, and ps finds nothing left behind (neither ranks nor SSH sessions).
+
+Also: known_hosts files OpenSSH accepts (no final newline, marker lines, @revoked keys);
+a stopped (SIGSTOP) rank named within the heartbeat timeout, and a stalled terminal not
+mistaken for one; the copy-back to a full disk, interrupted by a signal, from a host
+without sftp; a failed run's incomplete directory; an interpreter path with '='."""
 
 from __future__ import annotations
 
