@@ -429,16 +429,17 @@ class NonFiniteLoss(RuntimeError):
 class _ProgressNumbers:
     """What the progress bar shows, defined as in the results: the loss is the mean over
     nodes, bytes are sent per node (mean) since the first step. Collected by a small
-    unrecorded all-reduce about 100 times a run, on a schedule every node knows."""
+    unrecorded all-reduce after the first step, then every 1% of the run but at least every
+    25 steps (a long run still shows progress at once), on a schedule every node knows."""
 
     def __init__(self, comm: Communicator, startup_sent: int, steps: int) -> None:
         self.comm = comm
         self.startup_sent = startup_sent
-        self.every = max(1, steps // 100)
+        self.every = max(1, min(steps // 100, 25))
         self.steps = steps
 
     def due(self, step: int) -> bool:
-        return (step + 1) % self.every == 0 and step + 1 < self.steps
+        return (step == 0 or (step + 1) % self.every == 0) and step + 1 < self.steps
 
     def collect(self, loss: float) -> tuple[float, float]:
         numbers = torch.tensor([loss, self.comm.log.bytes_sent - self.startup_sent], dtype=torch.float64)

@@ -155,7 +155,8 @@ TRAIN_SCRIPT = textwrap.dedent("""
     torch.manual_seed(0)
     result = Trainer(Regression(), data).fit(strategy=DiLoCo(H=4), max_steps=8, batch_size=16,
                                              progress=False)
-    print("rank", os.environ["RANK"], "local rank", os.environ["LOCAL_RANK"], "done")
+    # One string, one write: with PYTHONUNBUFFERED two ranks' multi-argument prints interleave.
+    print(f"rank {os.environ['RANK']} local rank {os.environ['LOCAL_RANK']} done")
 """)
 
 

@@ -180,6 +180,10 @@ def simulate(
     from meshtrain.trainer import run_job
 
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if launched:  # beat from the start: a rank that stalls while loading data is noticed too
+        from meshtrain.launch.heartbeat import start_heartbeat
+
+        start_heartbeat()
     if resume:
         try:
             found = checkpoint.find_latest(resume)
