@@ -26,6 +26,7 @@ from meshtrain.hf import (
     load_tokenizer,
 )
 from meshtrain.hf.decoding import DecodingError, apply_to_tokenizer, check_generation, resolve_decoding
+from meshtrain.hf.feature_cache import default_cache_dir
 from meshtrain.strategies import DiLoCo, Optim
 
 
@@ -66,8 +67,9 @@ def prepare(
     model.feature_extractor = features = feature_extractor_for(model.config, name)
     train_clips, val_clips = find_splits(data, val_fraction=0.1)
     limit = model.config.max_target_positions
-    train = SpeechDataset(train_clips, features, tokenizer, limit)
-    val = SpeechDataset(val_clips, features, tokenizer, limit) if val_clips else None
+    cache = default_cache_dir()  # features on disk (~1 MB a clip), computed once
+    train = SpeechDataset(train_clips, features, tokenizer, limit, cache)
+    val = SpeechDataset(val_clips, features, tokenizer, limit, cache) if val_clips else None
     check_generation(model, train[0]["input_features"], name)
     return model, train, val
 

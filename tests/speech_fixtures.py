@@ -77,4 +77,7 @@ def whisper_options(model_dir: Path, **overrides: object) -> dict[str, object]:
     from meshtrain.tasks import check_options
     from meshtrain.tasks.whisper import TASK
 
-    return check_options(TASK, {"model": str(model_dir), "language": None, "val_fraction": 0.25, **overrides})
+    # The session's own feature cache, beside the models (not the user's ~/.cache).
+    cache = str(Path(model_dir).parent / "feature-cache")
+    return check_options(TASK, {"model": str(model_dir), "language": None, "val_fraction": 0.25,
+                                "feature_cache": cache, **overrides})

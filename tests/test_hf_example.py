@@ -14,8 +14,14 @@ from speech_fixtures import SpeechAssets, english_model_fixture, speech_fixture 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_whisper_lora_example_fine_tunes_and_reports_wer(speech: SpeechAssets, tmp_path: Path) -> None:
+def example_env(tmp_path: Path) -> dict[str, str]:
+    """The user's environment as a plain run sees it, with the feature cache under tmp_path."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    return {**env, "MESHTRAIN_CACHE": str(tmp_path / "cache")}
+
+
+def test_whisper_lora_example_fine_tunes_and_reports_wer(speech: SpeechAssets, tmp_path: Path) -> None:
+    env = example_env(tmp_path)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "whisper_lora.py"), str(speech.data),
          "--model", str(speech.model), "--steps", "10", "--H", "5", "--batch-size", "4"],
@@ -31,7 +37,7 @@ def test_whisper_lora_example_fine_tunes_and_reports_wer(speech: SpeechAssets, t
 
 
 def test_whisper_lora_example_offline_hub_id_is_one_line_exit_2(speech: SpeechAssets, tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env = example_env(tmp_path)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "whisper_lora.py"), str(speech.data),
          "--model", "openai/whisper-tiny"],
@@ -49,7 +55,7 @@ def test_whisper_lora_example_offline_hub_id_is_one_line_exit_2(speech: SpeechAs
 def test_whisper_lora_example_english_only_model_with_language_en(
     speech: SpeechAssets, english_model: Path, tmp_path: Path,
 ) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env = example_env(tmp_path)
     bad = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "whisper_lora.py"), str(speech.data),
          "--model", str(english_model), "--language", "fr"],

@@ -8,8 +8,9 @@ The folder follows Hugging Face's *audiofolder* convention::
 or one such folder per split: ``DIR/train/`` plus ``DIR/validation/`` (or ``val/``,
 ``test/``). Audio is read as 16 kHz mono (mixed down and resampled as needed), turned
 into log-mel features by ``WhisperFeatureExtractor`` and transcripts into labels by the
-model's tokenizer. WAV is read with the standard library; other formats (flac, mp3,
-m4a...) need ``soundfile``, ``ffmpeg`` or ``sox``.
+model's tokenizer. Audio decoding (WAV built in; other formats through soundfile,
+ffmpeg or sox) is :mod:`meshtrain.hf.audio`; features are cached on disk by
+:mod:`meshtrain.hf.feature_cache`, not in memory.
 """
 
 from __future__ import annotations
@@ -17,109 +18,30 @@ from __future__ import annotations
 import csv
 import math
 import random
-import shutil
-import subprocess
-import wave
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-SAMPLE_RATE = 16_000
+from meshtrain.hf.audio import (
+    SAMPLE_RATE,
+    SpeechDataError,
+    UnsupportedWav,
+    mono,
+    read_audio,
+    read_wav,
+    resample,
+    wav_format,
+)
+from meshtrain.hf.feature_cache import FeatureCache
+
+__all__ = ["SAMPLE_RATE", "Clip", "SpeechCollator", "SpeechDataError", "SpeechDataset",
+           "feature_extractor_for", "find_splits", "mono", "read_audio", "read_metadata", "read_wav",
+           "resample"]
+
 SPLIT_DIRS = {"train": ("train",), "val": ("validation", "val", "valid", "dev", "test")}
-
-
-class SpeechDataError(ValueError):
-    """Bad speech data: missing folder, transcript file, column or recording (one line)."""
-
-
-# --------------------------------------------------------------------------- audio
-def read_audio(path: str | Path, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
-    """A recording as float32 mono at ``sample_rate``, in [-1, 1]."""
-    path = Path(path)
-    if path.suffix.lower() == ".wav":
-        audio, rate = read_wav(path)
-    else:
-        audio, rate = _read_other(path)
-    return resample(audio, rate, sample_rate)
-
-
-def read_wav(path: str | Path) -> tuple[np.ndarray, int]:
-    """PCM WAV (8, 16, 24 or 32 bit, any channel count) as float32 mono and its rate."""
-    try:
-        with wave.open(str(path), "rb") as w:
-            channels, width, rate = w.getnchannels(), w.getsampwidth(), w.getframerate()
-            raw = w.readframes(w.getnframes())
-    except (wave.Error, EOFError) as exc:
-        raise SpeechDataError(f"{path}: not a PCM WAV file ({exc})") from exc
-    if width == 1:  # 8-bit WAV is unsigned
-        samples = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128.0) / 128.0
-    elif width == 3:  # 24-bit: widen each little-endian triple to int32
-        b = np.frombuffer(raw, np.uint8).reshape(-1, 3).astype(np.int32)
-        ints = (b[:, 0] | (b[:, 1] << 8) | (b[:, 2] << 16)) << 8
-        samples = ints.astype(np.float32) / 2**31
-    elif width in (2, 4):
-        dtype = np.int16 if width == 2 else np.int32
-        samples = np.frombuffer(raw, dtype).astype(np.float32) / float(2 ** (8 * width - 1))
-    else:
-        raise SpeechDataError(f"{path}: unsupported WAV sample width {width} bytes")
-    return mono(samples.reshape(-1, channels)), rate
-
-
-def mono(frames: np.ndarray) -> np.ndarray:
-    """Average the channels of a (frames, channels) array."""
-    return frames.mean(axis=1).astype(np.float32) if frames.ndim == 2 else frames.astype(np.float32)
-
-
-def resample(audio: np.ndarray, rate: int, target: int = SAMPLE_RATE) -> np.ndarray:
-    """Polyphase resampling (scipy) from ``rate`` to ``target`` Hz."""
-    if rate == target:
-        return audio.astype(np.float32)
-    from scipy.signal import resample_poly
-
-    ratio = Fraction(target, rate)
-    return resample_poly(audio, ratio.numerator, ratio.denominator).astype(np.float32)
-
-
-def _read_other(path: Path) -> tuple[np.ndarray, int]:
-    """Non-WAV formats through soundfile, ffmpeg or sox, whichever is installed."""
-    try:
-        import soundfile
-
-        data, rate = soundfile.read(str(path), dtype="float32", always_2d=True)
-        return mono(data), int(rate)
-    except ImportError:
-        pass
-    if shutil.which("ffmpeg"):
-        cmd = ["ffmpeg", "-nostdin", "-v", "error", "-i", str(path), "-f", "f32le", "-ac", "1",
-               "-ar", str(SAMPLE_RATE), "-"]
-    elif shutil.which("sox"):
-        cmd = ["sox", str(path), "-t", "raw", "-e", "floating-point", "-b", "32", "-c", "1",
-               "-r", str(SAMPLE_RATE), "-"]
-    else:
-        raise SpeechDataError(
-            f"{path}: only WAV can be read without soundfile, ffmpeg or sox; install one "
-            "or convert the recordings to WAV"
-        )
-    done = subprocess.run(cmd, capture_output=True, check=False)
-    if done.returncode != 0:
-        raise SpeechDataError(f"{path}: {cmd[0]} could not decode it: {done.stderr.decode()[:200]}")
-    return np.frombuffer(done.stdout, np.float32).copy(), SAMPLE_RATE
-
-
-def wav_seconds(path: Path) -> float | None:
-    """Duration from a WAV header (cheap), or None for other formats."""
-    if path.suffix.lower() != ".wav":
-        return None
-    try:
-        with wave.open(str(path), "rb") as w:
-            return w.getnframes() / w.getframerate()
-    except (wave.Error, EOFError) as exc:
-        raise SpeechDataError(f"{path}: not a PCM WAV file ({exc})") from exc
 
 
 # ------------------------------------------------------------------------ metadata
@@ -187,8 +109,12 @@ def find_splits(
 class SpeechDataset(Dataset):
     """Clips as ``{"input_features": (mels, frames) float, "labels": (tokens,) long}``.
 
-    Features are computed on first access and kept (a clip's features are a few
-    hundred KB); labels are tokenized up front so over-long transcripts fail at once.
+    Everything that can be wrong with a clip is found here, before training: transcripts
+    too long for the decoder, and recordings too long for the encoder or that no decoder
+    reads (WAV durations come from the header; other formats are decoded now, and with a
+    cache their features are kept). Features are never held in memory: with
+    ``cache_dir`` they are computed once and read back from disk, without it computed
+    on every access.
 
     Args:
         clips: recordings and transcripts (see :func:`find_splits`).
@@ -196,40 +122,59 @@ class SpeechDataset(Dataset):
             its ``n_samples`` (30 s for real Whisper), which the encoder requires.
         tokenizer: the model's tokenizer.
         max_label_tokens: the decoder's length limit (``max_target_positions``).
+        cache_dir: folder for the on-disk feature cache (see
+            :func:`~meshtrain.hf.feature_cache.default_cache_dir`); None computes on the fly.
     """
 
     def __init__(self, clips: list[Clip], feature_extractor: Any, tokenizer: Any,
-                 max_label_tokens: int | None = None) -> None:
+                 max_label_tokens: int | None = None, cache_dir: str | Path | None = None) -> None:
         self.clips = clips
         self.feature_extractor = feature_extractor
         self.max_seconds = feature_extractor.n_samples / feature_extractor.sampling_rate
+        self.cache = FeatureCache(cache_dir, feature_extractor) if cache_dir is not None else None
+        self._keys: dict[int, str] = {}  # cache keys (64 characters a clip), so files are hashed once
         self.labels = [tokenizer(c.text).input_ids for c in clips]
-        for clip, ids in zip(clips, self.labels, strict=True):
+        for index, (clip, ids) in enumerate(zip(clips, self.labels, strict=True)):
             if max_label_tokens is not None and len(ids) > max_label_tokens:
                 raise SpeechDataError(f"{clip.path}: transcript is {len(ids)} tokens; the model "
                                       f"decodes at most {max_label_tokens}")
-            seconds = wav_seconds(clip.path)
-            if seconds is not None and seconds > self.max_seconds + 1e-3:
-                raise SpeechDataError(f"{clip.path}: {seconds:.1f} s long; the model hears at most "
-                                      f"{self.max_seconds:.1f} s (split or drop it)")
-        self._features: dict[int, torch.Tensor] = {}
+            self._check_recording(index)
+
+    def _check_recording(self, index: int) -> None:
+        path = self.clips[index].path
+        try:
+            seconds = wav_format(path).seconds
+        except UnsupportedWav:
+            self.features(index)  # not a WAV the header tells about: decode it now
+            return
+        self._check_length(path, seconds)
+
+    def _check_length(self, path: Path, seconds: float) -> None:
+        if seconds > self.max_seconds + 1e-3:
+            raise SpeechDataError(f"{path}: {seconds:.1f} s long; the model hears at most "
+                                  f"{self.max_seconds:.1f} s (split or drop it)")
 
     def __len__(self) -> int:
         return len(self.clips)
 
     def features(self, index: int) -> torch.Tensor:
-        cached = self._features.get(index)
-        if cached is None:
-            clip = self.clips[index]
-            audio = read_audio(clip.path, self.feature_extractor.sampling_rate)
-            if len(audio) > self.feature_extractor.n_samples:
-                raise SpeechDataError(f"{clip.path}: {len(audio) / SAMPLE_RATE:.1f} s long; the model "
-                                      f"hears at most {self.max_seconds:.1f} s (split or drop it)")
-            out = self.feature_extractor(audio, sampling_rate=self.feature_extractor.sampling_rate,
-                                         return_tensors="np")
-            cached = torch.from_numpy(out["input_features"][0])
-            self._features[index] = cached
-        return cached
+        """Log-mel features of clip ``index``: from the disk cache, else computed (and cached)."""
+        clip = self.clips[index]
+        key = None
+        if self.cache is not None:
+            key = self._keys.get(index)
+            if key is None:
+                key = self._keys[index] = self.cache.key(clip.path)
+            cached = self.cache.load(key)
+            if cached is not None:
+                return torch.from_numpy(cached)
+        rate = self.feature_extractor.sampling_rate
+        audio = read_audio(clip.path, rate)
+        self._check_length(clip.path, len(audio) / rate)
+        features = self.feature_extractor(audio, sampling_rate=rate, return_tensors="np")["input_features"][0]
+        if self.cache is not None and key is not None:
+            self.cache.store(key, features)
+        return torch.from_numpy(features)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         return {"input_features": self.features(index),

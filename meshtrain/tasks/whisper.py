@@ -7,6 +7,7 @@ validation clips is measured at the end (and every ``val_interval``) as ``final_
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from meshtrain.tasks import Task, TaskBundle, TaskError, TaskOptions
@@ -22,6 +23,9 @@ OPTIONS: dict[str, Any] = {
     "val_fraction": 0.1,  # held out when DIR has no validation/ split
     "max_new_tokens": 128,
     "text_column": "transcription",
+    # Features on disk, computed once (~1 MB a clip for real Whisper): "auto" is
+    # ~/.cache/meshtrain/features ($MESHTRAIN_CACHE), or a folder; null computes them every epoch.
+    "feature_cache": "auto",
 }
 
 
@@ -63,12 +67,23 @@ def build(opts: TaskOptions) -> TaskBundle:
                                  f"{config.vocab_size}: they do not belong together")
         model.feature_extractor = feature_extractor_for(config, o["model"])
         limit = getattr(config, "max_target_positions", None)
-        train = SpeechDataset(train_clips, model.feature_extractor, tokenizer, limit)
-        val = SpeechDataset(val_clips, model.feature_extractor, tokenizer, limit) if val_clips else None
+        cache, extractor = _cache_dir(o["feature_cache"]), model.feature_extractor
+        train = SpeechDataset(train_clips, extractor, tokenizer, limit, cache)
+        val = SpeechDataset(val_clips, extractor, tokenizer, limit, cache) if val_clips else None
         check_generation(model, train[0]["input_features"], o["model"])
     except (SpeechDataError, TokenizerError, ModelLoadError, DecodingError) as exc:
         raise TaskError(str(exc)) from exc
     return TaskBundle(model, train, val, SpeechCollator(config.decoder_start_token_id))
+
+
+def _cache_dir(value: Any) -> Path | None:
+    if value is None or value is False:
+        return None
+    if not isinstance(value, str) or not value:
+        raise TaskError(f"task_options.feature_cache must be a folder, auto or null, got {value!r}")
+    from meshtrain.hf.feature_cache import default_cache_dir
+
+    return default_cache_dir() if value == "auto" else Path(value).expanduser()
 
 
 TASK = Task(
