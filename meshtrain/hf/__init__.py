@@ -3,6 +3,8 @@
 Importing this package imports transformers; the rest of meshtrain does not.
 """
 
+from meshtrain.hf.decoding import DecodingError, resolve_decoding
+from meshtrain.hf.feature_cache import FeatureCache, default_cache_dir
 from meshtrain.hf.model import HFModel, LoRA, ModelLoadError, is_adapter_folder, word_error_rate
 from meshtrain.hf.speech import (
     SpeechCollator,
@@ -15,6 +17,8 @@ from meshtrain.hf.speech import (
 from meshtrain.hf.tokenizer import TokenizerError, build_tokenizer, check_tokenizer, load_tokenizer
 
 __all__ = [
+    "DecodingError",
+    "FeatureCache",
     "HFModel",
     "LoRA",
     "ModelLoadError",
@@ -24,10 +28,12 @@ __all__ = [
     "TokenizerError",
     "build_tokenizer",
     "check_tokenizer",
+    "default_cache_dir",
     "feature_extractor_for",
     "find_splits",
     "is_adapter_folder",
     "load_tokenizer",
     "read_audio",
+    "resolve_decoding",
     "word_error_rate",
 ]
