@@ -50,7 +50,7 @@ def _threads_result(name: str, tmp_path, seed: int = 0):
 
 
 def _process_job(name: str, tmp_path) -> NodeJob:
-    config = TrainConfig(nodes=NODES, max_steps=STEPS, batch_size=BATCH, runtime="processes",
+    config = TrainConfig(nodes=NODES, steps=STEPS, batch_size=BATCH, runtime="processes",
                          out_dir=str(tmp_path / "processes"), progress=False)
     return NodeJob(model=_model(name), train_data=_data(name), val_data=None, collate_fn=None,
                    strategy=CONFIGS[name](), config=config, run_id=name, started=time.time())
