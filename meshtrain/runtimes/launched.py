@@ -37,6 +37,10 @@ def join_and_train(
 ) -> FitResult:
     """Join the group as ``rank`` and train; used by launched ranks and local processes."""
     device = resolve_device(job.config.device)
+    # MKL and OpenMP round a matmul differently at different thread counts: results match
+    # another runtime bit for bit only at the same count, so it is a setting, set here.
+    if job.config.threads:
+        torch.set_num_threads(job.config.threads)
     init_process_group(rank, world, addr, port, device, timeout_s, external_store=external_store)
     try:
         torch.manual_seed(node_seed(job.config.seed, rank))
