@@ -72,6 +72,10 @@ class TrainConfig:
     keep_checkpoints: int = _setting(2, "How many of the newest checkpoints to keep.", minimum=1)
     resume: str | None = _setting(None, "Continue a stopped run from its newest intact checkpoint "
                                         "(its <run-id>.checkpoints folder or run directory).")
+    check_sync: bool = _setting(False, "After every sync, verify by a hash all-gather that the "
+                                       "nodes hold the identical parameters the strategy promises "
+                                       "(DDP, DeMo: all; DiLoCo: the outer ones; FedAvg: each "
+                                       "island); a difference stops the run naming the nodes.")
     extra_config: dict[str, Any] = _setting(None, "Recorded in config.yaml as given.", factory=dict)
 
     def validate(self) -> None:

@@ -376,6 +376,8 @@ def train_node(
             if not math.isfinite(loss_value):
                 raise NonFiniteLoss(f"loss is {loss_value} at step {step + 1} on node {rank}")
             strategy.step(step)
+            if cfg.check_sync:
+                _check_sync(strategy, comm, step)
             losses.append(loss_value)
             seconds.append(seconds_before + time.time() - job.started)
             last = step == max_steps - 1
@@ -386,6 +388,8 @@ def train_node(
             if shown is not None and shown.due(step):
                 progress.update(step + 1, *shown.collect(loss_value))
         strategy.finish(max_steps - 1)
+        if cfg.check_sync:
+            _check_sync(strategy, comm, max_steps - 1)
         if shown is not None:  # the final sync's bytes count too
             progress.update(max_steps, *shown.collect(losses[-1]))
     loop_seconds = loop_before + time.perf_counter() - loop_started
@@ -420,6 +424,25 @@ def _set_node_rng_state(state: torch.Tensor, rng_guard: Callable[[], Any] | None
         return
     with rng_guard():
         torch.set_rng_state(state)
+
+
+class ReplicaDrift(RuntimeError):
+    """Nodes that a strategy keeps identical were found to differ (``check_sync``)."""
+
+
+def _check_sync(strategy: Strategy, comm: Communicator, step: int) -> None:
+    """Compare, by SHA-256, what the strategy promises is identical after ``step``."""
+    promised = strategy.synced(step)
+    if promised is None:
+        return
+    tensors, group = promised
+    members = list(group) if group is not None else list(range(comm.world_size))
+    digests = comm.all_gather(_digest(tensors), group=group, record=False)
+    differ = [m for m, d in zip(members, digests, strict=True) if not torch.equal(d, digests[0])]
+    if differ:
+        raise ReplicaDrift(f"after step {step + 1}, node(s) {', '.join(map(str, differ))} hold "
+                           f"parameters that differ from node {members[0]}'s, although "
+                           f"{strategy.name} keeps them identical")
 
 
 class NonFiniteLoss(RuntimeError):

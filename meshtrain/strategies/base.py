@@ -79,6 +79,11 @@ class CommunicationModule:
         """The global model's trainable parameters, if this module keeps them."""
         return None
 
+    def synced(self, step: int) -> tuple[list[torch.Tensor], list[int] | None] | None:
+        """If this module synced at ``step``: the tensors every member of the group (None:
+        all nodes) now holds identically, for ``check_sync`` to verify."""
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 
@@ -196,6 +201,17 @@ class Strategy:
         if not in_sync:
             # Nodes still differ (SPARTA): one last full average produces the global model.
             self.comm.all_reduce(self.params_data(), op="mean")
+
+    def synced(self, step: int) -> tuple[list[torch.Tensor], list[int] | None] | None:
+        """What this strategy promises is identical across nodes after ``step`` (or None):
+        every parameter for replicas kept in sync (DDP, DeMo), else what a module synced."""
+        if self.replicas_in_sync:
+            return self.params_data(), None
+        for module in self.modules:
+            promised = module.synced(step)
+            if promised is not None:
+                return promised
+        return None
 
     # --------------------------------------------------------------- queries
     def params_data(self) -> list[torch.Tensor]:

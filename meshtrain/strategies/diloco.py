@@ -72,6 +72,9 @@ class OuterSync(CommunicationModule):
     def global_parameters(self) -> list[torch.Tensor]:
         return self.outer
 
+    def synced(self, step: int) -> tuple[list[torch.Tensor], list[int] | None] | None:
+        return (self.outer, None) if self.last_sync == step else None
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "outer": [t.clone() for t in self.outer],

@@ -33,6 +33,7 @@ class ModelAveraging(CommunicationModule):
         self.island_size = island_size
         self.weighted = weighted
         self.last_average = -1
+        self.last_group: list[int] | None = None
 
     def islands(self, sync_round: int) -> list[list[int]]:
         """The groups of ``sync_round``: a seeded shuffle cut into island_size pieces."""
@@ -67,7 +68,12 @@ class ModelAveraging(CommunicationModule):
 
     def average(self, step: int, group: list[int] | None) -> None:
         self.averaged(self.strategy.params_data(), group)
-        self.last_average = step
+        self.last_average, self.last_group = step, group
+
+    def synced(self, step: int) -> tuple[list[torch.Tensor], list[int] | None] | None:
+        if self.last_average != step:
+            return None
+        return self.strategy.params_data(), self.last_group
 
     def after_optimizer_step(self, step: int) -> None:
         if (step + 1) % self.H == 0:
