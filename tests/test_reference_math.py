@@ -19,7 +19,7 @@ from torch.utils.data import TensorDataset
 
 from meshtrain import Trainer
 from meshtrain.comm import ThreadCommunicator, ThreadHub
-from meshtrain.strategies import FedAvg
+from meshtrain.strategies import SPARTA, FedAvg
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -150,3 +150,104 @@ def test_fedavg_weighted_global_model_between_syncs_is_the_weighted_mean(tmp_pat
             p.copy_(v)
         expected = model(val.tensors).item()
     assert result.history[0]["val_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+# ------------------------------------------------------------------------------- SPARTA
+def sparse_module(p: float, selector: str = "random", seed: int = 0):
+    strategy = SPARTA(p=p, selector=selector)
+    strategy.setup(MLP(), ThreadCommunicator(ThreadHub(1), 0), seed=seed, max_steps=1)
+    return strategy.modules[0]
+
+
+@pytest.mark.parametrize("p", [0.005, 0.05, 0.25, 0.3, 0.9])
+@pytest.mark.parametrize("numel", [7, 50, 1000, 100_003])
+def test_random_selector_draws_distinct_indices(p, numel):
+    module = sparse_module(p)
+    k = max(1, round(p * numel))
+    for sync_round in range(3):
+        picked = module.indices(sync_round, 0, numel)
+        assert picked.numel() == k
+        assert picked.unique().numel() == k, f"{k - picked.unique().numel()} repeated indices"
+        assert 0 <= int(picked.min()) and int(picked.max()) < numel
+
+
+@pytest.mark.parametrize(("p", "numel"), [(0.25, 20), (0.6, 20)])  # both sampling paths
+def test_random_selector_is_uniform(p, numel):
+    """Every element is picked with probability k / numel (a chi-square bound over rounds)."""
+    module = sparse_module(p)
+    k, rounds = round(p * numel), 4000
+    counts = torch.zeros(numel)
+    for sync_round in range(rounds):
+        counts[module.indices(sync_round, 0, numel)] += 1
+    expected = rounds * k / numel
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 45.3, counts  # the 0.999 quantile of chi-square with 19 degrees of freedom
+
+
+class _RecordingSPARTA(SPARTA):
+    """SPARTA that records every node's parameters around each sparse average."""
+
+    before: dict[tuple[int, int], list[torch.Tensor]] = {}
+    after: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    def after_optimizer_step(self, step):
+        key = (self.comm.rank, step)
+        _RecordingSPARTA.before[key] = [p.detach().clone() for p in self.params]
+        super().after_optimizer_step(step)
+        _RecordingSPARTA.after[key] = [p.detach().clone() for p in self.params]
+
+
+def sharded_batch(data: TensorDataset, rank: int, nodes: int, step: int, batch: int):
+    """Node ``rank``'s batch ``step``: samples rank, rank + nodes, ... in order."""
+    rows = torch.arange(rank, len(data) - len(data) % nodes, nodes)[step * batch : (step + 1) * batch]
+    return tuple(t[rows] for t in data.tensors)
+
+
+def reference_sparta(data, nodes, steps, batch, lr, picks) -> list[torch.Tensor]:
+    """SPARTA, plain torch: SGD locally, then the picked elements of every tensor replaced by
+    their mean over the nodes; after the last step the global model is the mean of the nodes.
+    ``picks[step][tensor]`` are the flat indices averaged (the seeded choice, an input here)."""
+    models = [MLP() for _ in range(nodes)]
+    opts = [torch.optim.SGD(m.parameters(), lr=lr) for m in models]
+    for s in range(steps):
+        for r, (m, opt) in enumerate(zip(models, opts, strict=True)):
+            opt.zero_grad()
+            m(sharded_batch(data, r, nodes, s, batch)).backward()
+            opt.step()
+        with torch.no_grad():
+            for i, tensors in enumerate(zip(*[list(m.parameters()) for m in models], strict=True)):
+                ix = picks[s][i]
+                mean = torch.stack([t.view(-1)[ix] for t in tensors]).mean(0)
+                for t in tensors:
+                    t.view(-1)[ix] = mean
+    return [torch.stack([t.detach() for t in ts]).mean(0)
+            for ts in zip(*[list(m.parameters()) for m in models], strict=True)]
+
+
+@pytest.mark.parametrize("p", [0.3, 0.9])
+def test_sparta_averages_exactly_p_of_every_tensor_and_matches_the_reference(p, tmp_path):
+    # SGD (not Adam, whose first steps are +-lr on every node) keeps every element of the
+    # nodes apart before each average, so the elements an average made equal are visible.
+    nodes, steps, batch, lr, seed = 3, 6, 4, 0.1, 5
+    data = regression_data(96)
+    _RecordingSPARTA.before.clear()
+    _RecordingSPARTA.after.clear()
+    result = fit(MLP(), data, _RecordingSPARTA(p=p, optim="sgd", lr=lr), tmp_path, nodes=nodes,
+                 max_steps=steps, batch_size=batch, seed=seed)
+    shapes = [t.numel() for t in MLP().parameters()]  # 48, 8, 16, 2
+    module = sparse_module(p, seed=seed)
+    picks = [[module.indices(s, i, n) for i, n in enumerate(shapes)] for s in range(steps)]
+    for s in range(steps):
+        for i, n in enumerate(shapes):
+            before = torch.stack([_RecordingSPARTA.before[(r, s)][i].view(-1) for r in range(nodes)])
+            after = torch.stack([_RecordingSPARTA.after[(r, s)][i].view(-1) for r in range(nodes)])
+            # Measured from what the nodes hold: the elements the step made equal everywhere.
+            assert bool((before != before[0]).any(0).all()), "nodes must start the average apart"
+            averaged = (after == after[0]).all(0)
+            assert int(averaged.sum()) == max(1, round(p * n)), (s, i)
+            # Those hold the mean of the nodes; every other element is untouched.
+            assert_close(after[:, averaged], before[:, averaged].mean(0).expand(nodes, -1), **TOL)
+            assert torch.equal(after[:, ~averaged], before[:, ~averaged])
+            assert set(picks[s][i].tolist()) == set(averaged.nonzero().view(-1).tolist())
+    expected = reference_sparta(data, nodes, steps, batch, lr, picks)
+    assert_params_close(result.model, expected)
