@@ -76,6 +76,9 @@ class TrainConfig:
                                        "nodes hold the identical parameters the strategy promises "
                                        "(DDP, DeMo: all; DiLoCo: the outer ones; FedAvg: each "
                                        "island); a difference stops the run naming the nodes.")
+    skip_nonfinite: bool = _setting(False, "When a loss or gradient is NaN or infinite on any node, "
+                                           "skip that step on every node (counted in metrics) "
+                                           "instead of stopping the run.")
     extra_config: dict[str, Any] = _setting(None, "Recorded in config.yaml as given.", factory=dict)
 
     def validate(self) -> None:

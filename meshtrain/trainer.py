@@ -317,6 +317,7 @@ def train_node(
     history_val: dict[int, dict[str, float]] = {}
     losses: list[float] = []
     seconds: list[float] = []
+    skipped: list[int] = []  # steps skipped everywhere for a non-finite loss (skip_nonfinite)
     first_step, seconds_before, loop_before = 0, 0.0, 0.0
     if job.resume is not None:
         saved = checkpoint.load_node(job.resume, rank)
@@ -326,6 +327,7 @@ def train_node(
         _set_node_rng_state(saved["rng"], rng_guard)
         comm.log = CommLog([CommRecord(*r) for r in saved["comm"]], *saved["comm_totals"])
         losses, seconds, history_val = list(saved["losses"]), list(saved["seconds"]), saved["val"]
+        skipped = list(saved["skipped"])
         initial, startup_sent = saved["initial"], saved["startup_sent"]
         first_step, loop_before = saved["step"], saved["loop_seconds"]
         seconds_before = seconds[-1] if seconds else 0.0
@@ -345,6 +347,7 @@ def train_node(
             "comm": [astuple(r) for r in comm.log.records],
             "comm_totals": [comm.log.bytes_sent, comm.log.bytes_received, comm.log.seconds],
             "losses": losses, "seconds": seconds, "val": history_val, "initial": initial,
+            "skipped": skipped,
             "startup_sent": startup_sent,
             "loop_seconds": loop_before + time.perf_counter() - loop_started,
         }
@@ -373,9 +376,20 @@ def train_node(
                     loss = model(batch)
                 (loss * weight).backward()
                 loss_value += loss.item() * weight
-            if not math.isfinite(loss_value):
-                raise NonFiniteLoss(f"loss is {loss_value} at step {step + 1} on node {rank}")
-            strategy.step(step)
+            problem = _non_finite(loss_value, strategy.params)
+            if cfg.skip_nonfinite:  # every node must agree to skip: one flag, max over nodes
+                flag = torch.tensor([0.0 if problem is None else 1.0], dtype=torch.float64)
+                comm.all_reduce(flag, op="max", record=False)
+                skip = bool(flag.item())
+            elif problem is not None:
+                raise NonFiniteLoss(f"{problem} at step {step + 1} on node {rank}")
+            else:
+                skip = False
+            if skip:
+                strategy.skip_step(step)
+                skipped.append(step + 1)
+            else:
+                strategy.step(step)
             if cfg.check_sync:
                 _check_sync(strategy, comm, step)
             losses.append(loss_value)
@@ -405,9 +419,24 @@ def train_node(
     history = _history(job, strategy, reports, history_val, final, max_steps)
     summary = _summary(job, strategy, history, final, reports, model)
     summary["initial"] = initial
+    summary["skipped_steps"] = len(skipped)
+    if cfg.skip_nonfinite:
+        skipped_steps = set(skipped)
+        for row in history:
+            row["skipped"] = int(row["step"] in skipped_steps)
     summary["projected"] = _projection(job, comm, loop_seconds, max_steps)
     run_dir = _write_run(job, strategy, model, history, summary, progress.lines)
     return FitResult(model=model, history=history, run_dir=run_dir, summary=summary)
+
+
+def _non_finite(loss: float, params: list[torch.Tensor]) -> str | None:
+    """What is NaN or infinite this step (the loss, else a gradient), or None."""
+    if not math.isfinite(loss):
+        return f"loss is {loss}"
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads and not all(bool(torch.isfinite(g).all()) for g in grads):
+        return "a gradient is not finite"
+    return None
 
 
 def _node_rng_state(rng_guard: Callable[[], Any] | None) -> torch.Tensor:

@@ -51,3 +51,34 @@ def test_cli_flag(tmp_path) -> None:
                                       "--out", str(tmp_path), "--run-id", "c"])
     assert result.exit_code == 0, result.output
     assert "check_sync: true" in (tmp_path / "c" / "config.yaml").read_text()
+
+
+class SpikesOnNode1(MLP):
+    """Node 1's loss is NaN on its 3rd and 5th training batches (a bad sample, an overflow)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, batch):  # noqa: ANN001, ANN201
+        loss = super().forward(batch)
+        if self.training and int(batch[2][0]) == 1:
+            self.calls += 1
+            if self.calls in (3, 5):
+                return loss * float("nan")
+        return loss
+
+
+def test_non_finite_loss_stops_or_is_skipped_on_every_node(tmp_path) -> None:
+    from helpers import ranked_factory
+
+    with pytest.raises(NodeFailed, match=r"node 1 failed: NonFiniteLoss: loss is nan at step 3 on node 1"):
+        Trainer(SpikesOnNode1(), ranked_factory).fit(DDP("sgd", 0.1), out_dir=tmp_path / "a", **RUN)
+    result = Trainer(SpikesOnNode1(), ranked_factory).fit(
+        DDP("sgd", 0.1), out_dir=tmp_path / "b", skip_nonfinite=True, **RUN)
+    assert result.summary["skipped_steps"] == 2
+    assert [row["step"] for row in result.history if row["skipped"]] == [3, 5]
+    assert all(p.isfinite().all() for p in result.model.parameters())
+    # Skipped steps send nothing (DDP's all-reduce is not run) and replicas stay identical
+    # (check_sync is on in RUN).
+    assert [row["bytes_sent"] for row in result.history if row["skipped"]] == [0, 0]

@@ -137,6 +137,8 @@ def simulate(
     cluster: str = _flag("cluster", "--cluster"),
     step_seconds: float = _flag("step_seconds", "--step-seconds"),
     check_sync: bool = typer.Option(None, "--check-sync/--no-check-sync", help=help_for("check_sync")),
+    skip_nonfinite: bool = typer.Option(None, "--skip-nonfinite/--stop-on-nonfinite",
+                                        help=help_for("skip_nonfinite")),
     checkpoint_every: int = _flag("checkpoint_every", "--checkpoint-every"),
     keep: int = _flag("keep_checkpoints", "--keep"),
     resume: str = typer.Option(None, "--resume", help="Continue a stopped run from its newest intact "
@@ -203,7 +205,7 @@ def simulate(
                  seed=seed, threads=threads, val_interval=val_interval, nodes=nodes, runtime=runtime,
                  out_dir=out, run_id=run_id, progress=progress, cluster=cluster,
                  step_seconds=step_seconds, checkpoint_every=checkpoint_every, keep_checkpoints=keep,
-                 resume=resume, check_sync=check_sync)
+                 resume=resume, check_sync=check_sync, skip_nonfinite=skip_nonfinite)
     # Everything is checked before the first step: up to here, an error is bad input (2).
     try:
         spec, bundle, strat = build_run(flags, set_, launched)

@@ -176,6 +176,13 @@ class Strategy:
         self.optimizer_step(step)
         self.after_optimizer_step(step)
 
+    def skip_step(self, step: int) -> None:
+        """Drop this step's gradients without updating (a non-finite loss somewhere, with
+        ``skip_nonfinite``); syncs due after the step still happen on schedule."""
+        for p in self.params:
+            p.grad = None
+        self.after_optimizer_step(step)
+
     def before_optimizer_step(self, step: int) -> None:
         for module in self.modules:
             module.before_optimizer_step(step)
