@@ -77,8 +77,9 @@ def test_ddp_bytes_per_step(tmp_path, comms):
     nodes, steps = 4, 5
     model = Sized(8, 6)  # 48 trainable floats (the frozen parameter is never sent)
     res = run(DDP("sgd", 0.1), tmp_path, nodes=nodes, steps=steps, model=model)
-    per_step = 2 * (nodes - 1) / nodes * 48 * F32  # 288
-    assert per_step == 288
+    # One bucket: the 48 gradient values and one has-gradient flag per tensor (1 tensor).
+    per_step = 2 * (nodes - 1) / nodes * (48 + 1) * F32  # 294
+    assert per_step == 294
     assert [r["bytes_sent"] for r in res.history] == [per_step] * steps
     assert [r["bytes_received"] for r in res.history] == [per_step] * steps
     assert res.summary["bytes_sent_per_node"] == per_step * steps
@@ -87,7 +88,8 @@ def test_ddp_bytes_per_step(tmp_path, comms):
         assert [(r.step, r.kind, r.group_size) for r in comm.log.records] == [
             (s, "all_reduce", nodes) for s in range(steps)
         ], rank
-        assert comm.log.bytes_sent == per_step * steps
+        # 49 values in chunks [13, 12, 12, 12]: each node exactly what its ring position sends.
+        assert comm.log.bytes_sent == ring_all_reduce_bytes(49, F32, rank, nodes)[0] * steps
 
 
 @pytest.mark.parametrize(("steps", "syncs"), [(9, [2, 5, 8]), (10, [2, 5, 8, 9])])
@@ -198,7 +200,8 @@ def test_demo_bytes_all_gather_values_and_int16_indices(tmp_path, comms):
     res = run(DeMo(lr=0.01, compression_topk=topk, compression_chunk=4), tmp_path, nodes=nodes,
               steps=steps, model=Sized(8, 6))
     k_total = 4 * topk
-    per_step = (nodes - 1) * k_total * (4 + 2)
+    flags = 1  # one int16 has-gradient flag per tensor rides with the indices
+    per_step = (nodes - 1) * (k_total * (4 + 2) + flags * 2)
     assert [r["bytes_sent"] for r in res.history] == [per_step] * steps
     assert [r["bytes_received"] for r in res.history] == [per_step] * steps
     check_totals(res)
@@ -206,7 +209,7 @@ def test_demo_bytes_all_gather_values_and_int16_indices(tmp_path, comms):
         assert [(r.step, r.kind, r.group_size, r.bytes_sent) for r in comm.log.records] == [
             rec for s in range(steps)
             for rec in ((s, "all_gather", nodes, (nodes - 1) * k_total * 4),
-                        (s, "all_gather", nodes, (nodes - 1) * k_total * 2))
+                        (s, "all_gather", nodes, (nodes - 1) * (k_total + flags) * 2))
         ]
 
 

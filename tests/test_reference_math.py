@@ -19,7 +19,7 @@ from torch.utils.data import TensorDataset
 
 from meshtrain import Trainer
 from meshtrain.comm import ThreadCommunicator, ThreadHub
-from meshtrain.strategies import SPARTA, FedAvg
+from meshtrain.strategies import DDP, SPARTA, DeMo, FedAvg, Optim
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -251,3 +251,131 @@ def test_sparta_averages_exactly_p_of_every_tensor_and_matches_the_reference(p, 
             assert set(picks[s][i].tolist()) == set(averaged.nonzero().view(-1).tolist())
     expected = reference_sparta(data, nodes, steps, batch, lr, picks)
     assert_params_close(result.model, expected)
+
+
+# -------------------------------------------------------------------- missing gradients
+class Branchy(nn.Module):
+    """A body and head every batch uses, a branch only batches with a marker use, and a
+    branch nothing uses (its parameters never get a gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(6, 8)
+        self.head = nn.Linear(8, 2)
+        self.partial = nn.Linear(8, 2)
+        self.unused = nn.Linear(8, 2)
+
+    def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        x, y, marker = batch
+        h = torch.tanh(self.body(x))
+        out = self.head(h)
+        if bool(marker.any()):
+            out = out + self.partial(h)
+        return ((out - y) ** 2).mean()
+
+
+def marked_data(n: int, nodes: int) -> TensorDataset:
+    """Regression samples; those node 0 reads (index % nodes == 0) carry the marker."""
+    x, y = regression_data(n).tensors
+    return TensorDataset(x, y, (torch.arange(n) % nodes == 0).to(torch.int64))
+
+
+class _GradRecordingDDP(DDP):
+    """DDP that records, per node and step, which gradients are None after averaging and
+    the parameters after the step."""
+
+    none: dict[tuple[int, int], list[bool]] = {}
+    params_after: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    def before_optimizer_step(self, step):
+        super().before_optimizer_step(step)
+        _GradRecordingDDP.none[(self.comm.rank, step)] = [p.grad is None for p in self.params]
+
+    def after_optimizer_step(self, step):
+        super().after_optimizer_step(step)
+        _GradRecordingDDP.params_after[(self.comm.rank, step)] = [p.detach().clone() for p in self.params]
+
+
+def test_ddp_leaves_parameters_without_gradients_untouched_as_torch_does(tmp_path):
+    nodes, steps, batch, lr, wd = 3, 6, 4, 0.01, 0.1
+    data = marked_data(nodes * batch * steps, nodes)
+    optim = Optim("adamw", weight_decay=wd)
+    _GradRecordingDDP.none.clear()
+    _GradRecordingDDP.params_after.clear()
+    result = fit(Branchy(), data, _GradRecordingDDP(optim, lr), tmp_path, nodes=nodes, max_steps=steps,
+                 batch_size=batch)
+    # Plain torch, one process: the DDP gradient is the gradient of the mean of the nodes'
+    # losses (a branch a node did not use contributes zero); a parameter no loss touched
+    # keeps grad None, and AdamW skips it, weight decay included.
+    model = Branchy()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+    for s in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = sum(model(sharded_batch(data, r, nodes, s, batch)) for r in range(nodes)) / nodes
+        loss.backward()
+        assert model.unused.weight.grad is None and model.partial.weight.grad is not None
+        opt.step()
+    assert_params_close(result.model, [p.detach() for p in model.parameters()])
+    untouched = Branchy()
+    assert torch.equal(result.model.unused.weight, untouched.unused.weight)
+    assert torch.equal(result.model.unused.bias, untouched.unused.bias)
+    assert not torch.equal(result.model.partial.weight, untouched.partial.weight)  # node 0's gradient
+    # On every node: grad None exactly for the unused branch, and identical replicas.
+    names = [n for n, _ in Branchy().named_parameters()]
+    for s in range(steps):
+        for r in range(nodes):
+            none = {n for n, is_none in zip(names, _GradRecordingDDP.none[(r, s)], strict=True) if is_none}
+            assert none == {"unused.weight", "unused.bias"}, (r, s)
+            for a, b in zip(_GradRecordingDDP.params_after[(0, s)], _GradRecordingDDP.params_after[(r, s)],
+                            strict=True):
+                assert torch.equal(a, b), (r, s)
+
+
+def test_demo_leaves_parameters_without_gradients_untouched(tmp_path):
+    """One node, full top-k, no decay: DeMo is sign-SGD with decoupled weight decay
+    (p *= 1 - lr wd; p -= lr sign(g)) on parameters that have a gradient, and a torch-style
+    optimizer skips those without one."""
+    steps, batch, lr, wd = 5, 4, 0.01, 0.5
+    data = marked_data(steps * batch, 1)
+    strategy = DeMo(lr=lr, compression_decay=0.0, compression_topk=16, compression_chunk=4,
+                    weight_decay=wd)
+    result = fit(Branchy(), data, strategy, tmp_path, nodes=1, max_steps=steps, batch_size=batch)
+    model = Branchy()
+    for s in range(steps):
+        model.zero_grad(set_to_none=True)
+        model(sharded_batch(data, 0, 1, s, batch)).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.grad is None:
+                    continue
+                p.mul_(1 - lr * wd)
+                p.sub_(torch.sign(p.grad), alpha=lr)
+    assert_params_close(result.model, [p.detach() for p in model.parameters()])
+    assert torch.equal(result.model.unused.weight, Branchy().unused.weight)
+
+
+class _CheckedDeMo(DeMo):
+    """DeMo that gathers every node's weights after each step (unrecorded) to compare them."""
+
+    spread: dict[int, float] = {}
+
+    def after_optimizer_step(self, step):
+        super().after_optimizer_step(step)
+        flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        everyone = self.comm.all_gather(flat, record=False)
+        _CheckedDeMo.spread[step] = max(float((x - everyone[0]).abs().max()) for x in everyone)
+
+
+def test_demo_on_nodes_with_partial_and_missing_gradients(tmp_path):
+    nodes, steps, batch = 3, 5, 4
+    data = marked_data(nodes * batch * steps, nodes)
+    _CheckedDeMo.spread.clear()
+    result = fit(Branchy(), data, _CheckedDeMo(lr=0.01, compression_topk=2, compression_chunk=4,
+                                               weight_decay=0.5),
+                 tmp_path, nodes=nodes, max_steps=steps, batch_size=batch)
+    untouched = Branchy()
+    assert torch.equal(result.model.unused.weight, untouched.unused.weight)
+    assert torch.equal(result.model.unused.bias, untouched.unused.bias)
+    assert not torch.equal(result.model.partial.weight, untouched.partial.weight)  # node 0's momentum
+    assert max(_CheckedDeMo.spread.values()) == 0.0  # replicas identical on every node

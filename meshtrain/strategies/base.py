@@ -225,11 +225,35 @@ class Strategy:
         return [p.data for p in self.params]
 
     def grads(self) -> list[torch.Tensor]:
-        """Gradients of the trainable parameters (zeros where a parameter got none)."""
+        """Gradients of the trainable parameters, for a strategy to communicate.
+
+        A parameter that got no gradient on this node gets a zero placeholder (every node
+        sends the same shapes; a missing gradient counts as zero in an average, as in torch
+        DDP), and :attr:`grad_flags` records which gradients were real: 1 per parameter
+        that had one here, 0 otherwise (in the gradients' dtype). Combine the flags over the
+        nodes along with the gradients (mean, sum or max) and pass them to
+        :meth:`release_unused_grads`: a parameter with no gradient on ANY node then keeps
+        ``grad = None`` and the optimizer leaves it untouched (weight decay included), as
+        plain torch and torch DDP do.
+        """
+        like = self.params[0] if self.params else torch.zeros(())
+        self.grad_flags = torch.tensor(
+            [p.grad is not None for p in self.params], dtype=like.dtype, device=like.device
+        )
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         return [p.grad for p in self.params]  # type: ignore[misc]
+
+    def release_unused_grads(self, flags: torch.Tensor) -> None:
+        """Drop the placeholder gradient of every parameter whose combined flag is 0.
+
+        ``flags`` is :attr:`grad_flags` reduced over the nodes (any op that keeps 0 only
+        where every node sent 0); every node gets the same flags, so replicas stay equal.
+        """
+        for p, used in zip(self.params, flags.tolist(), strict=True):
+            if used == 0:
+                p.grad = None
 
     def global_parameters(self) -> list[torch.Tensor]:
         """The global model's trainable parameters now (for evaluation mid-training).

@@ -8,16 +8,27 @@ from meshtrain.strategies.base import CommunicationModule, Optim, Strategy
 
 
 class GradientAveraging(CommunicationModule):
-    """One all-reduce (mean) of every gradient, as one flat bucket."""
+    """One all-reduce (mean) of every gradient plus one has-gradient flag per tensor, as one
+    flat bucket: ``2(g-1)/g * (numel + tensors)`` elements per node.
+
+    As in torch DDP, a gradient missing on some nodes counts as zero in the mean, and a
+    parameter with no gradient on any node keeps ``grad = None`` (the flags tell), so the
+    optimizer, weight decay included, leaves it untouched.
+    """
 
     def before_optimizer_step(self, step: int) -> None:
-        self.strategy.comm.all_reduce(self.strategy.grads(), op="mean")
+        strategy = self.strategy
+        grads = strategy.grads()
+        flags = strategy.grad_flags
+        strategy.comm.all_reduce([*grads, flags], op="mean")
+        strategy.release_unused_grads(flags)
 
 
 class DDP(Strategy):
     """Data parallel training: gradients averaged every step (the baseline).
 
-    Equal to one node training on the union of the nodes' batches.
+    Equal to one node training on the union of the nodes' batches. Parameters that get no
+    gradient on any node are left untouched, as torch DDP leaves them.
     """
 
     name = "ddp"

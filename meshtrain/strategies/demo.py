@@ -10,7 +10,11 @@ Per parameter p, every step::
     p     -= lr * sign(IDCT(average of what each coefficient received))
 
 Parameters of any rank work: trailing dimensions are flattened to 2-D first. Indices
-travel as int16 (a chunk holds at most 64 * 64 coefficients by default).
+travel as int16 (a chunk holds at most 64 * 64 coefficients by default), followed by one
+int16 has-gradient flag per tensor. A parameter that got no gradient on a node counts as
+a zero gradient there (its momentum still decays and is sent); a parameter with no
+gradient on ANY node is left untouched (no weight decay, no momentum decay, no update),
+as a torch optimizer skips a parameter whose ``grad`` is None.
 """
 
 from __future__ import annotations
@@ -135,23 +139,44 @@ class DeMo(Strategy):
         if self.max_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
         grads = self.grads()
+        had_grad = self.grad_flags.tolist()
         sent_idx, sent_val = [], []
-        for p, g, delta, t in zip(self.params, grads, self.deltas, self.transforms, strict=True):
-            p.mul_(1 - lr * self.weight_decay)
-            delta.mul_(self.compression_decay).add_(g, alpha=lr)
-            coeffs = t.encode(delta)
+        # The new residual of a parameter without a local gradient is kept aside: it is
+        # committed only if some node had a gradient for it (known after the gather).
+        pending: list[torch.Tensor | None] = []
+        for g, delta, t, here in zip(grads, self.deltas, self.transforms, had_grad, strict=True):
+            if here:
+                residual = delta.mul_(self.compression_decay).add_(g, alpha=lr)
+                pending.append(None)
+            else:
+                residual = delta * self.compression_decay  # a zero gradient adds nothing
+                pending.append(residual)
+            coeffs = t.encode(residual)
             k = min(self.compression_topk, t.coefficients_per_chunk)
             idx = coeffs.abs().topk(k, dim=1, sorted=False).indices
             val = coeffs.gather(1, idx)
-            delta.sub_(t.decode(torch.zeros_like(coeffs).scatter_(1, idx, val)))
+            residual.sub_(t.decode(torch.zeros_like(coeffs).scatter_(1, idx, val)))
             sent_idx.append(idx.to(self._index_dtype(t)).reshape(-1))
             sent_val.append(val.reshape(-1))
-        # Two collectives for the whole model: all values, then all indices (compact ints).
+        # Two collectives for the whole model: all values, then all indices (compact ints)
+        # with the has-gradient flags appended.
+        flags = self.grad_flags.to(torch.int16)
         all_val = self.comm.all_gather(torch.cat(sent_val))
-        all_idx = self._gather_indices(sent_idx)
+        gathered = self._gather_indices([*sent_idx, flags])
+        tensors = len(self.params)
+        all_idx = [row[:-tensors] for row in gathered]
+        used = torch.stack([row[-tensors:] for row in gathered]).amax(0).tolist()
         offset = 0
-        for p, t, val in zip(self.params, self.transforms, sent_val, strict=True):
+        for p, t, val, delta, residual, anywhere in zip(
+            self.params, self.transforms, sent_val, self.deltas, pending, used, strict=True
+        ):
             n = val.numel()
+            if not anywhere:  # no node had a gradient: untouched, as torch leaves it
+                offset += n
+                continue
+            if residual is not None:
+                delta.copy_(residual)
+            p.mul_(1 - lr * self.weight_decay)
             chunks = t.rows // t.chunk_rows * (t.cols // t.chunk_cols)
             total = torch.zeros(chunks, t.coefficients_per_chunk, dtype=p.dtype, device=p.device)
             count = torch.zeros_like(total)
@@ -167,7 +192,8 @@ class DeMo(Strategy):
             p.grad = None
 
     def _gather_indices(self, sent_idx: list[torch.Tensor]) -> list[torch.Tensor]:
-        # Indices of different widths travel separately so none is widened.
+        """Every node's concatenated ``sent_idx``, in order. Indices of different widths
+        travel in separate all-gathers so none is widened."""
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, idx in enumerate(sent_idx):
             by_dtype.setdefault(idx.dtype, []).append(i)
