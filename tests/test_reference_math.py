@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+import scipy.fft
 import torch
 from helpers import MLP, regression_data, unequal_factory
 from torch import nn
@@ -19,7 +20,7 @@ from torch.utils.data import TensorDataset
 
 from meshtrain import Trainer
 from meshtrain.comm import ThreadCommunicator, ThreadHub
-from meshtrain.strategies import DDP, SPARTA, DeMo, FedAvg, Optim
+from meshtrain.strategies import DDP, SPARTA, DeMo, DiLoCo, FedAvg, Optim, SPARTADiLoCo
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -379,3 +380,160 @@ def test_demo_on_nodes_with_partial_and_missing_gradients(tmp_path):
     assert torch.equal(result.model.unused.bias, untouched.unused.bias)
     assert not torch.equal(result.model.partial.weight, untouched.partial.weight)  # node 0's momentum
     assert max(_CheckedDeMo.spread.values()) == 0.0  # replicas identical on every node
+
+
+# -------------------------------------------------------------------------------- DeMo
+class DoubleMLP(MLP):
+    """The MLP in float64, so two DCT implementations agree to ~1e-15 and pick the same top-k."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.double()
+
+    def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return super().forward(tuple(t.double() for t in batch))
+
+
+def largest_divisor(n: int, limit: int) -> int:
+    return next(d for d in range(min(n, limit), 0, -1) if n % d == 0)
+
+
+def blocks_of(x: torch.Tensor, chunk: int) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+    """Chunks of a parameter as (blocks, rows, cols): 2-D (rows, rest) or one row for 1-D."""
+    m = x.reshape(x.shape[0], -1) if x.dim() >= 2 else x.reshape(1, -1)
+    rows, cols = m.shape
+    r = largest_divisor(rows, chunk) if x.dim() >= 2 else 1
+    c = largest_divisor(cols, chunk)
+    blocks = m.reshape(rows // r, r, cols // c, c).permute(0, 2, 1, 3).reshape(-1, r, c)
+    return blocks, (rows, cols, r, c)
+
+
+def unblock(blocks: torch.Tensor, geometry: tuple[int, int, int, int], shape: torch.Size) -> torch.Tensor:
+    rows, cols, r, c = geometry
+    return blocks.reshape(rows // r, cols // c, r, c).permute(0, 2, 1, 3).reshape(shape)
+
+
+def dct(blocks: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(scipy.fft.dctn(blocks.numpy(), axes=(1, 2), norm="ortho"))
+
+
+def idct(blocks: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(scipy.fft.idctn(blocks.numpy(), axes=(1, 2), norm="ortho"))
+
+
+def reference_demo(data, nodes, steps, batch, *, lr, decay, topk, chunk, wd) -> nn.Module:
+    """DeMo (Peng et al. 2024, bloc97/DeMo) on ``nodes`` nodes, with scipy's orthonormal DCT:
+    per node delta = decay delta + lr g; q = top-k by magnitude of each chunk's DCT;
+    delta -= IDCT(q); every node then averages each coefficient over the nodes that sent it
+    and applies p = p (1 - lr wd) - lr sign(IDCT(average))."""
+    model = DoubleMLP()
+    params = list(model.parameters())
+    deltas = [[torch.zeros_like(p) for p in params] for _ in range(nodes)]
+    for s in range(steps):
+        sums = [None] * len(params)
+        counts = [None] * len(params)
+        for r in range(nodes):
+            model.zero_grad()
+            model(sharded_batch(data, r, nodes, s, batch)).backward()
+            for i, p in enumerate(params):
+                delta = deltas[r][i]
+                delta.mul_(decay).add_(p.grad, alpha=lr)
+                blocks, geometry = blocks_of(delta, chunk)
+                coeffs = dct(blocks).reshape(blocks.shape[0], -1)
+                idx = coeffs.abs().topk(min(topk, coeffs.shape[1]), dim=1).indices
+                q = torch.zeros_like(coeffs).scatter(1, idx, coeffs.gather(1, idx))
+                delta.sub_(unblock(idct(q.reshape(blocks.shape)), geometry, delta.shape))
+                sent = torch.zeros_like(coeffs).scatter(1, idx, 1.0)
+                sums[i] = q if sums[i] is None else sums[i] + q
+                counts[i] = sent if counts[i] is None else counts[i] + sent
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                blocks, geometry = blocks_of(p.detach(), chunk)
+                average = (sums[i] / counts[i].clamp(min=1)).reshape(blocks.shape)
+                decoded = unblock(idct(average), geometry, p.shape)
+                p.mul_(1 - lr * wd).sub_(torch.sign(decoded), alpha=lr)
+    return model
+
+
+@pytest.mark.parametrize(("topk", "decay", "wd"), [(3, 0.9, 0.1), (5, 0.999, 0.0)])
+def test_demo_matches_a_scipy_dct_reference(topk, decay, wd, tmp_path):
+    nodes, steps, batch, lr, chunk = 3, 6, 4, 0.01, 4
+    data = regression_data(nodes * batch * steps)
+    strategy = DeMo(lr=lr, compression_decay=decay, compression_topk=topk, compression_chunk=chunk,
+                    weight_decay=wd)
+    result = fit(DoubleMLP(), data, strategy, tmp_path, nodes=nodes, max_steps=steps, batch_size=batch)
+    expected = reference_demo(data, nodes, steps, batch, lr=lr, decay=decay, topk=topk, chunk=chunk,
+                              wd=wd)
+    assert_params_close(result.model, [p.detach() for p in expected.parameters()], rtol=0, atol=1e-12)
+    assert_params_differ(result.model, [p.detach() for p in DoubleMLP().parameters()])
+
+
+# ------------------------------------------------------------------------ DiLoCo (+ SPARTA)
+def reference_diloco(data, nodes, steps, batch, *, H, inner_lr, outer_lr, momentum, picks=None,
+                     sparse_interval=1) -> list[torch.Tensor]:
+    """DiLoCo (Douillard et al. 2023) on ``nodes`` nodes, plain torch.
+
+    Every node runs inner AdamW steps (wd 0.1, betas 0.9/0.95, state never reset) from theta.
+    Every H steps and after the last one: delta = theta - mean_i(theta_i), theta.grad = delta,
+    one outer Nesterov SGD step, every node restarts from theta. With ``picks`` (SPARTA +
+    DiLoCo), every ``sparse_interval`` steps the picked elements of each tensor are first
+    replaced by their mean over the nodes.
+    """
+    models = [MLP() for _ in range(nodes)]
+    inner = [torch.optim.AdamW(m.parameters(), lr=inner_lr, weight_decay=0.1, betas=(0.9, 0.95))
+             for m in models]
+    theta = [p.detach().clone().requires_grad_(True) for p in MLP().parameters()]
+    outer = torch.optim.SGD(theta, lr=outer_lr, momentum=momentum, nesterov=True)
+
+    def outer_step() -> None:
+        with torch.no_grad():
+            for i, t in enumerate(theta):
+                t.grad = t - torch.stack([list(m.parameters())[i].detach() for m in models]).mean(0)
+        outer.step()
+        with torch.no_grad():
+            for m in models:
+                for p, t in zip(m.parameters(), theta, strict=True):
+                    p.copy_(t)
+
+    for s in range(steps):
+        for r, (m, opt) in enumerate(zip(models, inner, strict=True)):
+            opt.zero_grad()
+            m(sharded_batch(data, r, nodes, s, batch)).backward()
+            opt.step()
+        if picks is not None and (s + 1) % sparse_interval == 0:
+            with torch.no_grad():
+                for i, tensors in enumerate(zip(*[list(m.parameters()) for m in models], strict=True)):
+                    ix = picks[s // sparse_interval][i]
+                    mean = torch.stack([t.view(-1)[ix] for t in tensors]).mean(0)
+                    for t in tensors:
+                        t.view(-1)[ix] = mean
+        if (s + 1) % H == 0 or s == steps - 1:
+            outer_step()
+    return [t.detach() for t in theta]
+
+
+@pytest.mark.parametrize("steps", [9, 10])  # 10: a final sync after a short round
+def test_diloco_matches_the_reference(steps, tmp_path):
+    nodes, batch, H = 3, 4, 3
+    data = regression_data(nodes * batch * steps)
+    result = fit(MLP(), data, DiLoCo(H=H, lr=0.01), tmp_path, nodes=nodes, max_steps=steps,
+                 batch_size=batch)
+    expected = reference_diloco(data, nodes, steps, batch, H=H, inner_lr=0.01, outer_lr=0.7,
+                                momentum=0.9)
+    assert_params_close(result.model, expected)
+
+
+def test_sparta_diloco_matches_the_reference(tmp_path):
+    nodes, steps, batch, H, interval, p, seed = 3, 10, 4, 4, 2, 0.3, 7
+    data = regression_data(nodes * batch * steps)
+    strategy = SPARTADiLoCo(p=p, sparse_interval=interval, H=H, lr=0.01)
+    result = fit(MLP(), data, strategy, tmp_path, nodes=nodes, max_steps=steps, batch_size=batch,
+                 seed=seed)
+    module = sparse_module(p, seed=seed)
+    shapes = [t.numel() for t in MLP().parameters()]
+    picks = [[module.indices(r, i, n) for i, n in enumerate(shapes)] for r in range(steps // interval)]
+    expected = reference_diloco(data, nodes, steps, batch, H=H, inner_lr=0.01, outer_lr=0.7,
+                                momentum=0.9, picks=picks, sparse_interval=interval)
+    assert_params_close(result.model, expected)
+    plain = reference_diloco(data, nodes, steps, batch, H=H, inner_lr=0.01, outer_lr=0.7, momentum=0.9)
+    assert_params_differ(result.model, plain)  # the sparse averages changed the trajectory
