@@ -22,15 +22,17 @@ class Int8DDP(Strategy):
     replicas_in_sync = True  # every node decodes the same gathered data
 
     def before_optimizer_step(self, step: int) -> None:
-        grads = self.grads()
+        grads = self.grads()  # zeros where a parameter got no gradient; grad_flags says which
         flat = torch.cat([g.reshape(-1) for g in grads])
-        scale = flat.abs().max().reshape(1).clamp(min=1e-12)
-        self.comm.all_reduce(scale, op="max")
+        shared = torch.cat([flat.abs().max().reshape(1).clamp(min=1e-12), self.grad_flags])
+        self.comm.all_reduce(shared, op="max")  # the largest scale, and who had gradients
+        scale = shared[:1]
         quantised = torch.round(flat / scale * 127).to(torch.int8)
         total = torch.stack(self.comm.all_gather(quantised)).to(torch.int32).sum(0)
         mean = total.to(flat.dtype) * (scale / 127 / self.comm.world_size)
         for g, piece in zip(grads, mean.split([g.numel() for g in grads]), strict=True):
             g.copy_(piece.view_as(g))
+        self.release_unused_grads(shared[1:])  # no gradient anywhere: leave it untouched
 
 
 if __name__ == "__main__":
