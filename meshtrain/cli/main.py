@@ -74,21 +74,23 @@ def _flag(name: str, *flags: str, **kwargs: Any) -> Any:
 
 # Flags shared by `simulate` and `launch` (the launcher forwards them to every rank).
 TRAINING_FLAGS = dict(
-    profile=typer.Option(None, "--profile", "-p", help="Profile name (profiles/NAME.yaml) or path."),
-    strategy=_flag("strategy", "--strategy", "-s"),
-    task=_flag("task", "--task", "-t"),
-    data=_flag("data", "--data"),
-    steps=_flag("steps", "--steps"),
-    epochs=_flag("epochs", "--epochs"),
-    batch_size=_flag("batch_size", "--batch-size", "-b"),
-    microbatch_size=_flag("microbatch_size", "--microbatch-size"),
-    lr=_flag("lr", "--lr"),
-    device=_flag("device", "--device"),
-    seed=_flag("seed", "--seed"),
-    threads=_flag("threads", "--threads"),
-    val_interval=_flag("val_interval", "--val-interval"),
+    profile=typer.Option(None, "--profile", "-p", help="Profile name (profiles/NAME.yaml) or path.",
+                         rich_help_panel="What to train"),
+    strategy=_flag("strategy", "--strategy", "-s", rich_help_panel="What to train"),
+    task=_flag("task", "--task", "-t", rich_help_panel="What to train"),
+    data=_flag("data", "--data", rich_help_panel="What to train"),
+    steps=_flag("steps", "--steps", rich_help_panel="What to train"),
+    epochs=_flag("epochs", "--epochs", rich_help_panel="What to train"),
+    batch_size=_flag("batch_size", "--batch-size", "-b", rich_help_panel="What to train"),
+    microbatch_size=_flag("microbatch_size", "--microbatch-size", rich_help_panel="What to train"),
+    lr=_flag("lr", "--lr", rich_help_panel="What to train"),
+    device=_flag("device", "--device", rich_help_panel="The simulated cluster"),
+    seed=_flag("seed", "--seed", rich_help_panel="What to train"),
+    threads=_flag("threads", "--threads", rich_help_panel="The simulated cluster"),
+    val_interval=_flag("val_interval", "--val-interval", rich_help_panel="Output"),
     set_=typer.Option([], "--set", help="Override any setting: key=value (H=50, steps=100, "
-                                        "task_options.arch=cnn); values are read as YAML."),
+                                        "task_options.arch=cnn); values are read as YAML.",
+                      rich_help_panel="What to train"),
 )
 
 
@@ -129,23 +131,6 @@ def build_run(
 
 @app.command()
 def simulate(
-    nodes: int = _flag("nodes", "--nodes", "-n"),
-    runtime: str = _flag("runtime", "--runtime"),
-    out: str = _flag("out_dir", "--out"),
-    run_id: str = _flag("run_id", "--run-id"),
-    progress: bool = typer.Option(None, "--progress/--no-progress", help=help_for("progress")),
-    cluster: str = _flag("cluster", "--cluster"),
-    step_seconds: float = _flag("step_seconds", "--step-seconds"),
-    check_sync: bool = typer.Option(None, "--check-sync/--no-check-sync", help=help_for("check_sync")),
-    skip_nonfinite: bool = typer.Option(None, "--skip-nonfinite/--stop-on-nonfinite",
-                                        help=help_for("skip_nonfinite")),
-    checkpoint_every: int = _flag("checkpoint_every", "--checkpoint-every"),
-    keep: int = _flag("keep_checkpoints", "--keep"),
-    resume: str = typer.Option(None, "--resume", help="Continue a stopped run from its newest intact "
-                               "checkpoint: its <run-id>.checkpoints folder (settings come from there; "
-                               "flags given now win)."),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="On failure, print the failing "
-                                 "node's full traceback (always written to <out>/<run-id>.error.log)."),
     profile: str = TRAINING_FLAGS["profile"],
     strategy: str = TRAINING_FLAGS["strategy"],
     task: str = TRAINING_FLAGS["task"],
@@ -155,11 +140,31 @@ def simulate(
     batch_size: int = TRAINING_FLAGS["batch_size"],
     microbatch_size: int = TRAINING_FLAGS["microbatch_size"],
     lr: float = TRAINING_FLAGS["lr"],
-    device: str = TRAINING_FLAGS["device"],
     seed: int = TRAINING_FLAGS["seed"],
+    set_: list[str] = TRAINING_FLAGS["set_"],
+    nodes: int = _flag("nodes", "--nodes", "-n", rich_help_panel="The simulated cluster"),
+    runtime: str = _flag("runtime", "--runtime", rich_help_panel="The simulated cluster"),
+    out: str = _flag("out_dir", "--out", rich_help_panel="Output"),
+    run_id: str = _flag("run_id", "--run-id", rich_help_panel="Output"),
+    progress: bool = typer.Option(None, "--progress/--no-progress", help=help_for("progress"),
+                                  rich_help_panel="Output"),
+    cluster: str = _flag("cluster", "--cluster", rich_help_panel="The simulated cluster"),
+    step_seconds: float = _flag("step_seconds", "--step-seconds", rich_help_panel="The simulated cluster"),
+    check_sync: bool = typer.Option(None, "--check-sync/--no-check-sync", help=help_for("check_sync"),
+                                    rich_help_panel="Long runs"),
+    skip_nonfinite: bool = typer.Option(None, "--skip-nonfinite/--stop-on-nonfinite",
+                                        help=help_for("skip_nonfinite"), rich_help_panel="Long runs"),
+    checkpoint_every: int = _flag("checkpoint_every", "--checkpoint-every", rich_help_panel="Long runs"),
+    keep: int = _flag("keep_checkpoints", "--keep", rich_help_panel="Long runs"),
+    resume: str = typer.Option(None, "--resume", help="Continue a stopped run from its newest intact "
+                               "checkpoint: its <run-id>.checkpoints folder (settings come from there; "
+                               "flags given now win).", rich_help_panel="Long runs"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="On failure, print the failing "
+                                 "node's full traceback (always written to <out>/<run-id>.error.log).",
+                                 rich_help_panel="Output"),
+    device: str = TRAINING_FLAGS["device"],
     threads: int = TRAINING_FLAGS["threads"],
     val_interval: int = TRAINING_FLAGS["val_interval"],
-    set_: list[str] = TRAINING_FLAGS["set_"],
 ) -> None:
     """Train N simulated nodes on this machine and report loss, bytes and time.
 
