@@ -74,12 +74,17 @@ class FitResult:
 
 
 class NodeFailed(RuntimeError):
-    """A node raised: the run stopped, and this names the node and its error."""
+    """A node raised: the run stopped, and this names the node and its error.
 
-    def __init__(self, rank: int, message: str) -> None:
+    ``str()`` is one line; ``traceback`` holds the failing node's full traceback (shown by
+    ``--verbose`` and written to ``<out>/<run-id>.error.log``).
+    """
+
+    def __init__(self, rank: int, message: str, traceback: str = "") -> None:
         super().__init__(f"node {rank} failed: {message}")
         self.rank = rank
         self.message = message
+        self.traceback = traceback
 
 
 class Trainer:
@@ -363,6 +368,7 @@ def train_node(
     loop_started = time.perf_counter()
     with progress:
         for step in range(first_step, max_steps):
+            comm.check_abort()  # another node failed or the run was interrupted: stop here
             node.step = comm.step = step
             indices = batches.next_indices()
             loss_value = 0.0

@@ -271,3 +271,13 @@ class CrashesAt(MLP):
             if self.calls == self.at_call:
                 raise RuntimeError(f"interrupted at forward call {self.calls}")
         return super().forward(batch)
+
+
+class FunctionalDropoutMLP(MLP):
+    """Draws random numbers without any nn.Dropout module (F.dropout in forward), as many
+    Hugging Face models and nn.MultiheadAttention(dropout=...) do."""
+
+    def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        x, y = batch[0], batch[1]
+        hidden = nn.functional.dropout(self.act(self.fc1(x)), p=0.3, training=self.training)
+        return ((self.fc2(hidden) - y) ** 2).mean()

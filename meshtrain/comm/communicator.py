@@ -221,6 +221,10 @@ class Communicator(ABC):
     def abort(self, error: BaseException) -> None:  # noqa: B027 - optional hook
         """Tell waiting peers to stop (in-process backends); default does nothing."""
 
+    def check_abort(self) -> None:  # noqa: B027 - optional hook
+        """Raise :class:`NodeAborted` if the run is stopping (in-process backends check this
+        at every step, so a node between collectives stops within one step)."""
+
     # ------------------------------------------------------------ backend hooks
     @abstractmethod
     def _ring_all_reduce(self, flat: torch.Tensor, op: ReduceOp, members: list[int]) -> torch.Tensor:

@@ -125,3 +125,7 @@ class ThreadCommunicator(Communicator):
 
     def abort(self, error: BaseException) -> None:
         self.hub.abort(error)
+
+    def check_abort(self) -> None:
+        with self.hub._cv:
+            self.hub._check()

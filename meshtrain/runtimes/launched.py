@@ -8,13 +8,14 @@ its node, and leaves the group.
 from __future__ import annotations
 
 import os
+import traceback
 
 import torch
 import torch.distributed as dist
 
 from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group
 from meshtrain.devices import resolve_device
-from meshtrain.trainer import FitResult, NodeJob, node_seed, train_node
+from meshtrain.trainer import FitResult, NodeFailed, NodeJob, node_seed, train_node
 
 REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -27,8 +28,11 @@ def run_launched_rank(job: NodeJob) -> FitResult:
     from meshtrain.launch.heartbeat import start_heartbeat  # launch-faults owner: liveness beats
     start_heartbeat()  # no-op unless `meshtrain launch` started this rank
     timeout = float(os.environ.get("MESHTRAIN_TIMEOUT", job.config.timeout_s))
-    return join_and_train(job, rank, world, os.environ["MASTER_ADDR"],
-                          int(os.environ["MASTER_PORT"]), timeout, verify_replicas=True)
+    try:
+        return join_and_train(job, rank, world, os.environ["MASTER_ADDR"],
+                              int(os.environ["MASTER_PORT"]), timeout, verify_replicas=True)
+    except Exception as exc:  # the same error a simulated node raises, traceback kept
+        raise NodeFailed(rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()) from exc
 
 
 def join_and_train(

@@ -35,7 +35,7 @@ def free_loopback_port() -> int:
 
 
 def _node_process(job: NodeJob, rank: int, port: int, results: Any) -> None:
-    torch.set_num_threads(1)  # N processes share the cores: one intra-op thread each
+    torch.set_num_threads(job.config.threads or 1)  # N processes share the cores: 1 each by default
     loopback = loopback_interface()
     if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback  # gloo listens on loopback only
@@ -134,7 +134,8 @@ def _first_failure(
     if silent:
         return NodeFailed(silent[0], f"process exited with code {procs[silent[0]].exitcode}")
     first = next(iter(errors))  # the first error to arrive
-    return NodeFailed(first, errors[first].splitlines()[0])
+    summary, _, node_traceback = errors[first].partition("\n")
+    return NodeFailed(first, summary, node_traceback)
 
 
 def _stop(procs: list[Any]) -> None:

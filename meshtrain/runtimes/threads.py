@@ -1,8 +1,10 @@
 """All nodes in this process, one thread each: one torch import, one copy of the data.
 
 torch releases the GIL inside its kernels, so node threads overlap their compute.
-Each node runs single-threaded kernels (no oversubscription, and results that match
-the one-thread-per-process runtime bit for bit).
+Kernels run with the run's ``threads`` setting (1 by default: no oversubscription, and
+results that match the processes runtime, or launched ranks, at the same count bit for
+bit). Each node keeps its own random stream: forward passes take turns on torch's global
+generator, holding that node's state.
 """
 
 from __future__ import annotations
@@ -14,20 +16,12 @@ import traceback
 from collections.abc import Callable, Iterator
 
 import torch
-from torch import nn
 
 from meshtrain.comm import NodeAborted, ThreadCommunicator, ThreadHub
 from meshtrain.trainer import FitResult, NodeFailed, NodeJob, node_seed, train_node
 
 #: Seconds the other nodes get to stop after one failed, before fit raises anyway.
 ABORT_GRACE_S = 5.0
-
-
-def is_stochastic(model: nn.Module) -> bool:
-    """Whether the forward pass draws random numbers (dropout with p > 0)."""
-    return any(
-        isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0 for m in model.modules()
-    )
 
 
 class _SharedGenerator:
@@ -57,48 +51,61 @@ class _SharedGenerator:
 
 
 def run_threads(job: NodeJob) -> FitResult:
-    """Train every node of ``job`` in its own thread; raise :class:`NodeFailed` on error."""
+    """Train every node of ``job`` in its own thread; raise :class:`NodeFailed` on error.
+
+    Every node thread has ended when this returns or raises (one hung outside torch for
+    longer than :data:`ABORT_GRACE_S` after a failure is the exception): a thread still
+    inside torch when the interpreter exits aborts the process.
+    """
     n = job.config.nodes
     hub = ThreadHub(n, timeout_s=job.config.timeout_s)
     results: dict[int, FitResult] = {}
     errors: dict[int, tuple[BaseException, str]] = {}
-    shared = _SharedGenerator() if is_stochastic(job.model) else None
+    # Every node gets its own random stream, whether or not the model's randomness is
+    # visible (F.dropout, attention dropout): forward passes take turns on the generator.
+    shared = _SharedGenerator()
 
     def node_main(rank: int) -> None:
         comm = ThreadCommunicator(hub, rank)
         try:
-            guard = shared.guard_for(node_seed(job.config.seed, rank)) if shared else None
+            guard = shared.guard_for(node_seed(job.config.seed, rank))
             results[rank] = train_node(job, comm, rng_guard=guard)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller below
             errors[rank] = (exc, traceback.format_exc())
             hub.abort(exc)
 
     threads_before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(job.config.threads or 1)
+    threads = [
+        threading.Thread(target=node_main, args=(r,), name=f"meshtrain-node-{r}", daemon=True)
+        for r in range(n)
+    ]
     try:
-        threads = [
-            threading.Thread(target=node_main, args=(r,), name=f"meshtrain-node-{r}", daemon=True)
-            for r in range(n)
-        ]
         for t in threads:
             t.start()
-        for t in threads:
-            while t.is_alive() and not errors:
-                t.join(timeout=0.1)
-        if errors:
-            # The others stop at their next collective; one stuck outside any collective
-            # (a hung forward pass) is left behind as a daemon rather than hanging fit.
-            grace = time.monotonic() + ABORT_GRACE_S
+        try:
             for t in threads:
-                t.join(timeout=max(0.0, grace - time.monotonic()))
+                while t.is_alive() and not errors:
+                    t.join(timeout=0.1)
+        except BaseException as interrupt:  # Ctrl-C: stop every node before leaving
+            hub.abort(interrupt)
+            _join_all(threads)
+            raise
+        if errors:
+            # The others stop at their next collective or step; one stuck outside torch
+            # (a hung data loader, a sleep) is left behind rather than hanging fit.
+            _join_all(threads)
     finally:
         torch.set_num_threads(threads_before)
     real = {r: e for r, e in errors.items() if not isinstance(e[0], NodeAborted)}
-    if real:
-        rank = min(real)
-        exc, _ = real[rank]
-        raise NodeFailed(rank, f"{type(exc).__name__}: {exc}") from exc
-    if errors:
-        rank = min(errors)
-        raise NodeFailed(rank, str(errors[rank][0])) from errors[rank][0]
+    if real or errors:
+        rank = min(real or errors)
+        exc, text = (real or errors)[rank]
+        raise NodeFailed(rank, f"{type(exc).__name__}: {exc}", text) from exc
     return results[0]
+
+
+def _join_all(threads: list[threading.Thread]) -> None:
+    grace = time.monotonic() + ABORT_GRACE_S
+    for t in threads:
+        t.join(timeout=max(0.0, grace - time.monotonic()))

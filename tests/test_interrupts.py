@@ -1,0 +1,112 @@
+"""A threads run that fails or is interrupted ends cleanly: exit 1 with the node's error, or
+130 on Ctrl-C, never "terminate called without an active exception" (a node thread still
+inside torch when the interpreter exits), and no half-written run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+ABORT = "terminate called"
+
+# Node 1 fails at its 30th step while the others are busy between collectives (DiLoCo with a
+# huge H has no collective to stop them at): they must notice at their next step.
+FAILING = textwrap.dedent("""
+    import sys, torch
+    from torch import nn
+    from meshtrain import Trainer, NodeFailed
+    from meshtrain.strategies import DiLoCo
+
+    class Data(torch.utils.data.Dataset):
+        def __init__(self, rank): self.rank = rank
+        def __len__(self): return 4096
+        def __getitem__(self, i):
+            g = torch.Generator().manual_seed(i)
+            return torch.randn(256, generator=g), torch.tensor(self.rank)
+
+    class Wide(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+            self.calls = 0
+        def forward(self, batch):
+            x, rank = batch
+            if int(rank[0]) == 1:
+                self.calls += 1
+                if self.calls == 30:
+                    raise ValueError("node 1 broke")
+            return self.net(x).pow(2).mean()
+
+    try:
+        Trainer(Wide(), lambda rank, nodes, split: Data(rank)).fit(
+            DiLoCo(H=100000), nodes=4, max_steps=100000, batch_size=64, out_dir=sys.argv[1],
+            progress=False)
+    except NodeFailed as exc:
+        print(exc)
+        sys.exit(1)
+""")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def test_a_failing_node_ends_the_run_cleanly(tmp_path: Path) -> None:
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    for attempt in range(3):  # the crash was intermittent: three clean runs in a row
+        out = tmp_path / f"runs{attempt}"
+        proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True,
+                              timeout=240, env=_env())
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert "node 1 failed: ValueError: node 1 broke" in proc.stdout
+        assert ABORT not in proc.stderr
+        assert [p.name.endswith(".error.log") for p in out.iterdir()] == [True]
+
+
+def test_ctrl_c_on_a_threads_run_exits_130_and_keeps_nothing(tmp_path: Path) -> None:
+    for attempt in range(2):
+        out = tmp_path / f"runs{attempt}"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "meshtrain", "simulate", "--steps", "100000", "--set", "H=50000",
+             "--no-progress", "--out", str(out)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        deadline = time.monotonic() + 60
+        while not any(out.glob(".*.partial")) and time.monotonic() < deadline:
+            time.sleep(0.2)  # the run directory is claimed just before training starts
+        time.sleep(2)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 130, stdout + stderr
+        assert "interrupted" in stderr and ABORT not in stderr
+        assert not [p for p in out.iterdir() if p.is_dir()]  # no run directory, no .partial
+
+
+def test_node_failed_keeps_the_nodes_whole_traceback(tmp_path: Path) -> None:
+    """str() is one line; .traceback holds the failing node's own frames, in both runtimes."""
+    import pytest
+    from helpers import FailOnRank, ranked_factory
+
+    from meshtrain import NodeFailed, Trainer
+    from meshtrain.strategies import DDP
+
+    for runtime in ("threads", "processes"):
+        with pytest.raises(NodeFailed) as caught:
+            Trainer(FailOnRank(rank=1, at_call=2), ranked_factory).fit(
+                DDP("sgd", 0.1), nodes=2, max_steps=6, batch_size=4, runtime=runtime,
+                out_dir=tmp_path / runtime, progress=False)
+        error = caught.value
+        assert "\n" not in str(error) and error.rank == 1
+        assert "Traceback" in error.traceback and "in forward" in error.traceback
+        assert "boom on rank 1" in error.traceback
+        log = next((tmp_path / runtime).glob("*.error.log")).read_text()
+        assert "in forward" in log
