@@ -18,8 +18,7 @@ import subprocess
 import sys
 import time
 import uuid
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -327,23 +326,3 @@ def read_until(proc: subprocess.Popen[str], needles: list[str], timeout: float) 
             line = proc.stdout.readline()
             seen += line
     return seen
-
-
-# torch's gloo sometimes aborts a rank as it exits, after its work is done ("terminate called
-# without an active exception" from destroy_process_group; seen about 1 run in 10 on this
-# machine under load, on loopback and in namespaces alike, without SSH too). That is the
-# core's to fix; the launcher rightly reports it as a failed rank. Launch tests retry once,
-# visibly, so they still test the launcher.
-GLOO_EXIT_ABORT = "terminate called without an active exception"
-
-
-def retry_gloo_exit_abort(
-    attempt: Callable[[int], subprocess.CompletedProcess[str]],
-) -> subprocess.CompletedProcess[str]:
-    """``attempt(0)``, and ``attempt(1)`` if a rank died of the gloo exit abort."""
-    result = attempt(0)
-    if result.returncode != 0 and GLOO_EXIT_ABORT in result.stdout + result.stderr:
-        warnings.warn(f"gloo aborted a rank at exit; retrying once:\n{result.stdout[-1500:]}",
-                      stacklevel=2)
-        result = attempt(1)
-    return result

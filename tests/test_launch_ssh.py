@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ssh_fixtures import SshWorld, generate_key, loopback_world, meshtrain, retry_gloo_exit_abort
+from ssh_fixtures import SshWorld, generate_key, loopback_world, meshtrain
 
 from meshtrain.launch.inventory import load_inventory
 from meshtrain.launch.ssh import SSHError, connect, run
@@ -164,10 +164,9 @@ def test_launch_script_with_trainer_fit(loopback_ssh: SshWorld, tmp_path: Path) 
     inv = two_ranks(loopback_ssh, tmp_path)
     script = tmp_path / "train.py"
     script.write_text(TRAIN_SCRIPT)
-    result = retry_gloo_exit_abort(lambda attempt: meshtrain(
-        loopback_ssh, "launch", str(inv), "--upload", str(script), "--run-id", f"fit-{attempt}",
-        "--out", str(tmp_path / "runs"), "--", "python", "train.py", cwd=tmp_path))
-    run_id = "fit-1" if (tmp_path / "runs" / "fit-1").exists() else "fit-0"
+    result = meshtrain(loopback_ssh, "launch", str(inv), "--upload", str(script), "--run-id", "fit",
+                       "--out", str(tmp_path / "runs"), "--", "python", "train.py", cwd=tmp_path)
+    run_id = "fit"
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert "alpha r0 | rank 0 local rank 0 done" in lines
@@ -188,17 +187,12 @@ def test_the_same_script_runs_under_torchrun(tmp_path: Path) -> None:
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     if torchrun is None:
         pytest.skip("torchrun is not installed beside this interpreter")
-    def attempt(n: int) -> subprocess.CompletedProcess[str]:
-        folder = tmp_path / f"attempt-{n}"
-        folder.mkdir()
-        (folder / "train.py").write_text(TRAIN_SCRIPT)
-        return subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "train.py"], cwd=folder,
-                              capture_output=True, text=True, timeout=120)
-
-    result = retry_gloo_exit_abort(attempt)
+    (tmp_path / "train.py").write_text(TRAIN_SCRIPT)
+    result = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "train.py"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "rank 0 local rank 0 done" in result.stdout and "rank 1 local rank 1 done" in result.stdout
-    (run_dir,) = (sorted(tmp_path.glob("attempt-*"))[-1] / "runs").iterdir()
+    (run_dir,) = (tmp_path / "runs").iterdir()
     assert (run_dir / "model.pt").is_file() and '"nodes": 2' in (run_dir / "summary.json").read_text()
 
 

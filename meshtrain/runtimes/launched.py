@@ -8,6 +8,7 @@ its node, and leaves the group.
 from __future__ import annotations
 
 import os
+import time
 import traceback
 
 import torch
@@ -49,9 +50,28 @@ def join_and_train(
     try:
         torch.manual_seed(node_seed(job.config.seed, rank))
         result = train_node(job, TorchDistCommunicator(), verify_replicas=verify_replicas)
-        # Leave together: a rank tearing gloo down while a peer (or the store on rank 0)
-        # is still mid-exchange can abort the process at exit.
-        dist.barrier()
-        return result
-    finally:
+        dist.barrier()  # every rank is done with gloo
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    _leave_in_order(rank, world, timeout_s)
+    return result
+
+
+def _leave_in_order(rank: int, world: int, timeout_s: float) -> None:
+    """Tear the group down with rank 0 last.
+
+    Rank 0 may host the rendezvous store: if it exits while a peer is still tearing down
+    (which talks to the store), the peer's store client fails in a background thread and
+    the process aborts ("terminate called without an active exception"). So every other
+    rank leaves first and says so through the store; rank 0 waits for them, then leaves.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    if rank != 0:
+        dist.destroy_process_group()
+        store.add("meshtrain/left", 1)
+        return
+    deadline = time.monotonic() + min(timeout_s, 60.0)
+    while store.add("meshtrain/left", 0) < world - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dist.destroy_process_group()
