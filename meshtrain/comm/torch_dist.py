@@ -16,6 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from meshtrain.comm import rendezvous
 from meshtrain.comm.communicator import Communicator, ReduceOp, _combine_
 
 
@@ -106,6 +107,18 @@ def init_process_group(
     """
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
+    secret = rendezvous.take_secret()
+    if secret is not None:  # under `meshtrain launch`: only proven ranks reach the store
+        if rank == 0:
+            store, store_port = host_loopback_store(timeout_s)
+            _KEEP_ALIVE.append(rendezvous.Gate(master_addr, master_port, store_port, secret))
+        else:
+            tunnel = rendezvous.Tunnel(master_addr, master_port, secret)
+            _KEEP_ALIVE.append(tunnel)
+            store = dist.TCPStore("127.0.0.1", tunnel.port, is_master=False, timeout=timeout)
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout)
+        return
     if external_store:
         store = dist.TCPStore(master_addr, master_port, is_master=False, timeout=timeout)
         dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
@@ -118,6 +131,10 @@ def init_process_group(
         world_size=world_size,
         timeout=timeout,
     )
+
+
+#: The gate or tunnel of this process's launched rank (they serve until the process ends).
+_KEEP_ALIVE: list[object] = []
 
 
 def host_loopback_store(timeout_s: float) -> tuple[dist.TCPStore, int]:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import paramiko
 
+from meshtrain.comm.rendezvous import SECRET_FILE_ENV, new_secret
 from meshtrain.launch.heartbeat import HEARTBEAT_FD, heartbeat_interval
 from meshtrain.launch.inventory import Host, Inventory
 from meshtrain.launch.output import RankOutput
@@ -109,6 +110,29 @@ def training_argv(flags: list[str]) -> list[str]:
     return ["-m", "meshtrain", "simulate", *flags]
 
 
+def secret_file_name(run_id: str, rank: int) -> str:
+    """The file (in the rank's workdir) that holds the launch secret until the rank reads it."""
+    return f".meshtrain-secret-{run_id}-{rank}"
+
+
+def deliver_secret(client: paramiko.SSHClient, host: Host, run_id: str, secret: str, timeout: float) -> None:
+    """Write the launch secret to a 0600 file in ``host``'s workdir, over SSH's stdin:
+    never on a command line, where ``ps`` would show it."""
+    path = f"{remote_path(host.workdir)}/{secret_file_name(run_id, host.rank)}"
+    done = run(client, sh(f"umask 077 && cat > {path}"), timeout=timeout, stdin=secret.encode())
+    if done.status != 0:
+        raise SSHError(host, f"cannot write the launch secret in {host.workdir}: {done.stderr.strip()}")
+
+
+def _forget_secret(client: paramiko.SSHClient, host: Host, run_id: str) -> None:
+    """Remove the secret file if the rank never read it (a script that does not use meshtrain)."""
+    try:
+        run(client, sh(f"rm -f {remote_path(host.workdir)}/{secret_file_name(run_id, host.rank)}"),
+            timeout=5)
+    except Exception:  # noqa: BLE001 - best effort on a host that may be gone
+        pass
+
+
 def rank_env(inventory: Inventory, host: Host, run_id: str) -> dict[str, str]:
     """The environment of ``host``'s rank: torchrun's variables plus meshtrain's."""
     same_machine = [h for h in inventory.hosts if h.hostname == host.hostname]
@@ -122,6 +146,7 @@ def rank_env(inventory: Inventory, host: Host, run_id: str) -> dict[str, str]:
         "MASTER_PORT": str(inventory.rendezvous.port),
         "MESHTRAIN_TIMEOUT": f"{inventory.rendezvous.timeout:g}",
         "MESHTRAIN_RUN_ID": run_id,
+        SECRET_FILE_ENV: secret_file_name(run_id, host.rank),
         "MESHTRAIN_DEVICE": host.device,
         "PYTHONUNBUFFERED": "1",
     })
@@ -231,15 +256,18 @@ def launch(inventory: Inventory, argv: list[str], options: LaunchOptions, *, tra
     output = output or RankOutput([h.name for h in inventory.hosts])
     clients = preflight(inventory, options)
     ranks = [_Rank(h, c) for h, c in zip(inventory.hosts, clients, strict=True)]
+    secret = new_secret()  # this launch's: only its ranks can join its rendezvous
     try:
         for r in ranks:
             upload(r.client, r.host, options.uploads)
+            deliver_secret(r.client, r.host, options.run_id, secret, options.connect_timeout)
         with _stop_on_signals() as stop:
             result = _run_ranks(inventory, ranks, argv, options, output, stop, training=training)
     finally:
         for r in ranks:
             if r.heartbeat is not None:
                 r.heartbeat.stop()
+            _forget_secret(r.client, r.host, options.run_id)
             r.client.close()
     result.seconds = time.monotonic() - started
     return result

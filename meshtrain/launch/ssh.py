@@ -188,8 +188,13 @@ class Result:
     stderr: str
 
 
-def run(client: paramiko.SSHClient, command: str, *, timeout: float = 60.0) -> Result:
-    """Run ``command`` (a POSIX shell line) and wait for it; no pty, separate stderr."""
+def run(client: paramiko.SSHClient, command: str, *, timeout: float = 60.0,
+        stdin: bytes | None = None) -> Result:
+    """Run ``command`` (a POSIX shell line) and wait for it; no pty, separate stderr.
+
+    ``stdin`` is written to the command's standard input, then closed (no pty: nothing
+    is echoed, and nothing appears on any command line).
+    """
     transport = client.get_transport()
     if transport is None or not transport.is_active():
         raise ConnectionError("SSH connection is closed")
@@ -197,6 +202,9 @@ def run(client: paramiko.SSHClient, command: str, *, timeout: float = 60.0) -> R
     try:
         channel.settimeout(timeout)
         channel.exec_command(command)
+        if stdin is not None:
+            channel.sendall(stdin)
+            channel.shutdown_write()
         stdout = channel.makefile("rb").read().decode(errors="replace")
         stderr = channel.makefile_stderr("rb").read().decode(errors="replace")
         return Result(channel.recv_exit_status(), stdout, stderr)
