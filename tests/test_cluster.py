@@ -57,8 +57,10 @@ class Linear(nn.Module):
         return nn.functional.cross_entropy(self.fc(x), y)
 
 
-@pytest.mark.parametrize(("strategy", "syncs"), [(DDP(optim="sgd", lr=0.1), 20), (DiLoCo(H=5), 4)])
-def test_summary_projects_the_runs_own_collectives(strategy, syncs: int, tmp_path: Path) -> None:
+# DDP's bucket holds the 256 gradients plus one has-gradient flag for each of its 2 tensors.
+@pytest.mark.parametrize(("strategy", "syncs", "payload"),
+                         [(DDP(optim="sgd", lr=0.1), 20, 1024 + 8), (DiLoCo(H=5), 4, 1024)])
+def test_summary_projects_the_runs_own_collectives(strategy, syncs: int, payload: int, tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(320, 31, generator=g), torch.randint(0, 8, (320,), generator=g))
     torch.manual_seed(0)
@@ -67,7 +69,7 @@ def test_summary_projects_the_runs_own_collectives(strategy, syncs: int, tmp_pat
                                          step_seconds=0.25)
     projected = result.summary["projected"]
     internet = get_cluster("internet")
-    per_sync = 2 * 3 * internet.latency + 2 * 3 / 4 * 1024 / internet.bandwidth
+    per_sync = 2 * 3 * internet.latency + 2 * 3 / 4 * payload / internet.bandwidth
     assert projected["cluster"] == "internet"
     assert projected["compute_seconds"] == pytest.approx(20 * 0.25)
     assert projected["communication_seconds"] == pytest.approx(syncs * per_sync)
