@@ -60,7 +60,9 @@ class Linear(nn.Module):
 # DDP's bucket holds the 256 gradients plus one has-gradient flag for each of its 2 tensors.
 @pytest.mark.parametrize(("strategy", "syncs", "payload"),
                          [(DDP(optim="sgd", lr=0.1), 20, 1024 + 8), (DiLoCo(H=5), 4, 1024)])
-def test_summary_projects_the_runs_own_collectives(strategy, syncs: int, payload: int, tmp_path: Path) -> None:
+def test_summary_projects_the_runs_own_collectives(
+    strategy, syncs: int, payload: int, tmp_path: Path
+) -> None:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(320, 31, generator=g), torch.randint(0, 8, (320,), generator=g))
     torch.manual_seed(0)
