@@ -4,8 +4,8 @@ Two hosts (network namespaces with sshd) run a launch; a third namespace, not in
 inventory, plays a rogue machine on the same LAN. Rank 0's store listens on 127.0.0.1
 only; the rendezvous port on rank 0's address is a gate that demands this launch's secret
 (an HMAC challenge), so the rogue can neither join, nor read or write the store, and is
-reported. A second launch on the same inventory and port fails with one line and never
-joins the first one's group.
+reported. Once the group has formed the gate stops listening, so nothing is left to
+knock on. A launch whose rendezvous port is taken fails with one line.
 """
 
 from __future__ import annotations
@@ -89,11 +89,20 @@ def lan(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SshWorld, Na
 
 
 ROGUE = textwrap.dedent("""
-    import datetime, socket, sys
+    import datetime, socket, sys, time
     import torch.distributed as dist
     address, port = sys.argv[1], int(sys.argv[2])
+    # Knock until the gate listens (rank 0 is starting), as a machine scanning the LAN would.
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            s = socket.create_connection((address, port), timeout=5)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                print("never listened"); sys.exit(1)
+            time.sleep(0.02)
     # 1. A handshake with a guessed secret.
-    s = socket.create_connection((address, port), timeout=5)
     s.recv(32)
     s.sendall(b"x" * 64)
     try:
@@ -109,8 +118,18 @@ ROGUE = textwrap.dedent("""
         print("store: refused", type(exc).__name__)
 """)
 
+#: Holds a port, as another program (or another launch still in its rendezvous) would.
+HOLD_PORT = textwrap.dedent("""
+    import socket, sys, time
+    s = socket.socket()
+    s.bind((sys.argv[1], int(sys.argv[2])))
+    s.listen()
+    print("holding", flush=True)
+    time.sleep(300)
+""")
 
-def test_rogue_machine_and_second_launch_are_refused(lan, tmp_path: Path) -> None:
+
+def test_rogue_machine_is_refused_and_nothing_listens_once_training(lan, tmp_path: Path) -> None:
     world, ns = lan
     hosts = [{"name": f"box{i}", "host": s.address, "workdir": str(tmp_path / f"box{i}")}
              for i, s in enumerate(world.servers)]
@@ -119,32 +138,50 @@ def test_rogue_machine_and_second_launch_are_refused(lan, tmp_path: Path) -> Non
     rank0 = ns.addresses[ns.hosts[0]]
     training = ["--task", "digits", "--strategy", "diloco", "--steps", "1500", "--set", "H=50",
                 "--no-progress", "--threads", "1"]
+    # The rogue waits on the LAN for the gate to open, then tries to join.
+    rogue = subprocess.Popen(["ip", "netns", "exec", ns.hosts[2], PYTHON, "-c", ROGUE, rank0, str(PORT)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     first = start_meshtrain(world, "launch", str(inv), "--out", str(tmp_path / "runs"), "--run-id", "first",
                             *training, cwd=tmp_path)
     try:
-        # Training has started once rank 1 is past the rendezvous: its first progress line.
-        read_until(first, ["box0 r0 |"], timeout=120)
+        rogue_out, _ = rogue.communicate(timeout=150)
+        assert "handshake: closed" in rogue_out, rogue_out
+        assert "store: refused" in rogue_out, rogue_out
+        # Training has started once rank 0 prints: the group has formed, nothing listens.
+        seen = read_until(first, ["box0 r0 |"], timeout=120)
         listening = subprocess.run(["ip", "netns", "exec", ns.hosts[0], "ss", "-Htln"], capture_output=True,
                                    text=True, timeout=20).stdout
-        assert f"{rank0}:{PORT}" in listening  # the gate, on rank 0's address only
-        assert f"0.0.0.0:{PORT}" not in listening and f"*:{PORT}" not in listening
-
-        rogue = subprocess.run(["ip", "netns", "exec", ns.hosts[2], PYTHON, "-c", ROGUE, rank0, str(PORT)],
-                               capture_output=True, text=True, timeout=60)
-        assert "handshake: closed" in rogue.stdout, rogue.stdout + rogue.stderr
-        assert "store: refused" in rogue.stdout, rogue.stdout + rogue.stderr
-
-        second = meshtrain(world, "launch", str(inv), "--out", str(tmp_path / "runs2"), "--run-id", "second",
-                           *training, cwd=tmp_path, timeout=180)
-        assert second.returncode != 0
-        assert f"rendezvous port {PORT} on {rank0} is in use" in second.stdout + second.stderr
-
-        out, _ = first.communicate(timeout=400)
+        assert f":{PORT} " not in listening, listening
+        assert first.stdout is not None
+        out = seen + first.stdout.read()  # not communicate(): it would skip what readline buffered
+        first.wait(timeout=60)
     finally:
-        if first.poll() is None:
-            first.kill()
+        for proc in (rogue, first):
+            if proc.poll() is None:
+                proc.kill()
     assert first.returncode == 0, out
     rogue_address = ns.addresses[ns.hosts[2]]
-    assert f"refused a rendezvous connection from {rogue_address}" in out
+    assert f"refused a rendezvous connection from {rogue_address}" in out, out
     assert (tmp_path / "runs" / "first" / "summary.json").is_file()
     assert not (tmp_path / "box0" / "runs" / "rogue").exists()
+
+
+def test_a_launch_on_a_port_in_use_fails_with_one_line(lan, tmp_path: Path) -> None:
+    world, ns = lan
+    hosts = [{"name": f"box{i}", "host": s.address, "workdir": str(tmp_path / f"box{i}")}
+             for i, s in enumerate(world.servers)]
+    inv = world.inventory(tmp_path / "inv.yaml", hosts, iface="eth0",
+                          rendezvous={"port": PORT, "timeout": 60})
+    rank0 = ns.addresses[ns.hosts[0]]
+    holder = subprocess.Popen(["ip", "netns", "exec", ns.hosts[0], PYTHON, "-c", HOLD_PORT, rank0, str(PORT)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
+        second = meshtrain(world, "launch", str(inv), "--out", str(tmp_path / "runs"), "--run-id", "second",
+                           "--task", "digits", "--steps", "5", "--no-progress", cwd=tmp_path, timeout=180)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert second.returncode != 0
+    assert f"rendezvous port {PORT} on {rank0} is in use" in second.stdout + second.stderr
+    assert "Traceback" not in second.stdout + second.stderr

@@ -12,7 +12,10 @@ HMAC-SHA256 challenge with the launch's secret before a single byte reaches the 
 
 A connection that fails is closed and reported on rank 0's output, naming the peer. The
 other ranks reach the gate through a local tunnel (127.0.0.1 -> gate) that runs the
-rank's side of the handshake, so torch's store client is unchanged. The secret is made
+rank's side of the handshake, so torch's store client is unchanged. The gate admits
+world_size - 1 connections and then stops listening; gate and tunnel both close their
+listening sockets once the group has formed (the admitted connections live on), and at
+most a few handshakes run at once, so a flood of connections costs no more than that. The secret is made
 by the launcher for each launch and delivered over SSH (the trust root) in a 0600 file
 the rank reads and deletes at start, never on a command line.
 
@@ -33,6 +36,8 @@ from pathlib import Path
 
 SECRET_FILE_ENV = "MESHTRAIN_SECRET_FILE"
 HANDSHAKE_TIMEOUT_S = 10.0
+#: Handshakes the gate runs at once; further connections are closed unanswered.
+MAX_PENDING_HANDSHAKES = 16
 
 
 def new_secret() -> str:
@@ -131,14 +136,21 @@ class _Listener:
         raise NotImplementedError
 
     def close(self) -> None:
+        """Stop listening now. shutdown() first: a bare close() neither wakes the thread
+        blocked in accept() nor, while that call holds the socket, stops the listening."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # macOS: a listening socket is "not connected"; close() suffices there
         self.sock.close()
 
 
 class Gate(_Listener):
     """Rank 0: listens on the rendezvous ``address:port``; admits only proven ranks to the
-    store on 127.0.0.1:``store_port``."""
+    store on 127.0.0.1:``store_port``, at most ``admissions`` of them (the other ranks)."""
 
-    def __init__(self, address: str, port: int, store_port: int, secret: bytes) -> None:
+    def __init__(self, address: str, port: int, store_port: int, secret: bytes,
+                 admissions: int | None = None) -> None:
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -151,17 +163,33 @@ class Gate(_Listener):
             raise RuntimeError(f"cannot listen on {address}:{port}: {exc.strerror}") from None
         self.store_port = store_port
         self.secret = secret
+        self.admissions_left = admissions
+        self._lock = threading.Lock()
+        self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
         super().__init__(sock)
 
     def serve(self, conn: socket.socket, peer: tuple) -> None:
-        conn.settimeout(HANDSHAKE_TIMEOUT_S)
+        if not self._pending.acquire(blocking=False):
+            conn.close()  # a flood: the real ranks connect once each and retry
+            return
         try:
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
             gate_handshake(conn, self.secret)
         except (OSError, ConnectionError, PermissionError) as exc:
             print(f"meshtrain: refused a rendezvous connection from {peer[0]}:{peer[1]}: {exc}",
                   file=sys.stderr, flush=True)
             conn.close()
             return
+        finally:
+            self._pending.release()
+        with self._lock:
+            if self.admissions_left is not None:
+                if self.admissions_left <= 0:
+                    conn.close()
+                    return
+                self.admissions_left -= 1
+                if self.admissions_left == 0:
+                    self.close()  # every rank is in: nobody else may come
         conn.settimeout(None)
         store = socket.create_connection(("127.0.0.1", self.store_port))
         _pipe(conn, store)

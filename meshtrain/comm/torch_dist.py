@@ -111,13 +111,18 @@ def init_process_group(
     if secret is not None:  # under `meshtrain launch`: only proven ranks reach the store
         if rank == 0:
             store, store_port = host_loopback_store(timeout_s)
-            _KEEP_ALIVE.append(rendezvous.Gate(master_addr, master_port, store_port, secret))
+            listener: rendezvous.Gate | rendezvous.Tunnel = rendezvous.Gate(
+                master_addr, master_port, store_port, secret, admissions=world_size - 1)
         else:
-            tunnel = rendezvous.Tunnel(master_addr, master_port, secret)
-            _KEEP_ALIVE.append(tunnel)
-            store = dist.TCPStore("127.0.0.1", tunnel.port, is_master=False, timeout=timeout)
-        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
-                                timeout=timeout)
+            listener = rendezvous.Tunnel(master_addr, master_port, secret)
+            store = dist.TCPStore("127.0.0.1", listener.port, is_master=False, timeout=timeout)
+        try:
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timeout)
+        finally:
+            # The group has formed (gloo meets every peer through the store before this
+            # returns): the store connections are open, so stop listening for new ones.
+            listener.close()
         return
     if external_store:
         store = dist.TCPStore(master_addr, master_port, is_master=False, timeout=timeout)
@@ -131,10 +136,6 @@ def init_process_group(
         world_size=world_size,
         timeout=timeout,
     )
-
-
-#: The gate or tunnel of this process's launched rank (they serve until the process ends).
-_KEEP_ALIVE: list[object] = []
 
 
 def host_loopback_store(timeout_s: float) -> tuple[dist.TCPStore, int]:
