@@ -169,3 +169,37 @@ def test_every_node_starts_from_identical_weights(tmp_path):
     for rank in range(4):
         for got, want in zip(_Recorder.seen[rank], model.parameters(), strict=True):
             assert torch.equal(got, want.detach())
+
+
+class _Wide(torch.nn.Module):
+    """A model with a reduction over 131,072 activations: torch splits a reduction that
+    large across intra-op threads, so 1 and 2 threads round differently."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.hidden = torch.nn.Linear(8, 2048)
+        self.out = torch.nn.Linear(2048, 1)
+
+    def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        h = torch.tanh(self.hidden(batch[0]))
+        h = h / h.square().mean().sqrt()  # one RMS over the whole batch: it reaches the gradients
+        return torch.nn.functional.mse_loss(self.out(h).squeeze(-1), batch[1])
+
+
+def test_same_thread_count_same_weights_in_both_runtimes(tmp_path):
+    """The README's promise: bit-identical across runtimes at the same ``threads`` setting
+    (and this model is one where the count matters, else the test would prove nothing)."""
+    data = torch.utils.data.TensorDataset(torch.randn(256, 8, generator=torch.Generator().manual_seed(1)),
+                                          torch.randn(256, generator=torch.Generator().manual_seed(2)))
+
+    def final_state(runtime: str, threads: int) -> torch.nn.Module:
+        return Trainer(_Wide(), data).fit(
+            DiLoCo(H=3, lr=0.01), nodes=2, max_steps=6, batch_size=64, seed=0, runtime=runtime,
+            threads=threads, out_dir=tmp_path / f"{runtime}-{threads}", progress=False).model
+
+    one, two = final_state("threads", 1), final_state("threads", 2)
+    pairs = zip(one.state_dict().values(), two.state_dict().values(), strict=True)
+    assert not all(torch.equal(a, b) for a, b in pairs)
+    assert_states_equal(one, final_state("processes", 1))
+    assert_states_equal(two, final_state("processes", 2))

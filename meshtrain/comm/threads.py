@@ -84,6 +84,11 @@ class ThreadHub:
                 self._cv.wait(timeout=wait)
             return rnd.result
 
+    def check(self) -> None:
+        """Raise :class:`NodeAborted` if a node of this cluster has failed."""
+        with self._cv:
+            self._check()
+
     def _check(self) -> None:
         if self._error is not None:
             raise NodeAborted(f"stopping: another node failed ({self._error!r})")
@@ -127,5 +132,4 @@ class ThreadCommunicator(Communicator):
         self.hub.abort(error)
 
     def check_abort(self) -> None:
-        with self.hub._cv:
-            self.hub._check()
+        self.hub.check()

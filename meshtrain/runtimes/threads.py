@@ -28,26 +28,45 @@ class _SharedGenerator:
     """Gives one node at a time torch's global CPU generator, holding that node's stream.
 
     Threads share one global generator; swapping each node's state in and out makes
-    dropout masks reproducible and identical to a process that seeded its own.
+    dropout masks reproducible and identical to a process that seeded its own. A node
+    waiting for its turn still notices a failed peer, and gives up after the run's
+    collective timeout (a peer hung inside its forward pass holds the generator).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, hub: ThreadHub) -> None:
         self.lock = threading.Lock()
+        self.hub = hub
+        self.holder: int | None = None
 
-    def guard_for(self, seed: int) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    def guard_for(self, seed: int, rank: int) -> Callable[[], contextlib.AbstractContextManager[None]]:
         state = torch.Generator().manual_seed(seed).get_state()
-        holder = [state]
+        stream = [state]
 
         @contextlib.contextmanager
         def guard() -> Iterator[None]:
-            with self.lock:
-                torch.set_rng_state(holder[0])
+            self._acquire(rank)
+            try:
+                self.holder = rank
+                torch.set_rng_state(stream[0])
                 try:
                     yield
                 finally:
-                    holder[0] = torch.get_rng_state()
+                    stream[0] = torch.get_rng_state()
+            finally:
+                self.holder = None
+                self.lock.release()
 
         return guard
+
+    def _acquire(self, rank: int) -> None:
+        timeout_s = self.hub.timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.lock.acquire(timeout=0.05):
+            self.hub.check()
+            if deadline is not None and time.monotonic() >= deadline:
+                busy = self.holder
+                raise TimeoutError(f"node {rank} waited more than {timeout_s:g} s for nodes "
+                                   f"[{busy}] (busy in a forward pass)")
 
 
 def run_threads(job: NodeJob) -> FitResult:
@@ -63,12 +82,12 @@ def run_threads(job: NodeJob) -> FitResult:
     errors: dict[int, tuple[BaseException, str]] = {}
     # Every node gets its own random stream, whether or not the model's randomness is
     # visible (F.dropout, attention dropout): forward passes take turns on the generator.
-    shared = _SharedGenerator()
+    shared = _SharedGenerator(hub)
 
     def node_main(rank: int) -> None:
         comm = ThreadCommunicator(hub, rank)
         try:
-            guard = shared.guard_for(node_seed(job.config.seed, rank))
+            guard = shared.guard_for(node_seed(job.config.seed, rank), rank)
             results[rank] = train_node(job, comm, rng_guard=guard)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller below
             errors[rank] = (exc, traceback.format_exc())
