@@ -10,6 +10,10 @@ cluster with link bandwidth B (bytes/s) and latency alpha (s) a ring collective 
 On a shared medium (Wi-Fi) the g nodes talking at once share B. Compute per step is
 what one node needed here (or ``step_seconds`` if you know your machines' figure),
 scaled by the cluster's relative speed. Communication is not overlapped with compute.
+
+Besides the named clusters, ``get_cluster`` takes the path of a cluster file (YAML with
+the fields of :class:`Cluster`), such as ``meshtrain hosts bench`` writes from a
+measurement of real hosts.
 """
 
 from __future__ import annotations
@@ -17,7 +21,11 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
 
 from meshtrain.comm import CommRecord
 
@@ -45,10 +53,84 @@ CLUSTERS: dict[str, Cluster] = {
 }
 
 
+class ClusterFileError(ValueError):
+    """A cluster file that cannot be used: one line naming the file and the key at fault."""
+
+
 def get_cluster(name: str) -> Cluster:
-    if name not in CLUSTERS:
-        raise ValueError(f"unknown cluster {name!r}; choose one of: {', '.join(CLUSTERS)}")
-    return CLUSTERS[name]
+    """A named cluster (``meshtrain clusters``), or the cluster in a ``.yaml``/``.yml`` file."""
+    if name in CLUSTERS:
+        return CLUSTERS[name]
+    if name.endswith((".yaml", ".yml")):
+        return load_cluster_file(Path(name))
+    raise ValueError(f"unknown cluster {name!r}; choose one of: {', '.join(CLUSTERS)}, "
+                     "or give a cluster file (PATH.yaml, e.g. from `meshtrain hosts bench`)")
+
+
+def load_cluster_file(path: Path) -> Cluster:
+    """Read a cluster file: ``bandwidth`` (bytes/s) and ``latency`` (s) are required;
+    ``name`` (default: the file's stem), ``description``, ``shared_medium`` and ``speed``
+    are optional. Raises :class:`ClusterFileError`."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ClusterFileError(f"{path}: cannot read the cluster file ({exc.strerror or exc})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise ClusterFileError(f"{path}: not valid YAML{where}") from None
+    if not isinstance(data, dict):
+        raise ClusterFileError(f"{path}: expected a mapping of cluster keys, got "
+                               f"{type(data).__name__}")
+    known = {f.name for f in fields(Cluster)}
+    unknown = sorted(str(k) for k in data if k not in known)
+    if unknown:
+        raise ClusterFileError(f"{path}: unknown key {unknown[0]!r}; expected: {', '.join(sorted(known))}")
+    for key in ("bandwidth", "latency"):
+        if key not in data:
+            raise ClusterFileError(f"{path}: missing key {key!r}")
+    return Cluster(
+        name=_text(path, data, "name", path.stem),
+        description=_text(path, data, "description", f"measured cluster from {path.name}"),
+        bandwidth=_number(path, data, "bandwidth", "bytes per second > 0", allow_zero=False),
+        latency=_number(path, data, "latency", "seconds >= 0", allow_zero=True),
+        shared_medium=_flag(path, data, "shared_medium"),
+        speed=_number(path, data, "speed", "relative compute speed > 0", allow_zero=False, default=1.0),
+    )
+
+
+def _text(path: Path, data: dict[str, Any], key: str, default: str) -> str:
+    value = data.get(key, default)
+    if not isinstance(value, str) or not value.strip():
+        raise ClusterFileError(f"{path}: {key}: expected text, got {value!r}")
+    return value
+
+
+def _number(path: Path, data: dict[str, Any], key: str, expected: str, *, allow_zero: bool,
+            default: float | None = None) -> float:
+    value = data.get(key, default)
+    # bool is an int in Python: `bandwidth: yes` is a mistake, not 1 byte per second.
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        raise ClusterFileError(f"{path}: {key}: expected {expected}, got {value!r}")
+    return float(value)
+
+
+def _flag(path: Path, data: dict[str, Any], key: str) -> bool:
+    value = data.get(key, False)
+    if not isinstance(value, bool):
+        raise ClusterFileError(f"{path}: {key}: expected true or false, got {value!r}")
+    return value
+
+
+def cluster_file_text(cluster: Cluster, comment: str = "") -> str:
+    """The YAML of a cluster file that :func:`load_cluster_file` reads back as ``cluster``,
+    after ``comment`` lines (each prefixed with ``#``) and a line giving the units."""
+    lines = [*comment.splitlines(), "bandwidth: bytes per second per link; latency: seconds per message"]
+    header = "".join(f"# {line}\n" for line in lines)
+    return header + yaml.safe_dump(asdict(cluster), sort_keys=False)
 
 
 def collective_seconds(record: CommRecord, cluster: Cluster) -> float:

@@ -1,0 +1,262 @@
+"""Latency and bandwidth between real hosts, from timed all-reduces, and the alpha-beta fit.
+
+``meshtrain hosts bench INVENTORY`` launches this module on every host, as a rank of a
+normal launch (same SSH checks, same authenticated rendezvous)::
+
+    python -m meshtrain.launch.bench --sizes 4096,65536,1048576 --repeats 5 --out runs/ID/bench.json
+
+Every rank all-reduces float32 buffers of each size through meshtrain's own
+communicator (the ring the strategies use, over gloo), timing each one; the slowest
+rank's time counts. Rank 0 writes the median per size as JSON (never pickle), which the
+launcher copies back. :func:`fit_alpha_beta` then fits the model of
+:mod:`meshtrain.cluster`,
+
+    all-reduce seconds = 2(g-1) alpha + bytes_moved / B,
+
+by least squares on relative errors, so the small sizes (latency) count as much as the
+large ones (bandwidth).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from meshtrain.cluster import Cluster, collective_seconds
+from meshtrain.comm import CommRecord, Communicator, ring_all_reduce_bytes
+from meshtrain.run_dir import atomic_write_text
+
+ELEMENT_BYTES = 4  # the buffers are float32, like gradients
+BENCH_FILE = "bench.json"  # what rank 0 writes into the launch's run directory
+
+
+class BenchError(ValueError):
+    """Measurements that cannot give a cluster (too few sizes, times that do not grow)."""
+
+
+@dataclass(frozen=True)
+class Sample:
+    """The median time of one all-reduce of ``payload_bytes`` over ``group_size`` ranks."""
+
+    payload_bytes: int  # the buffer each rank reduces (S)
+    group_size: int
+    seconds: float
+
+    @property
+    def record(self) -> CommRecord:
+        """The collective as meshtrain records it (rank 0's bytes, like the trainer's projection)."""
+        sent, received = ring_all_reduce_bytes(self.payload_bytes // ELEMENT_BYTES, ELEMENT_BYTES,
+                                               0, self.group_size)
+        return CommRecord(0, "all_reduce", sent, received, self.group_size)
+
+    @property
+    def hops(self) -> int:
+        """Messages in a row on the ring: the latency term's multiplier."""
+        return 2 * (self.group_size - 1)
+
+    @property
+    def moved_bytes(self) -> int:
+        """Bytes the bandwidth term divides, as :func:`collective_seconds` counts them."""
+        return max(self.record.bytes_sent, self.record.bytes_received)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The fitted alpha-beta model of one group of hosts."""
+
+    latency: float  # seconds per message (alpha)
+    bandwidth: float  # bytes per second one link carried during the all-reduces (B)
+    group_size: int
+
+
+# --------------------------------------------------------------------------- sizes
+UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """``"64KB"``, ``"16MiB"``, ``"4096"`` as bytes; raises :class:`BenchError`."""
+    number = text.strip().lower()
+    unit = next((u for u in sorted(UNITS, key=len, reverse=True) if number.endswith(u)), "b")
+    digits = number[: len(number) - len(unit)] if number.endswith(unit) else number
+    try:
+        value = float(digits) * UNITS[unit]
+    except ValueError:
+        raise BenchError(f"{text!r} is not a size (e.g. 4096, 64KB, 16MiB)") from None
+    if not (value >= 1 and math.isfinite(value)):
+        raise BenchError(f"{text!r}: a size must be at least 1 byte")
+    return int(value)
+
+
+def bench_sizes(smallest: int, largest: int, count: int) -> list[int]:
+    """``count`` buffer sizes in bytes from ``smallest`` to ``largest``, evenly spaced on a
+    log scale, each a whole number of float32 values."""
+    if not 0 < smallest <= largest:
+        raise BenchError(f"sizes: expected 0 < smallest <= largest, got {smallest} and {largest}")
+    if count < 2:
+        raise BenchError(f"sizes: the fit needs at least 2 sizes, got {count}")
+    ratio = (largest / smallest) ** (1 / (count - 1))
+    sizes = [max(ELEMENT_BYTES, round(smallest * ratio**i / ELEMENT_BYTES) * ELEMENT_BYTES)
+             for i in range(count)]
+    return sorted(set(sizes))
+
+
+# --------------------------------------------------------------------------- measuring
+def measure(comm: Communicator, sizes: Sequence[int], repeats: int, *,
+            report: Any = None) -> list[Sample]:
+    """Time ``repeats`` all-reduces of each size on every rank; every rank returns the same
+    samples (median over repeats of the slowest rank's time). Call it on every rank.
+
+    ``report(sample)`` is called after each size (progress lines on rank 0).
+    """
+    times = torch.zeros(len(sizes), repeats, dtype=torch.float64)
+    ready = torch.zeros(1)
+    for i, size in enumerate(sizes):
+        buffer = torch.ones(size // ELEMENT_BYTES)
+        comm.all_reduce(buffer, op="sum", record=False)  # warm-up: connections, allocations
+        for r in range(repeats):
+            # A tiny all-reduce lines the ranks up, so each timing starts together.
+            comm.all_reduce(ready, op="sum", record=False)
+            started = time.perf_counter()
+            comm.all_reduce(buffer, op="sum", record=False)
+            times[i, r] = time.perf_counter() - started
+        if report is not None:
+            report(Sample(size, comm.world_size, statistics.median(times[i].tolist())))
+    comm.all_reduce(times, op="max", record=False)  # an all-reduce ends when its slowest rank does
+    return [Sample(size, comm.world_size, statistics.median(row.tolist()))
+            for size, row in zip(sizes, times, strict=True)]
+
+
+# --------------------------------------------------------------------------- the fit
+def fit_alpha_beta(samples: Sequence[Sample]) -> Fit:
+    """Least-squares fit of ``seconds = hops * alpha + moved_bytes / B`` to the samples.
+
+    Residuals are relative (each divided by its measured time): absolute ones would let
+    the largest sizes decide alone, and the latency would be noise. A negative latency
+    (times that flatten at small sizes less than a line) is clamped to 0 and B refitted.
+    Raises :class:`BenchError` when the samples cannot determine both.
+    """
+    if len({s.payload_bytes for s in samples}) < 2:
+        raise BenchError("the fit needs timings of at least 2 different sizes")
+    groups = {s.group_size for s in samples}
+    if len(groups) != 1 or min(groups) < 2:
+        raise BenchError("the fit needs samples of one group of >= 2 hosts, "
+                         f"got group sizes {sorted(groups)}")
+    bad = [s for s in samples if not (s.seconds > 0 and math.isfinite(s.seconds))]
+    if bad:
+        raise BenchError(f"size {bad[0].payload_bytes} B: time {bad[0].seconds!r} s is not a positive number")
+    # Weighted normal equations for unknowns alpha and beta = 1/B, weights 1/t^2.
+    w = [1 / s.seconds**2 for s in samples]
+    h = [float(s.hops) for s in samples]
+    m = [float(s.moved_bytes) for s in samples]
+    t = [s.seconds for s in samples]
+    shh = sum(wi * hi * hi for wi, hi in zip(w, h, strict=True))
+    shm = sum(wi * hi * mi for wi, hi, mi in zip(w, h, m, strict=True))
+    smm = sum(wi * mi * mi for wi, mi in zip(w, m, strict=True))
+    sht = sum(wi * hi * ti for wi, hi, ti in zip(w, h, t, strict=True))
+    smt = sum(wi * mi * ti for wi, mi, ti in zip(w, m, t, strict=True))
+    det = shh * smm - shm * shm
+    alpha = (sht * smm - shm * smt) / det
+    beta = (shh * smt - shm * sht) / det
+    if alpha < 0:
+        alpha, beta = 0.0, smt / smm
+    if not beta > 0:
+        raise BenchError("all-reduce times do not grow with size: use larger sizes (--max-size)")
+    return Fit(latency=alpha, bandwidth=1 / beta, group_size=groups.pop())
+
+
+def fitted_cluster(fit: Fit, name: str, description: str, *, shared_medium: bool = False,
+                   speed: float = 1.0) -> Cluster:
+    """The cluster whose model reproduces the fit.
+
+    On a shared medium the model divides B among the g hosts talking at once, so the
+    medium's bandwidth is g times what one link carried during the measurement.
+    """
+    bandwidth = fit.bandwidth * fit.group_size if shared_medium else fit.bandwidth
+    return Cluster(name, description, bandwidth, fit.latency, shared_medium, speed)
+
+
+def model_seconds(sample: Sample, cluster: Cluster) -> float:
+    """What ``cluster`` predicts for ``sample``'s all-reduce (the projection's own formula)."""
+    return collective_seconds(sample.record, cluster)
+
+
+# --------------------------------------------------------------------------- JSON
+def samples_to_json(samples: Sequence[Sample]) -> str:
+    """The samples as JSON text (what rank 0 writes)."""
+    return json.dumps({"samples": [{"payload_bytes": s.payload_bytes, "group_size": s.group_size,
+                                    "seconds": s.seconds} for s in samples]}, indent=1)
+
+
+def samples_from_json(text: str, source: str) -> list[Sample]:
+    """Read what :func:`samples_to_json` wrote; raises :class:`BenchError` naming ``source``."""
+    try:
+        rows = json.loads(text)["samples"]
+        return [Sample(int(r["payload_bytes"]), int(r["group_size"]), float(r["seconds"])) for r in rows]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BenchError(f"{source}: not a benchmark result ({type(exc).__name__}: {exc})") from None
+
+
+# --------------------------------------------------------------------------- one rank
+def run_rank(sizes: Sequence[int], repeats: int, out: Path, timeout_s: float) -> None:
+    """Join the launched group (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), measure, and on
+    rank 0 write the samples to ``out``."""
+    import torch.distributed as dist
+
+    from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group
+    from meshtrain.launch.heartbeat import start_heartbeat
+    from meshtrain.runtimes.launched import _leave_in_order  # same exit order as training ranks
+
+    start_heartbeat()  # the launcher stops a rank that goes silent
+    # One thread: summing the chunks takes well under a millisecond per MB, while idle
+    # OpenMP workers spinning on shared cores can add tens of ms to every message.
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # Always gloo on CPU: the network between hosts is what is measured, as the strategies
+    # use it on CPU and Apple hosts.
+    init_process_group(rank, world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                       torch.device("cpu"), timeout_s)
+    try:
+        comm = TorchDistCommunicator()
+
+        def report(sample: Sample) -> None:
+            if rank == 0:
+                print(f"{sample.payload_bytes} B: {sample.seconds * 1e3:.3f} ms (this rank, median)")
+
+        samples = measure(comm, sizes, repeats, report=report)
+        dist.barrier()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    _leave_in_order(rank, world, timeout_s)
+    if rank == 0:
+        atomic_write_text(out, samples_to_json(samples))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of one rank: ``python -m meshtrain.launch.bench --sizes ... --out FILE``."""
+    parser = argparse.ArgumentParser(prog="python -m meshtrain.launch.bench",
+                                     description="One rank of `meshtrain hosts bench`.")
+    parser.add_argument("--sizes", required=True, help="Buffer sizes in bytes, comma-separated.")
+    parser.add_argument("--repeats", type=int, default=5, help="Timed all-reduces per size.")
+    parser.add_argument("--out", type=Path, required=True, help="Where rank 0 writes the JSON timings.")
+    args = parser.parse_args(argv)
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        sys.exit(f"error: run by `meshtrain hosts bench`, which sets {', '.join(missing)}")
+    sizes = [int(s) for s in args.sizes.split(",")]
+    run_rank(sizes, args.repeats, args.out, float(os.environ.get("MESHTRAIN_TIMEOUT", "60")))
+
+
+if __name__ == "__main__":
+    main()

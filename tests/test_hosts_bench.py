@@ -1,0 +1,199 @@
+"""``meshtrain hosts bench``: the alpha-beta fit, cluster files, and a real measurement.
+
+* The fit recovers a known latency and bandwidth exactly from timings the model made.
+* A cluster file round-trips through ``get_cluster``; bad ones are one line, exit 2.
+* On two network-namespace hosts (real sshd, real gloo through meshtrain's ring) whose
+  links are rate-limited with ``tc tbf``, the fitted bandwidth is close to the configured
+  rate, and ``simulate --cluster FILE`` projects its wall-clock on the written cluster.
+
+The namespace test is skipped (with the reason) where namespaces, sshd or tc cannot be had.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from ssh_fixtures import PYTHON, Namespaces, SshWorld, meshtrain, netns_world
+from typer.testing import CliRunner
+
+from meshtrain.cli.main import app
+from meshtrain.cluster import CLUSTERS, Cluster, cluster_file_text, get_cluster
+from meshtrain.launch.bench import (
+    BenchError,
+    Sample,
+    bench_sizes,
+    fit_alpha_beta,
+    fitted_cluster,
+    model_seconds,
+    parse_size,
+    samples_from_json,
+    samples_to_json,
+)
+
+# --------------------------------------------------------------------------- the fit
+
+
+def synthetic(latency: float, bandwidth: float, group_size: int, sizes: list[int]) -> list[Sample]:
+    """Timings exactly as the model says: 2(g-1) latency + moved bytes / bandwidth."""
+    samples = [Sample(size, group_size, 1.0) for size in sizes]
+    return [Sample(s.payload_bytes, group_size, s.hops * latency + s.moved_bytes / bandwidth)
+            for s in samples]
+
+
+@pytest.mark.parametrize("group_size", [2, 3, 5])
+def test_fit_recovers_known_latency_and_bandwidth(group_size: int) -> None:
+    samples = synthetic(3e-4, 2.5e7, group_size, bench_sizes(4096, 16 * 2**20, 8))
+    fit = fit_alpha_beta(samples)
+    assert fit.latency == pytest.approx(3e-4, rel=1e-9)
+    assert fit.bandwidth == pytest.approx(2.5e7, rel=1e-9)
+    assert fit.group_size == group_size
+    cluster = fitted_cluster(fit, "x", "synthetic")
+    for s in samples:  # the written cluster predicts the timings it came from
+        assert model_seconds(s, cluster) == pytest.approx(s.seconds, rel=1e-9)
+
+
+def test_shared_medium_cluster_predicts_the_same_times() -> None:
+    """On a shared medium the model divides B by g, so the cluster records g times the fit."""
+    samples = synthetic(1e-3, 1e7, 4, [2**12, 2**16, 2**20])
+    fit = fit_alpha_beta(samples)
+    shared = fitted_cluster(fit, "w", "wifi-like", shared_medium=True)
+    assert shared.bandwidth == pytest.approx(4e7) and shared.shared_medium
+    for s in samples:
+        assert model_seconds(s, shared) == pytest.approx(s.seconds, rel=1e-9)
+
+
+def test_fit_clamps_a_negative_latency_to_zero() -> None:
+    # Small sizes faster than any line through the large ones: no negative latency is written.
+    samples = [Sample(2**12, 2, 1e-5), Sample(2**20, 2, 0.2), Sample(2**22, 2, 0.8)]
+    fit = fit_alpha_beta(samples)
+    assert fit.latency == 0.0 and fit.bandwidth > 0
+
+
+def test_fit_refuses_what_cannot_give_a_cluster() -> None:
+    with pytest.raises(BenchError, match="at least 2 different sizes"):
+        fit_alpha_beta([Sample(4096, 2, 1e-3), Sample(4096, 2, 2e-3)])
+    with pytest.raises(BenchError, match="do not grow with size"):
+        fit_alpha_beta([Sample(4096, 2, 2e-3), Sample(2**20, 2, 1e-3)])
+    with pytest.raises(BenchError, match="one group"):
+        fit_alpha_beta([Sample(4096, 2, 1e-3), Sample(2**20, 3, 1e-2)])
+
+
+def test_sizes_and_timings_json() -> None:
+    assert [parse_size(t) for t in ("4096", "64KB", "16MiB", "1.5mb")] == [4096, 64_000, 2**24, 1_500_000]
+    with pytest.raises(BenchError, match="'lots' is not a size"):
+        parse_size("lots")
+    sizes = bench_sizes(4000, 4_000_000, 4)
+    assert sizes == [4000, 40_000, 400_000, 4_000_000]
+    samples = synthetic(1e-4, 1e8, 2, sizes)
+    assert samples_from_json(samples_to_json(samples), "x") == samples
+    with pytest.raises(BenchError, match="^box0:bench.json: not a benchmark result"):
+        samples_from_json("{}", "box0:bench.json")
+
+
+# --------------------------------------------------------------------------- cluster files
+
+
+def test_cluster_file_round_trips_and_named_clusters_stay(tmp_path: Path) -> None:
+    cluster = Cluster("lab", "two boxes", 1.25e8, 2.5e-4, shared_medium=False, speed=0.5)
+    path = tmp_path / "lab.yaml"
+    path.write_text(cluster_file_text(cluster, "measured"))
+    assert get_cluster(str(path)) == cluster
+    assert path.read_text().startswith("# measured\n")
+    assert get_cluster("wifi") is CLUSTERS["wifi"]
+    (tmp_path / "min.yml").write_text("bandwidth: 1.0e+6\nlatency: 0\n")
+    assert get_cluster(str(tmp_path / "min.yml")) == Cluster("min", "measured cluster from min.yml", 1e6, 0.0)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("name: lab\nlatency: 0.001\n", "missing key 'bandwidth'"),
+    ("bandwidth: -5\nlatency: 0.001\n", "bandwidth: expected bytes per second > 0, got -5"),
+    ("bandwidth: [1, 2\nlatency: 1\n", "not valid YAML (line 2)"),
+    ("bandwith: 1e6\nlatency: 0.001\n", "unknown key 'bandwith'"),
+    ("bandwidth: 1.0e+6\nlatency: 0.001\nshared_medium: maybe\n", "shared_medium: expected true or false"),
+])
+def test_bad_cluster_file_is_one_line_and_exit_2(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    result = CliRunner().invoke(app, ["simulate", "--task", "digits", "--steps", "1", "--no-progress",
+                                      "--cluster", str(path), "--out", str(tmp_path / "runs")])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {path}: {message}"), lines
+    assert not (tmp_path / "runs").exists()  # nothing was started
+
+
+def test_missing_cluster_file_names_it(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"nowhere\.yaml: cannot read the cluster file"):
+        get_cluster(str(tmp_path / "nowhere.yaml"))
+
+
+# --------------------------------------------------------------------------- real hosts
+RATE_MBIT = 80  # tbf rate on every host's eth0: 10 MB/s leaves each host
+
+
+@pytest.fixture(scope="module")
+def limited_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SshWorld, Namespaces]]:
+    """The two namespace hosts, each sending at most RATE_MBIT through its eth0."""
+    if shutil.which("tc") is None:
+        pytest.skip("tc (iproute2) is not installed")
+    for world, ns in netns_world(tmp_path_factory):
+        for host in ns.hosts:
+            done = subprocess.run(["tc", "-n", host, "qdisc", "add", "dev", "eth0", "root", "tbf",
+                                   "rate", f"{RATE_MBIT}mbit", "burst", "32kb", "latency", "50ms"],
+                                  capture_output=True, text=True, timeout=20)
+            if done.returncode != 0:
+                pytest.skip(f"cannot rate-limit a namespace link with tc tbf: {done.stderr.strip()}")
+        yield world, ns
+
+
+@pytest.fixture(scope="module")
+def benched(limited_world, tmp_path_factory: pytest.TempPathFactory
+            ) -> tuple[subprocess.CompletedProcess[str], Path, SshWorld]:
+    """One ``hosts bench`` run on the rate-limited hosts (shared by the tests below)."""
+    world, _ = limited_world
+    folder = tmp_path_factory.mktemp("bench")
+    hosts = [{"name": f"box{i}", "host": s.address, "workdir": str(folder / f"box{i}")}
+             for i, s in enumerate(world.servers)]
+    inv = world.inventory(folder / "lab.yaml", hosts, iface="eth0", rendezvous={"port": 29510, "timeout": 60})
+    result = meshtrain(world, "hosts", "bench", str(inv), "--min-size", "64KB", "--max-size", "2MB",
+                       "--points", "5", "--repeats", "3", cwd=folder, timeout=180)
+    return result, folder, world
+
+
+def test_bench_fits_the_configured_rate(benched) -> None:
+    result, folder, _ = benched
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "measured vs fitted model" in result.stdout and "2.00 MB" in result.stdout, result.stdout
+    cluster = get_cluster(str(folder / "clusters" / "lab.yaml"))  # default --out: clusters/<inventory>
+    configured = RATE_MBIT * 1e6 / 8
+    # tbf holds each host to the rate; its 32 kB burst and the ring's gaps can only make a
+    # link look a little faster, Python and gloo overheads a little slower.
+    assert 0.5 * configured <= cluster.bandwidth <= 1.2 * configured, cluster
+    assert 0 <= cluster.latency < 0.05, cluster
+    assert cluster.name == "lab" and not cluster.shared_medium and cluster.speed == 1.0
+    assert f"wrote clusters{'/'}lab.yaml" in result.stdout
+
+
+def test_simulate_projects_onto_the_benched_cluster(benched) -> None:
+    result, folder, _ = benched
+    assert result.returncode == 0, result.stdout + result.stderr
+    path = folder / "clusters" / "lab.yaml"
+    cluster = yaml.safe_load(path.read_text())
+    sim = subprocess.run([PYTHON, "-m", "meshtrain", "simulate", "--task", "digits", "--strategy", "ddp",
+                          "--nodes", "2", "--steps", "3", "--no-progress", "--cluster", str(path),
+                          "--step-seconds", "0.5", "--out", str(folder / "runs"), "--run-id", "sim"],
+                         cwd=folder, capture_output=True, text=True, timeout=120)
+    assert sim.returncode == 0, sim.stderr
+    summary = json.loads((folder / "runs" / "sim" / "summary.json").read_text())
+    projected = summary["projected"]
+    assert projected["cluster"] == "lab"
+    assert projected["compute_seconds"] == pytest.approx(3 * 0.5)
+    # DDP: one all-reduce per step over 2 nodes (2 messages each), bytes over the measured B.
+    expected = 3 * 2 * cluster["latency"] + summary["bytes_sent_per_node"] / cluster["bandwidth"]
+    assert projected["communication_seconds"] == pytest.approx(expected, rel=1e-9)
