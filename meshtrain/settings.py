@@ -79,6 +79,12 @@ class TrainConfig:
     skip_nonfinite: bool = _setting(False, "When a loss or gradient is NaN or infinite on any node, "
                                            "skip that step on every node (counted in metrics) "
                                            "instead of stopping the run.")
+    wandb: str | None = _setting(None, "Also log to Weights & Biases, in this project (rank 0: loss, "
+                                       "bytes, validation, summary; needs pip install "
+                                       "'meshtrain[wandb]'; WANDB_MODE=offline logs locally).")
+    tensorboard: bool = _setting(False, "Also write TensorBoard event files into <run>/tensorboard/ "
+                                        "(the numbers of metrics.csv; needs pip install "
+                                        "'meshtrain[tensorboard]').")
     extra_config: dict[str, Any] = _setting(None, "Recorded in config.yaml as given.", factory=dict)
 
     def validate(self) -> None:

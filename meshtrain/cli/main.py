@@ -13,6 +13,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from meshtrain import checkpoint
@@ -62,7 +63,8 @@ def _main(
 
 def fail(message: str, code: int = 2) -> typer.Exit:
     """Print one clear line (no traceback) and return the exit to raise."""
-    errors.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # Escaped: a message may hold brackets ("pip install 'meshtrain[wandb]'"), never markup.
+    errors.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -88,6 +90,9 @@ TRAINING_FLAGS = dict(
     seed=_flag("seed", "--seed", rich_help_panel="What to train"),
     threads=_flag("threads", "--threads", rich_help_panel="The simulated cluster"),
     val_interval=_flag("val_interval", "--val-interval", rich_help_panel="Output"),
+    wandb=_flag("wandb", "--wandb", metavar="PROJECT", rich_help_panel="Output"),
+    tensorboard=typer.Option(None, "--tensorboard/--no-tensorboard", help=help_for("tensorboard"),
+                             rich_help_panel="Output"),
     set_=typer.Option([], "--set", help="Override any setting: key=value (H=50, steps=100, "
                                         "task_options.arch=cnn); values are read as YAML.",
                       rich_help_panel="What to train"),
@@ -165,6 +170,8 @@ def simulate(
     device: str = TRAINING_FLAGS["device"],
     threads: int = TRAINING_FLAGS["threads"],
     val_interval: int = TRAINING_FLAGS["val_interval"],
+    wandb: str = TRAINING_FLAGS["wandb"],
+    tensorboard: bool = TRAINING_FLAGS["tensorboard"],
 ) -> None:
     """Train N simulated nodes on this machine and report loss, bytes and time.
 
@@ -183,6 +190,8 @@ def simulate(
       meshtrain simulate --task gpt --data input.txt --set H=50
 
       meshtrain simulate --profile whisper-tiny-lora --nodes 2 --data recordings/
+
+      meshtrain simulate --tensorboard --wandb my-project   # also log there (extras)
     """
     from meshtrain import NodeFailed, Trainer
     from meshtrain.trainer import run_job
@@ -210,7 +219,8 @@ def simulate(
                  seed=seed, threads=threads, val_interval=val_interval, nodes=nodes, runtime=runtime,
                  out_dir=out, run_id=run_id, progress=progress, cluster=cluster,
                  step_seconds=step_seconds, checkpoint_every=checkpoint_every, keep_checkpoints=keep,
-                 resume=resume, check_sync=check_sync, skip_nonfinite=skip_nonfinite)
+                 resume=resume, check_sync=check_sync, skip_nonfinite=skip_nonfinite, wandb=wandb,
+                 tensorboard=tensorboard)
     # Everything is checked before the first step: up to here, an error is bad input (2).
     try:
         spec, bundle, strat = build_run(flags, set_, launched)
