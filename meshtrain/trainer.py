@@ -25,8 +25,8 @@ import yaml
 from torch import nn
 from torch.utils.data import Dataset
 
-from meshtrain import checkpoint
-from meshtrain.cluster import get_cluster, measured_step_seconds, project
+from meshtrain import checkpoint, loggers
+from meshtrain.cluster import Cluster, collective_seconds, get_cluster, measured_step_seconds, project
 from meshtrain.comm import Communicator
 from meshtrain.comm.communicator import CommLog, CommRecord
 from meshtrain.data import (
@@ -39,6 +39,7 @@ from meshtrain.data import (
     to_device,
 )
 from meshtrain.devices import resolve_device
+from meshtrain.launch.heartbeat import status_reporter
 from meshtrain.progress import Progress
 from meshtrain.run_dir import RunDirectory
 from meshtrain.seeding import mix_seed
@@ -193,6 +194,8 @@ class Trainer:
             h = int(strategy.H)  # type: ignore[attr-defined]
             config = replace(config, checkpoint_every=-(-config.checkpoint_every // h) * h)
         writes = os.environ.get("RANK", "0") == "0"  # only rank 0 writes the run directory
+        if writes:
+            loggers.require_installed(config)  # a missing wandb/tensorboard: one line, nothing trains
         run_id = config.run_id or (resume.run_id if resume else None) or os.environ.get("MESHTRAIN_RUN_ID")
         run_dir = RunDirectory.reserve(Path(config.out_dir), run_id, strategy.name, config.nodes) \
             if writes else None
@@ -202,7 +205,8 @@ class Trainer:
             checkpoints = resume.folder.parent if resume else checkpoint.checkpoint_folder(
                 config.out_dir, run_id)
             checkpoints.mkdir(parents=True, exist_ok=True)
-            if writes and "spec" in config.extra_config:
+            # Every launched host keeps its own checkpoints, so each needs the settings too.
+            if (writes or config.runtime == "launched") and "spec" in config.extra_config:
                 checkpoint.write_synced(checkpoints / checkpoint.SPEC, lambda f: f.write(
                     yaml.safe_dump(config.extra_config["spec"], sort_keys=False).encode()))
         return NodeJob(
@@ -340,7 +344,10 @@ def train_node(
         # Step 0: the global model before training, so every run shows before and after.
         initial = evaluator.evaluate(strategy.params_data()) if evaluator else {}
     progress = Progress(max_steps, enabled=cfg.progress and rank == 0, title=strategy.name)
-    shown = _ProgressNumbers(comm, startup_sent, max_steps) if cfg.progress else None
+    # Loggers (rank 0) get the progress bar's numbers on its schedule, so they need them too.
+    live = loggers.RunLoggers.for_run(job, strategy, initial) if rank == 0 else loggers.RunLoggers()
+    shown = _ProgressNumbers(comm, startup_sent, max_steps) \
+        if cfg.progress or loggers.wanted(cfg) else None
 
     def save_checkpoint(steps_done: int) -> None:
         """Every node saves its state; rank 0 publishes the checkpoint once all have."""
@@ -365,8 +372,10 @@ def train_node(
             checkpoint.commit(job.checkpoints, steps_done, job.run_id,
                               {h["rank"]: h["sha256"] for h in hashes}, cfg.keep_checkpoints, cfg.nodes)
 
+    # A rank of `meshtrain launch` tells the launcher's live view where it is (heartbeat.py).
+    status = status_reporter(max_steps, first_step) if cfg.runtime == "launched" else None
     loop_started = time.perf_counter()
-    with progress:
+    with progress, live.closed_on_failure():
         for step in range(first_step, max_steps):
             comm.check_abort()  # another node failed or the run was interrupted: stop here
             node.step = comm.step = step
@@ -400,14 +409,22 @@ def train_node(
                 _check_sync(strategy, comm, step)
             losses.append(loss_value)
             seconds.append(seconds_before + time.time() - job.started)
+            if status is not None:
+                status.step_done(step + 1, loss_value, comm.log.bytes_sent, strategy)
             last = step == max_steps - 1
             if cfg.val_interval and (step + 1) % cfg.val_interval == 0 and not last and val_batches:
                 history_val[step] = _validate(strategy, model, comm, evaluator, val_batches)
+                live.log(history_val[step], step + 1)
             if cfg.checkpoint_every and (step + 1) % cfg.checkpoint_every == 0 and not last:
                 save_checkpoint(step + 1)
             if shown is not None and shown.due(step):
-                progress.update(step + 1, *shown.collect(loss_value))
+                mean_loss_now, sent_now = shown.collect(loss_value)
+                progress.update(step + 1, mean_loss_now, sent_now)
+                live.log({"train_loss": mean_loss_now, "total_bytes_sent": sent_now}, step + 1)
         strategy.finish(max_steps - 1)
+        if status is not None:  # with the final sync's bytes
+            status.step_done(max_steps, losses[-1] if losses else None, comm.log.bytes_sent, strategy,
+                             final=True)
         if cfg.check_sync:
             _check_sync(strategy, comm, max_steps - 1)
         if shown is not None:  # the final sync's bytes count too
@@ -431,6 +448,10 @@ def train_node(
         for row in history:
             row["skipped"] = int(row["step"] in skipped_steps)
     summary["projected"] = _projection(job, comm, loop_seconds, max_steps)
+    _add_projected_seconds(history, comm.log.records, get_cluster(cfg.cluster),
+                           summary["projected"]["step_seconds"])
+    with live.closed_on_failure():  # before the run directory is committed (TensorBoard's files)
+        live.finish(history[-1], summary)
     run_dir = _write_run(job, strategy, model, history, summary, progress.lines)
     return FitResult(model=model, history=history, run_dir=run_dir, summary=summary)
 
@@ -702,6 +723,20 @@ def _projection(job: NodeJob, comm: Communicator, loop_seconds: float, steps: in
         step_seconds = measured_step_seconds(loop_seconds, comm.log.seconds, steps, cfg.nodes)
     out = project(comm.log.records, get_cluster(cfg.cluster), steps, step_seconds)
     return {**out, "step_seconds": step_seconds}
+
+
+def _add_projected_seconds(history: list[dict[str, Any]], records: list[CommRecord], cluster: Cluster,
+                           step_seconds: float) -> None:
+    """metrics.csv's ``projected_seconds``: the summary's projection, cumulative step by step
+    (rank 0's collectives of each step plus its compute); the last row equals its total."""
+    comm_seconds = [0.0] * len(history)
+    for r in records:
+        if r.step >= 0:  # a collective after the last step (the final sync) counts in the last step
+            comm_seconds[min(r.step, len(history) - 1)] += collective_seconds(r, cluster)
+    total = 0.0
+    for row, seconds in zip(history, comm_seconds, strict=True):
+        total += step_seconds / cluster.speed + seconds
+        row["projected_seconds"] = total
 
 
 def _write_run(

@@ -375,7 +375,11 @@ def test_a_signal_stops_the_copy_back(world: SshWorld, tmp_path: Path, signum: i
     assert (f"meshtrain: {signal.Signals(signum).name} received during the copy-back; the run directory is "
             f"still on alpha: {remote} (fetch it with: mkdir -p") in output, output
     assert "Traceback" not in output
-    assert list((tmp_path / "runs").iterdir()) == []  # neither a partial copy nor a finished one
+    # Neither a partial copy nor a finished one: only the ranks' own output, kept and named.
+    logs = tmp_path / "runs" / f"{run_id}.ranks"
+    assert list((tmp_path / "runs").iterdir()) == [logs]
+    assert f"every rank's output: {logs}/" in output, output
+    assert (logs / "alpha-r0.log").read_text() == "rank 0 wrote\n"
 
 
 # --------------------------------------------------------------------------- no sftp

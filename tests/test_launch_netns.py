@@ -6,7 +6,8 @@ sshd and its own address (10.200.0.10, 10.200.0.11), the launcher in a third nam
   thread count included (floating-point sums are grouped differently at 1 and 2 threads).
 * ``hosts check`` reaches rank 0's rendezvous port from both hosts.
 * An address where no host answers is a one-line error before anything starts.
-* A host whose network drops mid-run is noticed, and the other rank is stopped in < 15 s.
+* A host whose network drops mid-run is noticed by its missing heartbeats, and the other
+  rank is stopped.
 
 Skipped (with the reason) where namespaces or sshd cannot be had.
 """
@@ -135,17 +136,15 @@ def test_host_dropping_off_the_network_stops_the_run(world, tmp_path: Path) -> N
     try:
         read_until(proc, ["rank 0 ready", "rank 1 ready"], timeout=30)
         ns.set_link(ns.hosts[1], up=False)  # box1's cable is pulled
-        dropped_at = time.monotonic()
-        try:
-            output, _ = proc.communicate(timeout=40)
-            elapsed = time.monotonic() - dropped_at
+        try:  # without the heartbeat the run would sleep on for 600 s: TimeoutExpired here
+            output, _ = proc.communicate(timeout=60)
         finally:
             ns.set_link(ns.hosts[1], up=True)
     finally:
         proc.kill()
     assert proc.returncode == 1, output
-    assert re.search(r"rank 1 on box1 stopped answering for \d+ s", output), output
-    assert elapsed < 15, output
+    # Noticed by the missing heartbeats (6 s here), not by a connection timing out.
+    assert re.search(r"rank 1 on box1 stopped answering for 6 s", output), output
     # Rank 0 was stopped by the launcher; rank 1, cut off, ends when its sshd gives up on
     # the dead session (ClientAliveInterval 5 x 3 here) or the reconnected network resets it.
     assert "could not confirm these ranks stopped: rank 1 on box1" in output

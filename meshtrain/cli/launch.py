@@ -8,7 +8,9 @@ launcher stopped by Ctrl-C or SIGTERM exits 130 or 143 after stopping every rank
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from rich.text import Text
 from meshtrain.launch.checks import CHECKS, check_hosts
 from meshtrain.launch.inventory import Inventory, InventoryError, load_inventory
 from meshtrain.launch.launcher import LaunchOptions, PreflightError, launch, new_launch_id, training_argv
+from meshtrain.launch.live import rank_output
 
 # Piped output (CI logs, tests) gets room for the whole table rather than 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -30,6 +33,7 @@ FORWARDED = {
     "profile": "--profile", "strategy": "--strategy", "task": "--task", "data": "--data",
     "steps": "--steps", "batch_size": "--batch-size", "microbatch_size": "--microbatch-size",
     "lr": "--lr", "seed": "--seed", "val_interval": "--val-interval",
+    "checkpoint_every": "--checkpoint-every", "keep_checkpoints": "--keep",
 }
 
 
@@ -37,6 +41,21 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     """Print one clear line (no traceback) and return the exit to raise."""
     errors.print(Text.assemble(("error: ", "bold red"), message), soft_wrap=True)
     return typer.Exit(code)
+
+
+def resume_command(args: list[str], run_id: str) -> str:
+    """The command line that continues ``run_id``: this one, with ``--resume RUN_ID`` in
+    place of any ``--run-id``/``--resume`` it had."""
+    kept: list[str] = []
+    skip = False
+    for word in args:
+        if skip:
+            skip = False
+        elif word in ("--run-id", "--resume"):
+            skip = True
+        elif not word.startswith(("--run-id=", "--resume=")):
+            kept.append(word)
+    return shlex.join(["meshtrain", *kept, "--resume", run_id])
 
 
 def _inventory(path: Path) -> Inventory:
@@ -80,6 +99,107 @@ def hosts_check(
     console.print(f"all {inv.world_size} hosts ready")
 
 
+def hosts_bench(
+    inventory: Path = typer.Argument(..., help="Inventory file (hosts/NAME.yaml); at least 2 hosts."),
+    out: Path = typer.Option(None, "--out", help="Cluster file to write (default: clusters/NAME.yaml)."),
+    name: str = typer.Option(None, "--name", help="The cluster's name (default: the inventory's file name)."),
+    description: str = typer.Option(None, "--description", help="What the cluster is, in words."),
+    min_size: str = typer.Option("4KB", "--min-size", help="Smallest all-reduce buffer (4096, 64KB, 1MiB)."),
+    max_size: str = typer.Option("16MB", "--max-size", help="Largest all-reduce buffer: big enough that "
+                                                            "bandwidth, not latency, decides its time."),
+    points: int = typer.Option(8, "--points", help="Buffer sizes from --min-size to --max-size (log scale)."),
+    repeats: int = typer.Option(5, "--repeats", help="Timed all-reduces per size (the median counts)."),
+    shared_medium: bool = typer.Option(
+        False, "--shared-medium", help="The hosts share one medium (Wi-Fi): the model then divides "
+                                       "its bandwidth among the hosts talking at once."),
+    speed: float = typer.Option(1.0, "--speed", help="The hosts' compute speed relative to one core "
+                                                     "of this machine (not measured)."),
+    accept_new_host_keys: bool = typer.Option(
+        False, "--accept-new-host-keys", help="Trust hosts seen for the first time (records their keys)."),
+) -> None:
+    """Measure latency and bandwidth between the hosts and write a cluster file.
+
+    Every host runs as a rank of a launch (same SSH checks and rendezvous
+    as `launch`) and all-reduces buffers of growing size with meshtrain's
+    own ring over gloo. The alpha-beta model (all-reduce = 2(g-1) latency
+    + bytes / bandwidth) is fitted to the median times by least squares;
+    the table compares measured and model times. Then:
+
+      meshtrain simulate --strategy diloco --cluster clusters/NAME.yaml
+    """
+    from meshtrain.cluster import cluster_file_text
+    from meshtrain.launch.bench import (
+        BENCH_FILE,
+        BenchError,
+        bench_sizes,
+        fit_alpha_beta,
+        fitted_cluster,
+        model_seconds,
+        parse_size,
+        samples_from_json,
+    )
+    from meshtrain.launch.launcher import REMOTE_RUNS
+    from meshtrain.progress import human_bytes
+    from meshtrain.run_dir import atomic_write_text
+
+    inv = _inventory(inventory)
+    if inv.world_size < 2:
+        raise fail(f"{inventory}: a benchmark needs at least 2 hosts, the inventory has {inv.world_size}")
+    if repeats < 1:
+        raise fail(f"--repeats: expected a whole number >= 1, got {repeats}")
+    if not 0 < speed < float("inf"):
+        raise fail(f"--speed: expected a relative speed > 0, got {speed}")
+    try:
+        sizes = bench_sizes(parse_size(min_size), parse_size(max_size), points)
+    except BenchError as exc:
+        raise fail(str(exc)) from None
+    name = name or inventory.stem
+    out = out or Path("clusters") / f"{name}.yaml"
+    argv = ["python", "-m", "meshtrain.launch.bench", "--sizes", ",".join(map(str, sizes)),
+            "--repeats", str(repeats)]
+    with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as tmp:
+        run_id = new_launch_id("bench", inv.world_size, Path(tmp))
+        argv += ["--out", f"{REMOTE_RUNS}/{run_id}/{BENCH_FILE}"]  # copied back like a run directory
+        options = LaunchOptions(run_id=run_id, out_dir=Path(tmp), accept_new_host_keys=accept_new_host_keys)
+        try:
+            result = launch(inv, argv, options, training=False)
+        except PreflightError as exc:
+            for problem in exc.problems:
+                errors.print(Text.assemble(("error: ", "bold red"), problem), soft_wrap=True)
+            raise typer.Exit(2) from None
+        for failure in result.failures:
+            errors.print(Text.assemble(("failed: ", "bold red"), f"rank {failure.rank} on "
+                                       f"{failure.host.name} ({failure.host.label}) {failure.reason}"),
+                         soft_wrap=True)
+        timings = Path(tmp) / run_id / BENCH_FILE
+        if result.exit_code != 0 or not timings.is_file():
+            raise fail("the benchmark did not finish; no cluster file was written",
+                       code=result.exit_code or 1)
+        try:
+            samples = samples_from_json(timings.read_text(), f"{inv.hosts[0].name}:{BENCH_FILE}")
+            fit = fit_alpha_beta(samples)
+        except BenchError as exc:
+            raise fail(str(exc), code=1) from None
+    labels = ", ".join(h.name for h in inv.hosts)
+    cluster = fitted_cluster(fit, name, description or f"measured by meshtrain hosts bench on {labels}",
+                             shared_medium=shared_medium, speed=speed)
+    table = Table(title=f"all-reduce over {inv.world_size} hosts: measured vs fitted model",
+                  caption=str(inventory))
+    for column in ("buffer", "sent per host", "measured", "model", "model error"):
+        table.add_column(column, justify="right")
+    for s in samples:
+        predicted = model_seconds(s, cluster)
+        table.add_row(human_bytes(s.payload_bytes), human_bytes(s.moved_bytes), f"{s.seconds * 1e3:.3f} ms",
+                      f"{predicted * 1e3:.3f} ms", f"{(predicted - s.seconds) / s.seconds:+.0%}")
+    console.print(table)
+    shared = " (shared by the hosts)" if shared_medium else " per link"
+    console.print(f"fitted: latency {cluster.latency * 1e3:.3f} ms per message, bandwidth "
+                  f"{human_bytes(cluster.bandwidth)}/s{shared}", highlight=False)
+    atomic_write_text(out, cluster_file_text(
+        cluster, f"meshtrain hosts bench {inventory}: {len(samples)} sizes x {repeats} repeats"))
+    console.print(f"wrote {out}; use it with: meshtrain simulate --cluster {out}", highlight=False)
+
+
 def _check_training_flags(flags: dict[str, Any], overrides: list[str]) -> None:
     """Catch bad training flags here (exit 2) rather than on every host."""
     from meshtrain.config import ConfigError, RunSpec, load_profile, parse_set, strategy_class
@@ -111,12 +231,13 @@ def _apply_overrides(inv: Inventory, threads: int | None, heartbeat_timeout: flo
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``hosts check`` and ``launch`` to the ``meshtrain`` app."""
+    """Add ``hosts check``, ``hosts bench`` and ``launch`` to the ``meshtrain`` app."""
     from meshtrain.cli.main import TRAINING_FLAGS as F
 
     hosts_app = typer.Typer(help="Check the machines of an inventory before launching.",
                             no_args_is_help=True)
     hosts_app.command("check")(hosts_check)
+    hosts_app.command("bench")(hosts_bench)
     app.add_typer(hosts_app, name="hosts")
 
     @app.command("launch")
@@ -139,6 +260,10 @@ def register(app: typer.Typer) -> None:
             None, "--heartbeat-timeout", help="Stop the run when a rank sends no heartbeat for this many "
                                               "seconds (stopped or hung); default: the inventory's "
                                               "rendezvous.heartbeat_timeout, else 30."),
+        plain: bool = typer.Option(
+            False, "--plain", help="Stream every rank's lines prefixed with host and rank instead of the "
+                                   "live panel (one row per host: step, loss, steps/s, sent, memory, "
+                                   "state); always so when the output is not a terminal."),
         profile: str = F["profile"],
         strategy: str = F["strategy"],
         task: str = F["task"],
@@ -151,6 +276,19 @@ def register(app: typer.Typer) -> None:
         seed: int = F["seed"],
         val_interval: int = F["val_interval"],
         set_: list[str] = F["set_"],
+        checkpoint_every: int = typer.Option(
+            None, "--checkpoint-every", help="Every rank checkpoints its state every N steps into its "
+                                             "host's workdir (runs/RUN-ID.checkpoints/).",
+            rich_help_panel="Long runs"),
+        keep: int = typer.Option(None, "--keep", help="Checkpoints each host keeps (default 2).",
+                                 rich_help_panel="Long runs"),
+        resume: str = typer.Option(
+            None, "--resume", help="Continue the launch RUN-ID from the newest checkpoint every host "
+                                   "holds (give the same inventory and flags).", rich_help_panel="Long runs"),
+        max_restarts: int = typer.Option(
+            0, "--max-restarts", min=0, rich_help_panel="Long runs",
+            help="When a rank fails, start every rank again from the last checkpoint, up to this "
+                 "many times."),
     ) -> None:
         """Train with one rank per host of INVENTORY, or run a command on every host (after --).
 
@@ -161,8 +299,13 @@ def register(app: typer.Typer) -> None:
         inv = _inventory(inventory)
         flags = dict(profile=profile, strategy=strategy, task=task, data=data, steps=steps,
                      batch_size=batch_size, microbatch_size=microbatch_size, lr=lr, seed=seed,
-                     val_interval=val_interval)
+                     val_interval=val_interval, checkpoint_every=checkpoint_every, keep_checkpoints=keep)
         training = not command
+        if command and (resume or max_restarts):
+            raise fail("--resume and --max-restarts continue a training run: give training flags, "
+                       "not a command after --")
+        if resume and run_id and resume != run_id:
+            raise fail(f"--resume {resume} continues that run id: drop --run-id {run_id}")
         if command and (any(v is not None for v in flags.values()) or set_ or device):
             raise fail("give training flags or a command after --, not both")
         for f in upload:
@@ -182,15 +325,22 @@ def register(app: typer.Typer) -> None:
             label = strategy or "train"
         else:
             argv, label = list(command), "script"
-        options = LaunchOptions(run_id=run_id or new_launch_id(label, inv.world_size, out), out_dir=out,
-                                accept_new_host_keys=accept_new_host_keys, uploads=list(upload))
+        options = LaunchOptions(run_id=resume or run_id or new_launch_id(label, inv.world_size, out),
+                                out_dir=out, accept_new_host_keys=accept_new_host_keys,
+                                uploads=list(upload), resume=bool(resume), max_restarts=max_restarts)
+        output = rank_output([h.name for h in inv.hosts], plain=plain, title=options.run_id,
+                             log_dir=out / f"{options.run_id}.ranks")  # moved into the run directory
         try:
-            result = launch(inv, argv, options, training=training)
+            with output:
+                result = launch(inv, argv, options, training=training, output=output)
         except PreflightError as exc:
             for problem in exc.problems:
                 errors.print(Text.assemble(("error: ", "bold red"), problem), soft_wrap=True)
             errors.print("nothing was started; `meshtrain hosts check` shows every host's state")
             raise typer.Exit(2) from None
+        logs = output.keep_logs(result.run_dir)
+        if logs:
+            console.print(logs, highlight=False, soft_wrap=True)
         for failure in result.failures:
             errors.print(Text.assemble(
                 ("failed: ", "bold red"),
@@ -200,6 +350,12 @@ def register(app: typer.Typer) -> None:
                 errors.print(f"last lines of rank {failure.rank}:", style="bold")
                 for line in failure.tail[-10:]:
                     errors.print(Text(f"  {line}"), soft_wrap=True)
+        for event in result.restarts:
+            console.print(f"restarted after rank {event['rank']} on {event['host']} {event['reason']}",
+                          highlight=False)
+        if result.exit_code == 1 and training and checkpoint_every:
+            errors.print("the checkpoints stay on every host; continue with: "
+                         + resume_command(sys.argv[1:], options.run_id), highlight=False, soft_wrap=True)
         if result.copy_failed:
             console.print(f"all {inv.world_size} ranks finished in {result.seconds:.1f} s, but the run "
                           "directory was not copied back (see above)", highlight=False)

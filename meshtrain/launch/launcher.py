@@ -14,6 +14,7 @@ directory is copied back to the launching machine.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -31,7 +32,7 @@ import paramiko
 from meshtrain.comm.rendezvous import SECRET_FILE_ENV, new_secret
 from meshtrain.launch.heartbeat import HEARTBEAT_FD, heartbeat_interval
 from meshtrain.launch.inventory import Host, Inventory
-from meshtrain.launch.output import RankOutput
+from meshtrain.launch.output import STOPPED, RankOutput
 from meshtrain.launch.ssh import Heartbeat, RemoteProcess, SSHError, connect, remote_path, run, sh
 from meshtrain.launch.transfer import (
     TransferError,
@@ -42,8 +43,10 @@ from meshtrain.launch.transfer import (
     remote_dir_exists,
     sftp_path,
 )
+from meshtrain.run_dir import atomic_write_text
 
 POLL_SECONDS = 0.1
+RESTART_WAIT_S = 120.0  # before a restart: how long a cut-off host may take to come back
 REMOTE_RUNS = "runs"  # under each host's workdir: where rank 0 writes <run_id>/
 
 
@@ -58,6 +61,8 @@ class LaunchOptions:
     connect_timeout: float = 10.0
     host_timeout: float = 6.0  # a host that answers nothing this long has dropped
     grace: float = 2.0  # seconds from Ctrl-C to SIGTERM, and from SIGTERM to SIGKILL
+    resume: bool = False  # continue run_id from the newest checkpoint every host holds
+    max_restarts: int = 0  # after a failure, start every rank again from that checkpoint
 
 
 @dataclass
@@ -81,6 +86,7 @@ class LaunchResult:
     teardown_seconds: float | None = None  # from the failure (or signal) to every rank stopped
     leftovers: list[str] = field(default_factory=list)  # ranks that could not be confirmed stopped
     copy_failed: bool = False  # every rank succeeded but the run directory could not be copied back
+    restarts: list[dict[str, object]] = field(default_factory=list)  # each restart: why, from which step
 
 
 class PreflightError(RuntimeError):
@@ -250,31 +256,109 @@ def launch(inventory: Inventory, argv: list[str], options: LaunchOptions, *, tra
            output: RankOutput | None = None) -> LaunchResult:
     """Run one rank per host and wait for all of them; see the module docstring.
 
+    With ``options.max_restarts``, a failed training run starts again on every host
+    from the newest checkpoint all hosts hold (from step 0 if there is none yet), up to
+    that many times; each restart is reported and listed in ``restarts``.
+
     Raises :class:`PreflightError` (nothing started) when a host is not ready.
     """
     started = time.monotonic()
     output = output or RankOutput([h.name for h in inventory.hosts])
+    restarts: list[dict[str, object]] = []
+    resume = options.resume
+    while True:
+        may_restart = training and len(restarts) < options.max_restarts
+        result = _launch_once(inventory, argv, options, output, training=training, resume=resume,
+                              restarting=bool(restarts), may_restart=may_restart)
+        can_restart = training and result.exit_code == 1 and not result.copy_failed
+        if not can_restart or len(restarts) >= options.max_restarts:
+            break
+        if result.leftovers:  # a rank may still be running: a second copy must not join it
+            output.note("not restarting: some ranks could not be confirmed stopped", style="bold red")
+            break
+        why = result.failures[0]
+        restarts.append({"rank": why.rank, "host": why.host.name, "reason": why.reason})
+        output.note(f"restart {len(restarts)} of {options.max_restarts}: starting every rank again "
+                    "from the last checkpoint", style="bold yellow")
+        resume = True
+    result.restarts = restarts
+    if restarts and result.run_dir is not None:
+        _record_restarts(result.run_dir, restarts)
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def _launch_once(inventory: Inventory, argv: list[str], options: LaunchOptions, output: RankOutput,
+                 *, training: bool, resume: bool, restarting: bool, may_restart: bool) -> LaunchResult:
+    """One attempt: preflight every host, start the ranks, wait for them."""
     clients = preflight(inventory, options)
     ranks = [_Rank(h, c) for h, c in zip(inventory.hosts, clients, strict=True)]
     secret = new_secret()  # this launch's: only its ranks can join its rendezvous
     try:
+        if resume:
+            step = common_checkpoint(ranks, options)
+            if step is None and not restarting:
+                raise PreflightError([f"--resume {options.run_id}: no checkpoint that every host holds "
+                                      f"(in {REMOTE_RUNS}/{options.run_id}.checkpoints/ of each workdir)"])
+            _forget_unfinished_run(ranks[0], options)
+            if step is None:
+                output.note("no checkpoint yet: starting again from step 0", style="bold yellow")
+            else:
+                output.note(f"resuming {options.run_id} after step {step} (the newest checkpoint every "
+                            "host holds)", style="bold")
+                argv = [*argv, "--resume", f"{_checkpoints(options)}/step-{step:06d}"]
         for r in ranks:
             upload(r.client, r.host, options.uploads)
             deliver_secret(r.client, r.host, options.run_id, secret, options.connect_timeout)
         with _stop_on_signals() as stop:
-            result = _run_ranks(inventory, ranks, argv, options, output, stop, training=training)
+            return _run_ranks(inventory, ranks, argv, options, output, stop, training=training,
+                              may_restart=may_restart)
     finally:
         for r in ranks:
             if r.heartbeat is not None:
                 r.heartbeat.stop()
             _forget_secret(r.client, r.host, options.run_id)
             r.client.close()
-    result.seconds = time.monotonic() - started
-    return result
+
+
+def _checkpoints(options: LaunchOptions) -> str:
+    """Where each rank keeps its checkpoints, relative to its workdir."""
+    return f"{REMOTE_RUNS}/{options.run_id}.checkpoints"
+
+
+def common_checkpoint(ranks: list[_Rank], options: LaunchOptions) -> int | None:
+    """The newest checkpoint step that every host holds complete (its meta.json written
+    last), or None. Each host keeps only its own rank's state, so all must have it."""
+    common: set[int] | None = None
+    for r in ranks:
+        found = run(r.client, sh(f"cd {remote_path(r.host.workdir)} 2>/dev/null || exit 0; "
+                                 f"for d in {_checkpoints(options)}/step-*; do "
+                                 '[ -f "$d/meta.json" ] && echo "${d##*/step-}"; done; exit 0'),
+                    timeout=options.connect_timeout)
+        steps = {int(word) for word in found.stdout.split() if word.isdigit()}
+        common = steps if common is None else common & steps
+    return max(common) if common else None
+
+
+def _forget_unfinished_run(rank0: _Rank, options: LaunchOptions) -> None:
+    """Remove the hidden run directory a stopped rank 0 left, so the run id can be used
+    again (every rank was confirmed stopped before a restart or a resume)."""
+    run(rank0.client, sh(f"rm -rf {remote_path(rank0.host.workdir)}/{REMOTE_RUNS}/.{options.run_id}.partial"),
+        timeout=options.connect_timeout)
+
+
+def _record_restarts(run_dir: Path, restarts: list[dict[str, object]]) -> None:
+    """Add the restarts to the copied-back run's summary.json (``"restarts"``)."""
+    summary_file = run_dir / "summary.json"
+    if summary_file.is_file():
+        summary = json.loads(summary_file.read_text())
+        summary["restarts"] = restarts
+        atomic_write_text(summary_file, json.dumps(summary, indent=2) + "\n")
 
 
 def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], options: LaunchOptions,
-               output: RankOutput, stop: _Signal, *, training: bool) -> LaunchResult:
+               output: RankOutput, stop: _Signal, *, training: bool,
+               may_restart: bool = False) -> LaunchResult:
     failures: list[RankFailure] = []
     try:
         for r in ranks:
@@ -282,6 +366,7 @@ def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], option
             r.process = RemoteProcess(r.client, command,
                                       lambda line, rank=r.host.rank: output.line(rank, line))
             r.heartbeat = Heartbeat(r.client)
+            output.watch(r.host.rank, r.process)  # the live view shows its heartbeats
     except Exception as exc:  # noqa: BLE001 - a host dropped while starting: stop the others
         r.outcome = f"could not start: {exc}"
         failures.append(RankFailure(r.host.rank, r.host, r.outcome, []))
@@ -290,6 +375,8 @@ def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], option
         for r in ranks:
             if r.outcome is None:
                 r.outcome = _outcome(r, options, inventory.rendezvous.heartbeat_timeout)
+                if r.outcome is not None:
+                    output.ended(r.host.rank, r.outcome)
                 if r.outcome is not None and r.outcome != "ok":
                     failures.append(RankFailure(r.host.rank, r.host, r.outcome, output.tail(r.host.rank)))
         if all(r.outcome == "ok" for r in ranks):
@@ -306,13 +393,17 @@ def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], option
         output.note(f"{signal.Signals(stop.signum).name} received; stopping every rank",  # type: ignore[arg-type]
                     style="bold yellow")
     t0 = time.monotonic()
-    leftovers = _teardown(ranks, options)
+    unconfirmed = _teardown(ranks, options)
     teardown_seconds = time.monotonic() - t0
-    output.note(f"all ranks stopped in {teardown_seconds:.1f} s" if not leftovers else
-                "could not confirm these ranks stopped: " + "; ".join(leftovers), style="bold")
+    for r in ranks:  # the live view: who failed, and who was stopped because of it
+        output.ended(r.host.rank, r.outcome or STOPPED)
+    output.note(f"all ranks stopped in {teardown_seconds:.1f} s" if not unconfirmed else
+                "could not confirm these ranks stopped: " + "; ".join(unconfirmed.values()), style="bold")
+    if unconfirmed and failures and may_restart:
+        unconfirmed = _stop_when_back(ranks, unconfirmed, options, output, RESTART_WAIT_S)
     _report_incomplete(ranks[0], options, output)
     code = 1 if failures else 128 + int(stop.signum)  # type: ignore[arg-type]
-    return LaunchResult(code, failures, None, 0.0, teardown_seconds, leftovers)
+    return LaunchResult(code, failures, None, 0.0, teardown_seconds, list(unconfirmed.values()))
 
 
 def _outcome(r: _Rank, options: LaunchOptions, heartbeat_timeout: float) -> str | None:
@@ -334,10 +425,10 @@ def _outcome(r: _Rank, options: LaunchOptions, heartbeat_timeout: float) -> str 
     return None
 
 
-def _teardown(ranks: list[_Rank], options: LaunchOptions) -> list[str]:
+def _teardown(ranks: list[_Rank], options: LaunchOptions) -> dict[int, str]:
     """Stop every rank and whatever it started, all hosts at once.
 
-    Returns the ranks that could not be confirmed stopped.
+    Returns the ranks that could not be confirmed stopped: rank -> what to tell the user.
     """
     def stop(r: _Rank) -> str | None:
         p = r.process
@@ -360,7 +451,23 @@ def _teardown(ranks: list[_Rank], options: LaunchOptions) -> list[str]:
         return None if gone else _kill_from_new_connection(r, options)
 
     with ThreadPoolExecutor(max_workers=max(1, len(ranks))) as pool:
-        return [msg for msg in pool.map(stop, ranks) if msg is not None]
+        stopped = dict(zip((r.host.rank for r in ranks), pool.map(stop, ranks), strict=True))
+    return {rank: msg for rank, msg in stopped.items() if msg is not None}
+
+
+def _stop_when_back(ranks: list[_Rank], unconfirmed: dict[int, str], options: LaunchOptions,
+                    output: RankOutput, seconds: float) -> dict[int, str]:
+    """Before a restart: wait up to ``seconds`` for the hosts of ranks that could not be
+    stopped (cut off the network) to answer again, and stop those ranks then. A rank
+    left running could otherwise hold its GPU or write into the restarted run."""
+    names = ", ".join(f"rank {rank} on {ranks[rank].host.name}" for rank in unconfirmed)
+    output.note(f"waiting up to {seconds:.0f} s to reach {names} again and stop it", style="bold yellow")
+    deadline = time.monotonic() + seconds
+    while unconfirmed and time.monotonic() < deadline:
+        time.sleep(1.0)
+        unconfirmed = {rank: msg for rank in unconfirmed
+                       if (msg := _kill_from_new_connection(ranks[rank], options)) is not None}
+    return unconfirmed
 
 
 def _kill_from_new_connection(r: _Rank, options: LaunchOptions) -> str | None:

@@ -1,0 +1,233 @@
+"""The live view of a launch: one row per host above the streamed log, on a terminal.
+
+    ┏━━━━━━┳━━━━━━┳━━━━━━━━━━┳━━━━━━━┳━━━━━━━━┳━━━━━━━━━┳━━━━━━━━━━━┳━━━━━━━━━┳━━━━━━━━━┳━━━━━━━┓
+    ┃ host ┃ rank ┃ state    ┃  step ┃   loss ┃ steps/s ┃ last sync ┃    sent ┃  memory ┃ heard ┃
+    ┡━━━━━━╇━━━━━━╇━━━━━━━━━━╇━━━━━━━╇━━━━━━━━╇━━━━━━━━━╇━━━━━━━━━━━╇━━━━━━━━━╇━━━━━━━━━╇━━━━━━━┩
+    │ box0 │    0 │ training │ 12/20 │ 0.5312 │     8.1 │        10 │ 1.23 MB │ 310 MB  │ 0.2 s │
+
+Two parts, kept apart so the model can be tested without a terminal:
+
+* :class:`ClusterView` (pure data): folds the ranks' :class:`RankStatus` messages,
+  their heartbeats and how each ended into one :class:`HostRow` per host.
+* :func:`render_cluster` turns it into a rich table; :class:`LiveOutput` is the
+  :class:`RankOutput` that shows that table with the latest log lines under it in a
+  rich ``Live`` display (every line still goes to the per-rank logs).
+
+States: starting (no status yet), training, finishing (past the last step: final
+evaluation, writing the run directory), done, failed (exited non-zero or could not
+start), lost (connection lost, host or process silent), stopped (by the launcher,
+after another rank failed or on Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import TextIO
+
+from rich.console import Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from meshtrain.launch.heartbeat import RankStatus
+from meshtrain.launch.output import COLOURS, STOPPED, BeatSource, RankOutput
+from meshtrain.progress import human_bytes
+
+STARTING, TRAINING, FINISHING = "starting", "training", "finishing"
+DONE, FAILED, LOST, STOPPED_STATE = "done", "failed", "lost", "stopped"
+STATE_STYLES = {STARTING: "dim", TRAINING: "green", FINISHING: "cyan", DONE: "bold green",
+                FAILED: "bold red", LOST: "bold red", STOPPED_STATE: "yellow"}
+# The launcher's reasons for a rank it can no longer hear (see launcher._outcome).
+_LOST_REASONS = ("lost connection", "stopped answering", "sent no heartbeat")
+LOG_LINES = 200  # log lines the live view keeps; it shows as many as the terminal fits
+REFRESH_PER_SECOND = 4
+
+
+@dataclass
+class HostRow:
+    """What the live view knows about one host's rank."""
+
+    host: str
+    rank: int
+    state: str = STARTING
+    step: int | None = None
+    steps: int | None = None
+    loss: float | None = None
+    steps_per_second: float | None = None
+    last_sync: int | None = None
+    bytes_sent: int | None = None
+    rss_bytes: int | None = None
+    last_heard: float | None = None  # monotonic time of its last beat, status or line
+    ended_at: float | None = None  # monotonic time it stopped
+    reason: str | None = None  # why it failed or was lost
+
+    def silent_for(self, now: float) -> float | None:
+        """Seconds since it was last heard (frozen once it stopped); None if never."""
+        if self.last_heard is None:
+            return None
+        return max(0.0, (self.ended_at if self.ended_at is not None else now) - self.last_heard)
+
+
+def state_for_outcome(outcome: str) -> str:
+    """The row state for a launcher outcome ("ok", :data:`STOPPED`, or a failure reason)."""
+    if outcome == "ok":
+        return DONE
+    if outcome == STOPPED:
+        return STOPPED_STATE
+    return LOST if outcome.startswith(_LOST_REASONS) else FAILED
+
+
+class ClusterView:
+    """The panel's model: one :class:`HostRow` per rank, updated from what ranks send.
+
+    Pure data: every method takes the time it happened at, so a stream of messages can
+    be replayed in a test.
+    """
+
+    def __init__(self, names: list[str]) -> None:
+        self.rows = [HostRow(name, rank) for rank, name in enumerate(names)]
+
+    def started(self, rank: int) -> None:
+        """``rank`` was started (again, on a restart): its row begins afresh."""
+        self.rows[rank] = HostRow(self.rows[rank].host, rank)
+
+    def fold(self, rank: int, status: RankStatus, now: float) -> None:
+        """Take in a status message from ``rank`` received at ``now``."""
+        row = self.rows[rank]
+        if row.ended_at is not None:
+            return  # a late message does not bring a stopped rank back
+        self.heard(rank, now)
+        row.step = status.step
+        for name in ("steps", "loss", "steps_per_second", "last_sync", "bytes_sent", "rss_bytes"):
+            value = getattr(status, name)
+            if value is not None:  # a field a message leaves out keeps its last value
+                setattr(row, name, value)
+        row.state = FINISHING if row.steps is not None and status.step >= row.steps else TRAINING
+
+    def heard(self, rank: int, when: float | None) -> None:
+        """``rank`` was heard from at ``when`` (a beat, a status, a line); None: not yet.
+        Once it stopped, how long it had been silent stays as it was."""
+        row = self.rows[rank]
+        if row.ended_at is None and when is not None and (row.last_heard is None or when > row.last_heard):
+            row.last_heard = when
+
+    def ended(self, rank: int, outcome: str, now: float) -> None:
+        """``rank`` stopped with the launcher's ``outcome``; the first one counts."""
+        row = self.rows[rank]
+        if row.ended_at is not None:
+            return
+        row.ended_at = now
+        row.state = state_for_outcome(outcome)
+        if row.state in (FAILED, LOST):
+            row.reason = outcome
+
+
+def render_cluster(view: ClusterView, now: float, title: str | None = None) -> Table:
+    """The panel: one row per host, ``now`` being the time the silences are measured to."""
+    table = Table(title=title, title_justify="left", expand=False)
+    table.add_column("host")
+    table.add_column("rank", justify="right")
+    table.add_column("state")
+    for name in ("step", "loss", "steps/s", "last sync", "sent", "memory", "heard"):
+        table.add_column(name, justify="right")
+    for row in view.rows:
+        silent = row.silent_for(now)
+        state = Text(row.state, style=STATE_STYLES[row.state])
+        if row.reason:
+            state.append(f" ({row.reason})", style="red")
+        table.add_row(
+            Text(row.host, style=f"bold {COLOURS[row.rank % len(COLOURS)]}"),
+            str(row.rank),
+            state,
+            _dash(row.step, lambda s, total=row.steps: str(s) if total is None else f"{s}/{total}"),
+            _dash(row.loss, lambda v: f"{v:.4f}"),
+            _dash(row.steps_per_second, lambda v: f"{v:.1f}"),
+            _dash(row.last_sync, str),
+            _dash(row.bytes_sent, human_bytes),
+            _dash(row.rss_bytes, human_bytes),
+            Text("-", style="dim") if silent is None else
+            Text(f"{silent:.1f} s", style="bold yellow" if silent > 10 and row.ended_at is None else ""),
+        )
+    return table
+
+
+def _dash(value: float | None, show: Callable[..., str]) -> Text:
+    return Text("-", style="dim") if value is None else Text(show(value))
+
+
+class LiveOutput(RankOutput):
+    """Rank output shown as the live panel with the latest log lines under it.
+
+    Use as a context manager around the launch: the display runs inside it, and its
+    last frame stays on the terminal afterwards. Everything else (tails for failure
+    reports, per-rank log files, status frames kept out of the text) is as in
+    :class:`RankOutput`.
+    """
+
+    def __init__(self, names: list[str], stream: TextIO | None = None,
+                 force_terminal: bool | None = None, log_dir: Path | None = None,
+                 title: str | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        super().__init__(names, stream, force_terminal, log_dir)
+        self.view = ClusterView(names)
+        self.title = title
+        self.clock = clock
+        self.log: deque[Text] = deque(maxlen=LOG_LINES)
+        self._sources: dict[int, BeatSource] = {}
+        self.live = Live(console=self.console, get_renderable=self.renderable,
+                         refresh_per_second=REFRESH_PER_SECOND, transient=False)
+
+    def __enter__(self) -> LiveOutput:
+        self.live.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.live.stop()  # draws the final frame once more and leaves it
+        self.close()
+
+    def watch(self, rank: int, source: BeatSource) -> None:
+        with self._lock:
+            self.view.started(rank)
+            self._sources[rank] = source
+
+    def note(self, text: str, style: str = "bold") -> None:
+        with self._lock:
+            self.log.append(Text(f"meshtrain: {text}", style=style, no_wrap=True, overflow="ellipsis"))
+
+    def renderable(self) -> RenderableType:
+        """The panel and, under it, as many recent log lines as the terminal has room for."""
+        with self._lock:
+            now = self.clock()
+            for rank, source in self._sources.items():
+                self.view.heard(rank, source.last_beat)
+            table = render_cluster(self.view, now, self.title)
+            room = max(3, self.console.height - len(self.view.rows) - 7)
+            return Group(table, *list(self.log)[-room:])
+
+    def _show(self, rank: int, text: str) -> None:
+        self.view.heard(rank, self.clock())
+        colour = f"bold {COLOURS[rank % len(COLOURS)]}"
+        # One terminal row per line: the display must not grow past the screen.
+        self.log.append(Text.assemble((self.prefixes[rank] + " | ", colour), text,
+                                      no_wrap=True, overflow="ellipsis"))
+
+    def _status(self, rank: int, status: RankStatus) -> None:
+        self.view.fold(rank, status, self.clock())
+
+    def _ended(self, rank: int, outcome: str) -> None:
+        self.view.ended(rank, outcome, self.clock())
+
+
+def rank_output(names: list[str], *, plain: bool, log_dir: Path | None = None,
+                title: str | None = None) -> RankOutput:
+    """The output for a launch: the live panel on a terminal unless ``plain``, else
+    today's prefixed lines (always when stdout is not a terminal: logs, pipes, CI)."""
+    if not plain and sys.stdout.isatty():
+        return LiveOutput(names, log_dir=log_dir, title=title)
+    return RankOutput(names, log_dir=log_dir)
