@@ -122,6 +122,7 @@ ROGUE = textwrap.dedent("""
 HOLD_PORT = textwrap.dedent("""
     import socket, sys, time
     s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the test before may leave TIME_WAIT
     s.bind((sys.argv[1], int(sys.argv[2])))
     s.listen()
     print("holding", flush=True)
@@ -174,7 +175,7 @@ def test_a_launch_on_a_port_in_use_fails_with_one_line(lan, tmp_path: Path) -> N
                           rendezvous={"port": PORT, "timeout": 60})
     rank0 = ns.addresses[ns.hosts[0]]
     holder = subprocess.Popen(["ip", "netns", "exec", ns.hosts[0], PYTHON, "-c", HOLD_PORT, rank0, str(PORT)],
-                              stdout=subprocess.PIPE, text=True)
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "holding"
         second = meshtrain(world, "launch", str(inv), "--out", str(tmp_path / "runs"), "--run-id", "second",

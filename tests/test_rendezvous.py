@@ -75,3 +75,26 @@ def test_nothing_listens_once_the_group_has_formed(tmp_path: Path) -> None:
     assert reports[0] == {"listening": {"gate": False}, "sum": 3.0}
     assert reports[1] == {"listening": {"gate": False, "tunnel": False}, "sum": 3.0}
     assert not (tmp_path / "secret-0").exists() and not (tmp_path / "secret-1").exists()
+
+
+def test_a_gate_can_reopen_its_port_after_refusing_a_connection() -> None:
+    """A refused connection is closed by the gate, leaving TIME_WAIT on the rendezvous
+    port: the next launch must still get the port, while a port in use stays refused."""
+    import pytest
+
+    from meshtrain.comm.rendezvous import Gate
+
+    port = free_port()
+    gate = Gate("127.0.0.1", port, store_port=free_port(), secret=b"s" * 64)
+    try:
+        intruder = socket.create_connection(("127.0.0.1", port), timeout=5)
+        intruder.settimeout(5)
+        intruder.recv(32)  # the challenge
+        intruder.sendall(b"x" * 64)  # a wrong answer: the gate closes first
+        assert intruder.recv(32) == b""
+        intruder.close()
+        with pytest.raises(RuntimeError, match=f"rendezvous port {port} on 127.0.0.1 is in use"):
+            Gate("127.0.0.1", port, store_port=free_port(), secret=b"s" * 64)
+    finally:
+        gate.close()
+    Gate("127.0.0.1", port, store_port=free_port(), secret=b"s" * 64).close()  # TIME_WAIT: fine

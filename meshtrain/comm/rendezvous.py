@@ -153,6 +153,10 @@ class Gate(_Listener):
                  admissions: int | None = None) -> None:
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
+        # The gate closes refused connections itself, which leaves them in TIME_WAIT on this
+        # port for a minute; without SO_REUSEADDR the next launch would find it "in use".
+        # (A port another program listens on is still refused, on Linux and macOS alike.)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((address, port))
         except OSError as exc:
