@@ -28,8 +28,9 @@ class Int8DDP(Strategy):
         self.comm.all_reduce(shared, op="max")  # the largest scale, and who had gradients
         scale = shared[:1]
         quantised = torch.round(flat / scale * 127).to(torch.int8)
-        total = torch.stack(self.comm.all_gather(quantised)).to(torch.int32).sum(0)
-        mean = total.to(flat.dtype) * (scale / 127 / self.comm.world_size)
+        gathered = self.comm.all_gather(quantised)  # one per node taking part
+        total = torch.stack(gathered).to(torch.int32).sum(0)
+        mean = total.to(flat.dtype) * (scale / 127 / len(gathered))
         for g, piece in zip(grads, mean.split([g.numel() for g in grads]), strict=True):
             g.copy_(piece.view_as(g))
         self.release_unused_grads(shared[1:])  # no gradient anywhere: leave it untouched

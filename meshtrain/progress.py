@@ -56,6 +56,16 @@ class Progress:
                 print(line, flush=True)
             self._next_line = step + max(1, self.total // 10)
 
+    def note(self, line: str) -> None:
+        """An event worth a line of its own (a node leaving), above the bar and in the log."""
+        if not self.enabled:
+            return
+        self.lines.append(line)
+        if self._bar is not None:
+            self._bar.console.print(line, highlight=False, markup=False)
+        else:
+            print(line, flush=True)
+
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
         tb: TracebackType | None,

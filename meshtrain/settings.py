@@ -14,7 +14,10 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field, fields
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, Union
+
+if TYPE_CHECKING:
+    from meshtrain.faults import FaultPlan
 
 RUNTIMES = ("threads", "processes", "launched")
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -85,6 +88,14 @@ class TrainConfig:
     tensorboard: bool = _setting(False, "Also write TensorBoard event files into <run>/tensorboard/ "
                                         "(the numbers of metrics.csv; needs pip install "
                                         "'meshtrain[tensorboard]').")
+    fail: list[str] | str = _setting(None, "Simulate a node leaving: node=2,step=150 makes node 2 take "
+                                     "150 steps, then stop; the others go on without it "
+                                     "(repeatable; simulate only; node 0 cannot fail).",
+                               factory=list)
+    straggler: list[str] | str = _setting(None, "Project a slow node: node=1,slowdown=3 makes node 1's "
+                                          "compute 3x longer in the projected timeline, the others "
+                                          "waiting for it (repeatable; simulate only).",
+                                    factory=list)
     extra_config: dict[str, Any] = _setting(None, "Recorded in config.yaml as given.", factory=dict)
 
     def validate(self) -> None:
@@ -101,6 +112,29 @@ class TrainConfig:
         from meshtrain.cluster import get_cluster
 
         get_cluster(self.cluster)
+        self.fault_plan()
+
+    def fault_plan(self) -> FaultPlan:
+        """The simulated faults of ``fail`` and ``straggler``, checked against the run."""
+        from meshtrain.faults import FaultError, parse_faults
+
+        given: dict[str, list[Any]] = {}
+        for name in ("fail", "straggler"):
+            values = getattr(self, name)
+            # One fault may be one text (--set fail=node=2,step=5), several a list.
+            given[name] = [values] if isinstance(values, str) else list(values)
+            for value in given[name]:
+                if not isinstance(value, str):
+                    raise FaultError(f"--{name} must be given as text like "
+                                     f"{'node=2,step=150' if name == 'fail' else 'node=1,slowdown=3'}"
+                                     f", got {value!r}")
+        plan = parse_faults(given["fail"], given["straggler"], self.nodes, self.steps)
+        if plan and self.runtime == "launched":
+            raise FaultError("--fail and --straggler simulate faults: use them with meshtrain "
+                             "simulate (threads or processes), not in a launched run")
+        if plan.failures and (self.checkpoint_every or self.resume):
+            raise FaultError("--fail cannot be combined with --checkpoint-every or --resume")
+        return plan
 
 
 def help_for(name: str, cls: type = TrainConfig) -> str:

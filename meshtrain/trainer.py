@@ -39,6 +39,7 @@ from meshtrain.data import (
     to_device,
 )
 from meshtrain.devices import resolve_device
+from meshtrain.faults import FaultPlan, check_steps
 from meshtrain.launch.heartbeat import status_reporter
 from meshtrain.progress import Progress
 from meshtrain.run_dir import RunDirectory
@@ -313,6 +314,9 @@ def train_node(
                           seed=cfg.seed, shuffle=cfg.shuffle, shard=shard)
     comm.step = -1  # start-up traffic
     max_steps = cfg.steps or _agreed_epoch_steps(cfg.epochs, len(batches), comm)  # type: ignore[arg-type]
+    plan = cfg.fault_plan()
+    check_steps(plan, max_steps)  # with epochs, the step count is known only now
+    departed: dict[int, NodeReport] = {}  # rank 0: reports of nodes that left (--fail)
     strategy = copy.deepcopy(job.strategy)
     if verify_replicas:
         _verify_replicas(model, comm)
@@ -379,6 +383,11 @@ def train_node(
         for step in range(first_step, max_steps):
             comm.check_abort()  # another node failed or the run was interrupted: stop here
             node.step = comm.step = step
+            if plan.failures and plan.alive_at(step, cfg.nodes) != comm.alive:
+                if not _leave_or_go_on(comm, plan, step, departed, progress, max_steps,
+                                       NodeReport(losses, seconds, *_bytes_per_step(comm, max_steps),
+                                                  startup_sent)):
+                    return FitResult(model=model, history=[], run_dir=None, summary={})
             indices = batches.next_indices()
             loss_value = 0.0
             for micro in split_microbatches(indices, cfg.microbatch_size):
@@ -438,22 +447,50 @@ def train_node(
     if rank != 0:
         return FitResult(model=model, history=[], run_dir=None, summary={})
     assert gathered is not None
-    reports = [NodeReport(**r) for r in gathered]
-    history = _history(job, strategy, reports, history_val, final, max_steps)
+    by_rank = {**departed, **{r: NodeReport(**g) for r, g in zip(comm.alive, gathered, strict=True)}}
+    reports = [by_rank[r] for r in range(cfg.nodes)]
+    history = _history(job, strategy, reports, history_val, final, max_steps, plan)
     summary = _summary(job, strategy, history, final, reports, model)
+    if plan:
+        summary["faults"] = plan.to_dict()
     summary["initial"] = initial
     summary["skipped_steps"] = len(skipped)
     if cfg.skip_nonfinite:
         skipped_steps = set(skipped)
         for row in history:
             row["skipped"] = int(row["step"] in skipped_steps)
-    summary["projected"] = _projection(job, comm, loop_seconds, max_steps)
+    summary["projected"] = _projection(job, comm, loop_seconds, max_steps, plan)
     _add_projected_seconds(history, comm.log.records, get_cluster(cfg.cluster),
-                           summary["projected"]["step_seconds"])
+                           summary["projected"]["step_seconds"],
+                           [plan.slowdown_at(s, cfg.nodes) for s in range(max_steps)])
     with live.closed_on_failure():  # before the run directory is committed (TensorBoard's files)
         live.finish(history[-1], summary)
     run_dir = _write_run(job, strategy, model, history, summary, progress.lines)
     return FitResult(model=model, history=history, run_dir=run_dir, summary=summary)
+
+
+def _leave_or_go_on(comm: Communicator, plan: FaultPlan, step: int, departed: dict[int, NodeReport],
+                    progress: Progress, steps: int, report: NodeReport) -> bool:
+    """At the start of 0-based ``step``, the nodes the plan removes leave (``--fail``).
+
+    Every node of the old membership meets once more: each leaving node hands rank 0 its
+    report (unrecorded: a real failure would lose it, but the simulation keeps the losses
+    and bytes of the steps it took). Then the survivors go on among themselves. Returns
+    False on a node that leaves here.
+    """
+    now = plan.alive_at(step, comm.world_size)
+    leaving = comm.rank not in now
+    gathered = comm.gather_json(asdict(report) if leaving else None)
+    if gathered is not None:  # rank 0
+        gone = [r for r in comm.alive if r not in now]
+        for r, value in zip(comm.alive, gathered, strict=True):
+            if r in gone:
+                departed[r] = NodeReport(**value)
+        names = ", ".join(map(str, gone))
+        progress.note(f"step {step}/{steps}  node{'s' if len(gone) > 1 else ''} {names} left "
+                      f"(--fail); {len(now)} node{'s' if len(now) > 1 else ''} go on")
+    comm.set_alive(now)
+    return not leaving
 
 
 def _non_finite(loss: float, params: list[torch.Tensor]) -> str | None:
@@ -494,7 +531,7 @@ def _check_sync(strategy: Strategy, comm: Communicator, step: int) -> None:
     if promised is None:
         return
     tensors, group = promised
-    members = list(group) if group is not None else list(range(comm.world_size))
+    members = comm.members(group)
     digests = comm.all_gather(_digest(tensors), group=group, record=False)
     differ = [m for m, d in zip(members, digests, strict=True) if not torch.equal(d, digests[0])]
     if differ:
@@ -652,19 +689,26 @@ def _history(
     val: dict[int, dict[str, float]],
     final: dict[str, float],
     steps: int,
+    plan: FaultPlan | None = None,
 ) -> list[dict[str, Any]]:
-    """Per-step records: losses averaged over nodes, bytes as the per-node mean."""
-    n = len(reports)
+    """Per-step records: losses averaged over the step's nodes (alive ones, with ``--fail``),
+    bytes as their per-node mean; ``reports`` holds every node's, by rank."""
+    plan = plan or FaultPlan()
     history: list[dict[str, Any]] = []
     total_sent = total_received = 0.0
+    examples = 0
     for step in range(steps):
-        sent = sum(r.bytes_sent[step] for r in reports) / n
-        received = sum(r.bytes_received[step] for r in reports) / n
+        alive = [reports[r] for r in plan.alive_at(step, len(reports))]
+        n = len(alive)
+        sent = sum(r.bytes_sent[step] for r in alive) / n
+        received = sum(r.bytes_received[step] for r in alive) / n
         total_sent += sent
         total_received += received
+        examples += job.config.batch_size * n
         row: dict[str, Any] = {
             "step": step + 1,
-            "train_loss": sum(r.losses[step] for r in reports) / n,
+            "nodes": n,
+            "train_loss": sum(r.losses[step] for r in alive) / n,
             "val_loss": None,
             "node_val_loss": None,
             "lr": strategy.lr_at(step),
@@ -672,7 +716,7 @@ def _history(
             "bytes_received": received,
             "total_bytes_sent": total_sent,
             "total_bytes_received": total_received,
-            "examples": (step + 1) * job.config.batch_size * n,
+            "examples": examples,
             "seconds": reports[0].seconds[step],
         }
         row.update(val.get(step, {}))
@@ -715,27 +759,46 @@ def _summary(
     return summary
 
 
-def _projection(job: NodeJob, comm: Communicator, loop_seconds: float, steps: int) -> dict[str, Any]:
-    """Rank 0's collectives and compute, replayed on the configured cluster."""
+def _projection(job: NodeJob, comm: Communicator, loop_seconds: float, steps: int,
+                plan: FaultPlan | None = None) -> dict[str, Any]:
+    """Rank 0's collectives and compute, replayed on the configured cluster.
+
+    With stragglers a step's compute is its slowest alive node's (``step_seconds`` times
+    the largest slowdown), and ``idle_seconds`` adds up, over steps and nodes, how long the
+    faster nodes wait for it.
+    """
     cfg = job.config
+    plan = plan or FaultPlan()
     step_seconds = cfg.step_seconds
     if step_seconds is None:
         step_seconds = measured_step_seconds(loop_seconds, comm.log.seconds, steps, cfg.nodes)
-    out = project(comm.log.records, get_cluster(cfg.cluster), steps, step_seconds)
+        if plan.failures:  # fewer nodes shared this machine's cores after a node left
+            node_steps = sum(len(plan.alive_at(s, cfg.nodes)) for s in range(steps))
+            step_seconds *= steps * cfg.nodes / node_steps
+    cluster = get_cluster(cfg.cluster)
+    out: dict[str, Any] = dict(project(comm.log.records, cluster, steps, step_seconds))
+    if plan.stragglers:
+        slowest = sum(plan.slowdown_at(s, cfg.nodes) for s in range(steps))
+        out["compute_seconds"] = slowest * step_seconds / cluster.speed
+        out["total_seconds"] = out["compute_seconds"] + out["communication_seconds"]
+        idle = sum(plan.idle_factor_at(s, cfg.nodes) for s in range(steps))
+        out["idle_seconds"] = idle * step_seconds / cluster.speed
     return {**out, "step_seconds": step_seconds}
 
 
 def _add_projected_seconds(history: list[dict[str, Any]], records: list[CommRecord], cluster: Cluster,
-                           step_seconds: float) -> None:
+                           step_seconds: float, slowdowns: list[float] | None = None) -> None:
     """metrics.csv's ``projected_seconds``: the summary's projection, cumulative step by step
-    (rank 0's collectives of each step plus its compute); the last row equals its total."""
+    (rank 0's collectives of each step plus its compute, times the step's straggler
+    ``slowdowns``); the last row equals its total."""
     comm_seconds = [0.0] * len(history)
     for r in records:
         if r.step >= 0:  # a collective after the last step (the final sync) counts in the last step
             comm_seconds[min(r.step, len(history) - 1)] += collective_seconds(r, cluster)
     total = 0.0
-    for row, seconds in zip(history, comm_seconds, strict=True):
-        total += step_seconds / cluster.speed + seconds
+    slowdowns = slowdowns or [1.0] * len(history)
+    for row, seconds, slowdown in zip(history, comm_seconds, slowdowns, strict=True):
+        total += step_seconds * slowdown / cluster.speed + seconds
         row["projected_seconds"] = total
 
 

@@ -155,6 +155,10 @@ def simulate(
                                   rich_help_panel="Output"),
     cluster: str = _flag("cluster", "--cluster", rich_help_panel="The simulated cluster"),
     step_seconds: float = _flag("step_seconds", "--step-seconds", rich_help_panel="The simulated cluster"),
+    fail_: list[str] = _flag("fail", "--fail", metavar="node=N,step=S",
+                             rich_help_panel="The simulated cluster"),
+    straggler: list[str] = _flag("straggler", "--straggler", metavar="node=N,slowdown=X",
+                                 rich_help_panel="The simulated cluster"),
     check_sync: bool = typer.Option(None, "--check-sync/--no-check-sync", help=help_for("check_sync"),
                                     rich_help_panel="Long runs"),
     skip_nonfinite: bool = typer.Option(None, "--skip-nonfinite/--stop-on-nonfinite",
@@ -220,7 +224,7 @@ def simulate(
                  out_dir=out, run_id=run_id, progress=progress, cluster=cluster,
                  step_seconds=step_seconds, checkpoint_every=checkpoint_every, keep_checkpoints=keep,
                  resume=resume, check_sync=check_sync, skip_nonfinite=skip_nonfinite, wandb=wandb,
-                 tensorboard=tensorboard)
+                 tensorboard=tensorboard, fail=fail_ or None, straggler=straggler or None)
     # Everything is checked before the first step: up to here, an error is bad input (2).
     try:
         spec, bundle, strat = build_run(flags, set_, launched)
@@ -292,6 +296,9 @@ def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
     table.add_row("sent per node", human_bytes(summary["bytes_sent_per_node"]))
     table.add_row("trainable parameters", f"{summary['trainable_parameters']:,}")
     table.add_row("wall clock here", f"{summary['wall_seconds']:.1f} s")
+    faults = summary.get("faults") or {}
+    for failure in faults.get("failures", []):
+        table.add_row(f"node {failure['node']}", f"left after step {failure['step']} (--fail)")
     projected = summary.get("projected")
     if projected:
         table.add_row(
@@ -299,6 +306,10 @@ def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
             f"{projected['total_seconds']:.2f} s (compute {projected['compute_seconds']:.2f} s"
             f" + communication {projected['communication_seconds']:.2f} s)",
         )
+        if "idle_seconds" in projected:
+            slow = ", ".join(f"node {s['node']} x{s['slowdown']:g}" for s in faults.get("stragglers", []))
+            table.add_row("waiting for stragglers",
+                          f"{projected['idle_seconds']:.2f} node-seconds idle ({slow})")
     console.print(table)
     console.print(f"run directory: [bold]{run_dir}[/]", highlight=False)
     # The run's log.txt ends with the same table, as text.

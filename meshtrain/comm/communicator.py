@@ -116,17 +116,32 @@ class NodeAborted(RuntimeError):
 class Communicator(ABC):
     """Collectives over a set of nodes (ranks ``0 .. world_size - 1``).
 
-    ``group`` arguments are sorted lists of global ranks; ``None`` means every node.
+    ``group`` arguments are sorted lists of global ranks; ``None`` means every alive node.
     A group costs nothing to create: islands can change every round.
     Every collective is recorded in :attr:`log` unless ``record=False`` (metrics
     traffic that a real deployment would not need is never counted).
+
+    :attr:`alive` is the membership: every rank, until a simulated failure removes one
+    (:meth:`set_alive`). Collectives then run among the alive ranks only, a group that
+    names a departed rank included, so strategies average over the survivors unchanged.
     """
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.alive: list[int] = list(range(world_size))
         self.log = CommLog()
         self.step = 0  # set by the trainer so records carry the training step
+
+    def set_alive(self, ranks: Sequence[int]) -> None:
+        """From now on, collectives run among ``ranks`` only (every node calls this with the
+        same ranks at the same point of the run)."""
+        self.alive = sorted(ranks)
+
+    @property
+    def size(self) -> int:
+        """How many nodes take part in a collective over everyone now (alive nodes)."""
+        return len(self.alive)
 
     # ----------------------------------------------------------------- public API
     def all_reduce(
@@ -142,7 +157,7 @@ class Communicator(ABC):
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         if not tensors:
             return
-        members = self._members(group)
+        members = self.members(group)
         flat = _flatten(tensors)
         if len(members) > 1:
             reduced = self._ring_all_reduce(flat.to(self.staging_device(flat)), op, members)
@@ -159,7 +174,7 @@ class Communicator(ABC):
     ) -> list[torch.Tensor]:
         """Every member's ``tensor`` (same shape and dtype everywhere), in group order."""
         started = time.perf_counter()
-        members = self._members(group)
+        members = self.members(group)
         if len(members) == 1:
             out = [tensor.clone()]
         else:
@@ -177,7 +192,7 @@ class Communicator(ABC):
         """Copy ``src``'s tensors into every member's, in place (one flat bucket)."""
         started = time.perf_counter()
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        members = self._members(group)
+        members = self.members(group)
         flat = _flatten(tensors)
         if len(members) > 1:
             received = self._broadcast(flat.to(self.staging_device(flat)), src, members)
@@ -191,7 +206,8 @@ class Communicator(ABC):
                 self._record("broadcast", 0, nbytes, len(members), started)
 
     def gather_json(self, value: Any, *, max_bytes: int = MAX_JSON_BYTES) -> list[Any] | None:
-        """Rank 0 gets every node's ``value`` (JSON-able); others get None. Never recorded.
+        """Rank 0 gets every alive node's ``value`` (JSON-able), in rank order; others get
+        None. Never recorded.
 
         Values travel as UTF-8 JSON in uint8 tensors, never pickled: a peer can send data,
         not code. A payload over ``max_bytes`` is refused on both sides.
@@ -199,14 +215,13 @@ class Communicator(ABC):
         payload = json.dumps(value, allow_nan=True).encode()
         if len(payload) > max_bytes:
             raise ValueError(f"node {self.rank}: report of {len(payload)} bytes exceeds {max_bytes}")
-        everyone = list(range(self.world_size))
         sizes = self.all_gather(torch.tensor([len(payload)], dtype=torch.int64), record=False)
         longest = int(max(int(s) for s in sizes))
         if longest > max_bytes:
             raise ValueError(f"a node's report of {longest} bytes exceeds {max_bytes}")
         buffer = torch.zeros(longest, dtype=torch.uint8)
         buffer[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        gathered = self.all_gather(buffer, everyone, record=False)
+        gathered = self.all_gather(buffer, record=False)
         if self.rank != 0:
             return None
         return [
@@ -237,12 +252,15 @@ class Communicator(ABC):
     def _broadcast(self, flat: torch.Tensor, src: int, members: list[int]) -> torch.Tensor: ...
 
     # ------------------------------------------------------------------ helpers
-    def _members(self, group: Group | None) -> list[int]:
+    def members(self, group: Group | None = None) -> list[int]:
+        """The ranks a collective over ``group`` (None: everyone) runs among: its alive ones."""
         if group is None:
-            return list(range(self.world_size))
+            return list(self.alive)
         members = sorted(group)
         if self.rank not in members:
             raise ValueError(f"rank {self.rank} is not in group {members}")
+        if len(self.alive) < self.world_size:  # a departed node's island goes on without it
+            members = [m for m in members if m in self.alive]
         return members
 
     def _record(self, kind: str, sent: int, received: int, group_size: int, started: float) -> None:

@@ -49,13 +49,24 @@ def join_and_train(
     init_process_group(rank, world, addr, port, device, timeout_s, external_store=external_store)
     try:
         torch.manual_seed(node_seed(job.config.seed, rank))
-        result = train_node(job, TorchDistCommunicator(), verify_replicas=verify_replicas)
-        dist.barrier()  # every rank is done with gloo
+        comm = TorchDistCommunicator()
+        result = train_node(job, comm, verify_replicas=verify_replicas)
+        _barrier(comm)  # every rank is done with gloo
     except BaseException:
         dist.destroy_process_group()
         raise
     _leave_in_order(rank, world, timeout_s)
     return result
+
+
+def _barrier(comm: TorchDistCommunicator) -> None:
+    """Wait until every rank still in the run is done. A node that left early (a simulated
+    ``--fail``) skips it and leaves at once, so it never waits, for the rest of the run,
+    on a barrier that could time out; the survivors meet among themselves."""
+    if len(comm.alive) == comm.world_size:
+        dist.barrier()
+    elif comm.rank in comm.alive:
+        comm.all_reduce(torch.zeros(1), op="sum", record=False)  # a ring needs every member
 
 
 def _leave_in_order(rank: int, world: int, timeout_s: float) -> None:

@@ -200,7 +200,7 @@ class DeMo(Strategy):
         if len(by_dtype) == 1:
             return self.comm.all_gather(torch.cat(sent_idx))
         per_node: list[list[torch.Tensor | None]] = [
-            [None] * len(sent_idx) for _ in range(self.comm.world_size)
+            [None] * len(sent_idx) for _ in range(self.comm.size)  # alive nodes
         ]
         for members in by_dtype.values():
             gathered = self.comm.all_gather(torch.cat([sent_idx[i] for i in members]))
