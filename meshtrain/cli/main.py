@@ -411,6 +411,9 @@ def list_profile_files() -> None:
 from meshtrain.cli import launch as launch_cli  # noqa: E402 - after TRAINING_FLAGS, which it reuses
 
 launch_cli.register(app)
+from meshtrain.cli import research  # noqa: E402
+
+research.register(app)
 
 
 def main() -> None:  # pragma: no cover - console entry point

@@ -1,0 +1,192 @@
+"""`meshtrain compare`, `meshtrain plot` and `meshtrain runs` on real (small) digits runs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from cli_process import run_cli
+from typer.testing import CliRunner
+
+from meshtrain.cli.main import app
+from meshtrain.compare import CompareSpec, plan, summarise
+from meshtrain.runs import list_runs, load_run
+
+runner = CliRunner()
+STRATEGIES = ["ddp", "diloco", "sparta", "fedavg"]
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """One small comparison through the real entry point: 40 steps, validated every 10."""
+    cwd = tmp_path_factory.mktemp("compare")
+    proc = run_cli("compare", "--strategies", ",".join(STRATEGIES), "--steps", "40", "--cluster", "wifi",
+                   "--set", "val_interval=10", "--set", "diloco.H=10", "--set", "fedavg.H=5",
+                   "--set", "sparta.p=0.01", "--no-progress", cwd=cwd)
+    assert proc.returncode == 0, proc.stderr
+    (folder,) = (cwd / "runs").iterdir()
+    return folder, proc.stdout
+
+
+def test_compare_writes_one_run_directory_per_strategy_and_the_comparison_files(compared) -> None:
+    folder, _ = compared
+    assert folder.name.startswith("compare-")
+    for name in STRATEGIES:
+        for file in ("config.yaml", "metrics.csv", "summary.json", "model.pt", "loss.png", "log.txt"):
+            assert (folder / name / file).is_file(), (name, file)
+    for file in ("comparison.json", "comparison.csv"):
+        assert (folder / file).is_file()
+    for plot in ("val_loss_vs_steps", "val_loss_vs_bytes", "val_loss_vs_time"):
+        png = (folder / f"{plot}.png").read_bytes()
+        assert png.startswith(b"\x89PNG") and len(png) > 15_000  # axes, four lines and a legend
+        svg = (folder / f"{plot}.svg").read_text()
+        assert "<svg" in svg and svg.count("<path") > 50
+        for label in ("DDP", "DiLoCo H=10", "SPARTA p=0.01", "FedAvg H=5"):
+            assert label.replace(" ", "") in svg.replace(" ", "") or label in svg
+
+
+def test_every_run_has_identical_conditions_but_its_own_strategy(compared) -> None:
+    folder, _ = compared
+    configs = {n: yaml.safe_load((folder / n / "config.yaml").read_text()) for n in STRATEGIES}
+    summaries = {n: json.loads((folder / n / "summary.json").read_text()) for n in STRATEGIES}
+    for name in STRATEGIES:
+        spec = configs[name]["spec"]
+        assert (spec["seed"], spec["nodes"], spec["steps"], spec["task"], spec["cluster"]) == \
+            (0, 4, 40, "digits", "wifi")
+        assert configs[name]["strategy"]["name"] == name
+    assert configs["diloco"]["strategy"]["H"] == 10 and configs["fedavg"]["strategy"]["H"] == 5
+    assert configs["sparta"]["strategy"]["p"] == 0.01
+    # The same initial weights and validation data: the step-0 evaluation is bit-identical.
+    initial = {json.dumps(s["initial"]) for s in summaries.values()}
+    assert len(initial) == 1
+
+
+def test_table_and_files_hold_each_runs_own_numbers(compared) -> None:
+    folder, stdout = compared
+    document = json.loads((folder / "comparison.json").read_text())
+    rows = {r["strategy"]: r for r in document["runs"]}
+    csv_rows = {r["strategy"]: r for r in csv.DictReader((folder / "comparison.csv").open())}
+    ddp_sent = json.loads((folder / "ddp" / "summary.json").read_text())["bytes_sent_per_node"]
+    assert document["target_loss"] == pytest.approx(1.05 * rows["ddp"]["final_val_loss"])
+    for name in STRATEGIES:
+        summary = json.loads((folder / name / "summary.json").read_text())
+        row = rows[name]
+        assert row["final_val_loss"] == summary["final_val_loss"]
+        assert row["bytes_sent_per_node"] == summary["bytes_sent_per_node"]
+        assert row["projected_seconds"] == summary["projected"]["total_seconds"]
+        assert row["wall_seconds"] == summary["wall_seconds"]
+        assert row["ddp_bytes_per_this"] == ddp_sent / summary["bytes_sent_per_node"]
+        assert float(csv_rows[name]["final_val_loss"]) == row["final_val_loss"]
+        line = next(li for li in stdout.splitlines() if li.strip().startswith(f"{row['label']} "))
+        assert f"{summary['final_val_loss']:.4f}" in line
+        assert f"{summary['projected']['total_seconds']:.2f} s" in line
+        # Steps to target: the first validation at or below it, read from metrics.csv.
+        metrics = list(csv.DictReader((folder / name / "metrics.csv").open()))
+        reached = [m for m in metrics if m["val_loss"] and int(m["step"]) > 0
+                   and float(m["val_loss"]) <= document["target_loss"]]
+        expected = int(reached[0]["step"]) if reached else None
+        assert row["steps_to_target"] == expected
+        if reached:
+            assert row["projected_seconds_to_target"] == float(reached[0]["projected_seconds"])
+            assert f"step {expected}, {row['projected_seconds_to_target']:.2f} s" in line
+        else:
+            assert "not reached" in line
+    # DiLoCo(H=10) syncs 4 times in 40 steps, DDP all-reduces every step (its bucket also
+    # holds one has-gradient flag per tensor, 4 of them): exactly 40 * (9610+4) / (4 * 9610).
+    assert rows["diloco"]["ddp_bytes_per_this"] == pytest.approx(40 * 9614 / (4 * 9610))
+    assert "10x fewer" in stdout and "1x" in stdout
+    assert rows["ddp"]["steps_to_target"] == 40  # DDP reaches 1.05 x its own final loss at the end
+
+
+def test_a_given_target_loss_changes_steps_to_target(compared, tmp_path: Path) -> None:
+    folder, _ = compared
+    runs = [load_run(folder / n) for n in STRATEGIES]
+    shutil.copytree(folder, tmp_path / "copy")
+    result = summarise(tmp_path / "copy", runs, target_loss=100.0)
+    assert result.target_rule == "given (--target-loss)"
+    assert all(r["steps_to_target"] == 10 for r in result.rows)  # the first validation is below 100
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--strategies", "ddp,nope"], "--strategies: unknown strategy 'nope'"),
+    (["--strategies", "ddp,ddp"], "--strategies: 'ddp' is given twice"),
+    (["--strategies", ","], "--strategies: give at least one strategy"),
+    (["--set", "H=50"], "--set H: not a setting shared by every run; for one strategy's parameter "
+                        "write STRATEGY.H=VALUE"),
+    (["--set", "fedavg.H=2"], "--set fedavg.H: 'fedavg' is not among --strategies ddp,diloco,sparta"),
+    (["--set", "diloco.Q=1"], "--set Q: not a setting or a parameter of strategy 'diloco'"),
+    (["--set", "sparta.p=abc"], "error: strategy 'sparta': p must be int or float, got 'abc'"),
+    (["--set", "run_id=x"], "--set run_id: a comparison sets this itself"),
+    (["--set", "steps=0"], "ddp: --set steps must be >= 1, got 0"),
+    (["--target-loss", "-1"], "--target-loss must be a positive number, got -1.0"),
+    (["--cluster", "moon"], "ddp: unknown cluster 'moon'"),
+    (["--nodes", "0"], "--nodes must be >= 1, got 0"),
+    (["--task", "gpt"], "ddp: task 'gpt' needs a text file: --data FILE"),
+])
+def test_bad_options_are_one_line_exit_2_before_anything_runs(tmp_path: Path, args, message) -> None:
+    result = runner.invoke(app, ["compare", "--out", str(tmp_path / "runs"), *args])
+    assert result.exit_code == 2, result.output
+    assert result.output.count("\n") == 1 and result.output.startswith("error: "), result.output
+    assert message in result.output, result.output
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_a_batch_too_large_for_a_shard_claims_nothing(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["compare", "--out", str(tmp_path), "--nodes", "64",
+                                 "--set", "batch_size=64"])
+    assert result.exit_code == 2 and "batch size 64 is larger than the shard" in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plan_of_the_defaults_is_digits_on_4_nodes_with_ddp_diloco_sparta() -> None:
+    planned = plan(CompareSpec())
+    assert [p.strategy for p in planned] == ["ddp", "diloco", "sparta"]
+    assert {(p.spec.task, p.spec.nodes, p.spec.steps, p.spec.seed) for p in planned} == \
+        {("digits", 4, 300, 0)}
+    # compare's tuned digits defaults (COMPARE_DEFAULTS), on top of the task's own suggestions
+    options = {p.strategy: p.instance.config() for p in planned}
+    assert (options["diloco"]["H"], options["diloco"]["outer_momentum"]) == (25, 0.8)
+    assert (options["sparta"]["p"], options["sparta"]["lr"]) == (0.005, 0.002)
+
+
+def test_plot_draws_any_finished_runs_and_names_a_bad_directory(compared, tmp_path: Path) -> None:
+    folder, _ = compared
+    result = runner.invoke(app, ["plot", str(folder / "ddp"), str(folder / "sparta"), "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"val_loss_vs_{k}.{s}" for k in ("steps", "bytes", "time") for s in ("png", "svg"))
+    assert "DiLoCo" not in (tmp_path / "val_loss_vs_steps.svg").read_text()
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "config.yaml").write_text("spec: {}\n")
+    result = runner.invoke(app, ["plot", str(folder / "ddp"), str(tmp_path / "half")])
+    assert result.exit_code == 2
+    assert result.output == f"error: {tmp_path / 'half'}: not a finished run (no summary.json, metrics.csv)\n"
+    result = runner.invoke(app, ["plot", str(tmp_path / "missing")])
+    assert result.exit_code == 2 and "missing: no such run directory" in result.output
+
+
+def test_runs_lists_finished_runs_and_marks_unfinished_ones(compared, tmp_path: Path) -> None:
+    folder, _ = compared
+    shutil.copytree(folder, tmp_path / folder.name)
+    shutil.copytree(folder / "ddp", tmp_path / "20261123-100000-ddp-4n")
+    shutil.copytree(folder / "ddp", tmp_path / "20261123-110000-ddp-4n.incomplete")
+    (tmp_path / ".20261123-120000-ddp-4n.partial").mkdir()
+    (tmp_path / "20261123-120000-ddp-4n.error.log").write_text("boom")
+    listing = list_runs(tmp_path)
+    assert sorted(str(r.path.relative_to(tmp_path)) for r in listing.finished) == sorted(
+        ["20261123-100000-ddp-4n", *(f"{folder.name}/{n}" for n in STRATEGIES)])
+    assert len(listing.unfinished) == 2
+    result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["runs", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    ddp = json.loads((folder / "ddp" / "summary.json").read_text())
+    line = next(li for li in result.output.splitlines() if "20261123-100000-ddp-4n" in li)
+    for cell in ("digits", "DDP", "40", f"{ddp['final_val_loss']:.4f}", f"{ddp['final_accuracy']:.4f}"):
+        assert cell in line
+    assert "unfinished" in next(li for li in result.output.splitlines() if ".incomplete" in li)
+    assert "unfinished" in next(li for li in result.output.splitlines() if ".partial" in li)
+    result = runner.invoke(app, ["runs", str(tmp_path / "nope")])
+    assert result.exit_code == 2 and result.output == f"error: {tmp_path / 'nope'}: no such folder\n"
