@@ -90,8 +90,10 @@ def _alive(pid: int) -> bool:
 
 
 def start_sshd(folder: Path, authorized_key: Path, *, address: str = "127.0.0.1", port: int | None = None,
-               netns: str | None = None) -> Sshd:
-    """Start sshd on ``address:port`` (inside ``netns`` if given) and wait until it listens."""
+               netns: str | None = None, wrap: tuple[str, ...] = ()) -> Sshd:
+    """Start sshd on ``address:port`` (inside ``netns`` if given) and wait until it listens.
+
+    ``wrap`` goes before the command (e.g. ``unshare -m ...``: a mount only it sees)."""
     _need(SSHD)
     folder.mkdir(parents=True, exist_ok=True)
     Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # its privilege-separation folder
@@ -113,6 +115,7 @@ def start_sshd(folder: Path, authorized_key: Path, *, address: str = "127.0.0.1"
     command = [SSHD, "-f", str(config), "-E", str(log)]
     if netns:
         command = ["ip", "netns", "exec", netns, *command]
+    command = [*wrap, *command]
     subprocess.run(command, check=True, timeout=20)  # sshd forks into the background itself
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:

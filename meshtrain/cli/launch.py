@@ -8,6 +8,7 @@ launcher stopped by Ctrl-C or SIGTERM exits 130 or 143 after stopping every rank
 from __future__ import annotations
 
 import dataclasses
+import json
 import shlex
 import sys
 import tempfile
@@ -23,6 +24,7 @@ from meshtrain.launch.checks import CHECKS, check_hosts
 from meshtrain.launch.inventory import Inventory, InventoryError, load_inventory
 from meshtrain.launch.launcher import LaunchOptions, PreflightError, launch, new_launch_id, training_argv
 from meshtrain.launch.live import rank_output
+from meshtrain.launch.shipping import ShipError, Shipment, hash_path
 
 # Piped output (CI logs, tests) gets room for the whole table rather than 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -215,6 +217,45 @@ def _check_training_flags(flags: dict[str, Any], overrides: list[str]) -> None:
         raise fail(str(exc)) from None
 
 
+def _local_inputs(flags: dict[str, Any], overrides: list[str]) -> list[tuple[str, str, str]]:
+    """(what, setting, path) for what a training run reads from this machine's disk: its
+    data, and ``task_options.model`` when that names a local file or folder (not a hub id)."""
+    from meshtrain.config import RunSpec, load_profile, merge, parse_set
+    from meshtrain.tasks import TaskError, get_task
+
+    profile = load_profile(flags["profile"]) if flags.get("profile") else {}
+    strategy = flags.get("strategy") or profile.get("strategy") or RunSpec.strategy
+    given = {k: flags[k] for k in ("data", "task") if flags.get(k) is not None}
+    settings = merge(merge(profile, given), parse_set(overrides, strategy))
+    try:
+        task = get_task(settings.get("task") or RunSpec.task)
+    except TaskError as exc:
+        raise fail(str(exc)) from None
+    if settings.get("data") and not task.takes_data:  # here, before anything is shipped
+        raise fail(f"task {task.name!r} reads no data file: drop --data {settings['data']}")
+    found = [("--data", "data", str(settings["data"]))] if settings.get("data") else []
+    model = (settings.get("task_options") or {}).get("model")
+    if isinstance(model, str) and model and Path(model).expanduser().exists():
+        found.append(("task_options.model", "task_options.model", model))
+    return found
+
+
+def _ship_inputs(flags: dict[str, Any], overrides: list[str], no_ship: bool
+                 ) -> tuple[list[str], list[Shipment], list[tuple[str, str]]]:
+    """Hash the local data and model (exit 2 if unreadable) and point the ranks at their
+    shipped copies: (the --set items, what to ship, what every host must hold)."""
+    inputs = _local_inputs(flags, overrides)
+    if no_ship:  # today's behaviour: the same path on every host, checked before starting
+        return overrides, [], [(what, path) for what, _, path in inputs]
+    try:
+        shipments = [hash_path(what, Path(path).expanduser()) for what, _, path in inputs]
+    except ShipError as exc:
+        raise fail(str(exc)) from None
+    # --set is the last layer: it wins over --data and the profile; JSON is a YAML string.
+    moved = [f"{key}={json.dumps(s.remote)}" for (_, key, _), s in zip(inputs, shipments, strict=True)]
+    return [*overrides, *moved], shipments, []
+
+
 def _apply_overrides(inv: Inventory, threads: int | None, heartbeat_timeout: float | None) -> Inventory:
     """``--threads`` and ``--heartbeat-timeout`` over the inventory's settings (bad value: exit 2)."""
     if threads is not None:
@@ -289,6 +330,9 @@ def register(app: typer.Typer) -> None:
             0, "--max-restarts", min=0, rich_help_panel="Long runs",
             help="When a rank fails, start every rank again from the last checkpoint, up to this "
                  "many times."),
+        no_ship: bool = typer.Option(
+            False, "--no-ship", help="Do not send --data (and a local task_options.model) into every "
+                                     "workdir: every host already holds it at the same path."),
     ) -> None:
         """Train with one rank per host of INVENTORY, or run a command on every host (after --).
 
@@ -317,6 +361,9 @@ def register(app: typer.Typer) -> None:
         inv = _apply_overrides(inv, threads, heartbeat_timeout)
         if training:
             _check_training_flags(flags, set_)
+            set_, shipments, required = _ship_inputs(flags, set_, no_ship)
+            if shipments and flags["data"]:
+                flags["data"] = None  # the ranks read the shipped copy (--set data=...)
             forwarded = [w for k, v in flags.items() if v is not None for w in (FORWARDED[k], str(v))]
             forwarded += [w for item in set_ for w in ("--set", item)]
             if not progress:
@@ -325,9 +372,11 @@ def register(app: typer.Typer) -> None:
             label = strategy or "train"
         else:
             argv, label = list(command), "script"
+            shipments, required = [], []
         options = LaunchOptions(run_id=resume or run_id or new_launch_id(label, inv.world_size, out),
                                 out_dir=out, accept_new_host_keys=accept_new_host_keys,
-                                uploads=list(upload), resume=bool(resume), max_restarts=max_restarts)
+                                uploads=list(upload), resume=bool(resume), max_restarts=max_restarts,
+                                shipments=shipments, required_paths=required)
         output = rank_output([h.name for h in inv.hosts], plain=plain, title=options.run_id,
                              log_dir=out / f"{options.run_id}.ranks")  # moved into the run directory
         try:

@@ -33,6 +33,7 @@ from meshtrain.comm.rendezvous import SECRET_FILE_ENV, new_secret
 from meshtrain.launch.heartbeat import HEARTBEAT_FD, heartbeat_interval
 from meshtrain.launch.inventory import Host, Inventory
 from meshtrain.launch.output import STOPPED, RankOutput
+from meshtrain.launch.shipping import ShipError, Shipment, ship_to_hosts
 from meshtrain.launch.ssh import Heartbeat, RemoteProcess, SSHError, connect, remote_path, run, sh
 from meshtrain.launch.transfer import (
     TransferError,
@@ -63,6 +64,9 @@ class LaunchOptions:
     grace: float = 2.0  # seconds from Ctrl-C to SIGTERM, and from SIGTERM to SIGKILL
     resume: bool = False  # continue run_id from the newest checkpoint every host holds
     max_restarts: int = 0  # after a failure, start every rank again from that checkpoint
+    shipments: list[Shipment] = field(default_factory=list)  # local data sent into every workdir first
+    # (what, path) every host must already hold, relative to its workdir (launch --no-ship)
+    required_paths: list[tuple[str, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -215,6 +219,11 @@ def preflight(inventory: Inventory, options: LaunchOptions) -> list[paramiko.SSH
                                      "the inventory to the absolute interpreter path (`which python3` "
                                      "on the host)")
             raise SSHError(host, f"cannot create workdir {host.workdir}: {check.stderr.strip()}")
+        try:
+            _check_required_paths(client, host, options)
+        except Exception:
+            client.close()
+            raise
         return client
 
     clients: list[paramiko.SSHClient | None] = [None] * inventory.world_size
@@ -234,6 +243,20 @@ def preflight(inventory: Inventory, options: LaunchOptions) -> list[paramiko.SSH
                 c.close()
         raise PreflightError(problems)
     return clients  # type: ignore[return-value]
+
+
+def _check_required_paths(client: paramiko.SSHClient, host: Host, options: LaunchOptions) -> None:
+    """With ``--no-ship`` the data must already be on every host, where the rank looks."""
+    if not options.required_paths:
+        return
+    tests = "; ".join(f"test -e {remote_path(path)} || echo {shlex.quote(f'{what} {path}')}"
+                      for what, path in options.required_paths)
+    found = run(client, sh(f"cd {remote_path(host.workdir)} && {{ {tests}; }}"),
+                timeout=options.connect_timeout)
+    absent = found.stdout.strip().splitlines()
+    if absent:
+        raise SSHError(host, f"{absent[0]} does not exist there (relative paths start at workdir "
+                             f"{host.workdir}); with --no-ship every host needs it at that path")
 
 
 def upload(client: paramiko.SSHClient, host: Host, files: list[Path]) -> None:
@@ -307,6 +330,11 @@ def _launch_once(inventory: Inventory, argv: list[str], options: LaunchOptions, 
                 output.note(f"resuming {options.run_id} after step {step} (the newest checkpoint every "
                             "host holds)", style="bold")
                 argv = [*argv, "--resume", f"{_checkpoints(options)}/step-{step:06d}"]
+        if options.shipments:
+            try:
+                ship_to_hosts([(r.host, r.client) for r in ranks], options.shipments, output.note)
+            except ShipError as exc:
+                raise PreflightError(exc.problems) from None
         for r in ranks:
             upload(r.client, r.host, options.uploads)
             deliver_secret(r.client, r.host, options.run_id, secret, options.connect_timeout)
