@@ -202,6 +202,104 @@ def hosts_bench(
     console.print(f"wrote {out}; use it with: meshtrain simulate --cluster {out}", highlight=False)
 
 
+def hosts_discover(
+    timeout: float = typer.Option(3.0, "--timeout", help="Seconds to listen for announcements."),
+    write: Path = typer.Option(None, "--write", help="Write a starter inventory here (hosts/NAME.yaml)."),
+    force: bool = typer.Option(False, "--force", help="Let --write replace an existing file."),
+    check_keys: bool = typer.Option(
+        False, "--check-keys", help="Try a public-key SSH login on every machine found (your agent or "
+                                    "keys, your known_hosts; never a password; unknown host keys refused)."),
+    accepted_only: bool = typer.Option(
+        False, "--accepted-only",
+        help="With --check-keys: list and write only the machines that accepted the key."),
+    iface: str = typer.Option(None, "--iface", help="Listen on this network interface only (en0, eth0)."),
+    network: str = typer.Option(None, "--network",
+                                help="Keep only addresses in this range (192.168.1.0/24)."),
+    user: str = typer.Option(None, "--user", help="Login name for the inventory and --check-keys "
+                                                   "(default: yours here)."),
+    python: str = typer.Option(None, "--python", help="Interpreter path on the hosts for the inventory "
+                                                       "(default: this one's path)."),
+    identity_file: str = typer.Option(None, "--identity-file", help="Private key to use (default: ssh-agent "
+                                                                     "and ~/.ssh/id_*)."),
+    known_hosts: str = typer.Option(None, "--known-hosts", help="known_hosts file (default "
+                                                                 "~/.ssh/known_hosts)."),
+) -> None:
+    """List machines on this network that advertise SSH (Bonjour / mDNS), e.g. Macs with
+    Remote Login on, and optionally write them as a starter inventory.
+
+    Nothing is connected to unless --check-keys is given, and then only the machines found.
+
+      meshtrain hosts discover --check-keys --write hosts/mine.yaml
+    """
+    from meshtrain.launch import discovery as d
+
+    try:
+        d.require_zeroconf()
+        net = d.parse_network(network) if network else None
+    except d.DiscoveryError as exc:
+        raise fail(str(exc)) from None
+    if not 0 < timeout <= 600:
+        raise fail(f"--timeout: expected seconds between 0 and 600, got {timeout}")
+    if accepted_only and not check_keys:
+        raise fail("--accepted-only needs --check-keys (otherwise which machines accept your key "
+                   "is not known)")
+    if write is not None and write.exists() and not force:
+        raise fail(f"--write {write}: the file exists; pass --force to replace it")
+    if python is not None and not python.startswith(("/", "~")):
+        raise fail(f"--python {python}: expected an absolute path on the hosts (or one starting with ~/)")
+    if identity_file is not None and not Path(identity_file).expanduser().is_file():
+        raise fail(f"--identity-file {identity_file}: no such file")
+    try:
+        found = d.browse(timeout, iface=iface, network=net)
+    except d.DiscoveryError as exc:
+        raise fail(str(exc)) from None
+    if not found:
+        console.print(f"no machine advertised SSH within {timeout:g} s (on a Mac: System Settings > "
+                      "General > Sharing > Remote Login)", highlight=False)
+        if write is not None:
+            raise fail(f"--write {write}: nothing found, nothing written", code=1)
+        return
+    where = write or Path("discovered")
+    raw = d.inventory_dict(found, user=user, python=python, identity_file=identity_file,
+                           known_hosts=known_hosts)
+    try:
+        inv = d.parse_inventory(raw, where)
+    except InventoryError as exc:
+        raise fail(str(exc)) from None
+    checks = d.check_keys(inv) if check_keys else None
+    if checks is not None:  # machines that already let you in first: rank 0 should be one of them
+        order = sorted(range(len(found)), key=lambda i: checks[raw["hosts"][i]["name"]].status != d.ACCEPTED)
+        if accepted_only:
+            order = [i for i in order if checks[raw["hosts"][i]["name"]].status == d.ACCEPTED]
+        raw = {**raw, "hosts": [raw["hosts"][i] for i in order]}
+        found = [found[i] for i in order]
+    table = Table(title=f"machines advertising SSH ({len(found)} found in {timeout:g} s)")
+    for column in ("name", "advertised as", "addresses", "port", "key"):
+        table.add_column(column)
+    for entry, f in zip(raw["hosts"], found, strict=True):
+        key = Text("not checked", style="dim")
+        if checks is not None:
+            status = checks[entry["name"]].status
+            key = Text(status, style="green" if status == d.ACCEPTED else "bold red")
+        table.add_row(entry["name"], f"{f.service}\n{f.server}", "\n".join(f.addresses), str(f.port), key)
+    console.print(table)
+    for c in (checks or {}).values():
+        if c.status != d.ACCEPTED:
+            errors.print(Text(c.detail), soft_wrap=True)
+    if write is None:
+        return
+    if not found:
+        raise fail(f"--write {write}: no machine accepted the key, nothing written", code=1)
+    try:
+        text = d.inventory_text(raw, found, checks, write)
+        d.write_inventory(write, text, force=force)
+    except (InventoryError, d.DiscoveryError) as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"--write {write}: {exc.strerror or exc}", code=1) from None
+    console.print(f"wrote {write} ({len(found)} hosts); next: meshtrain hosts check {write}", highlight=False)
+
+
 def _check_training_flags(flags: dict[str, Any], overrides: list[str]) -> None:
     """Catch bad training flags here (exit 2) rather than on every host."""
     from meshtrain.config import ConfigError, RunSpec, load_profile, parse_set, strategy_class
@@ -279,6 +377,9 @@ def register(app: typer.Typer) -> None:
                             no_args_is_help=True)
     hosts_app.command("check")(hosts_check)
     hosts_app.command("bench")(hosts_bench)
+    from meshtrain.cli.hosts_setup import hosts_setup  # its own module: the provisioning command
+    hosts_app.command("setup")(hosts_setup)
+    hosts_app.command("discover")(hosts_discover)
     app.add_typer(hosts_app, name="hosts")
 
     @app.command("launch")

@@ -1,0 +1,120 @@
+"""``meshtrain hosts setup INVENTORY``: install this machine's meshtrain on every host.
+
+A progress row per host (spinner and stage) while the hosts are set up in parallel,
+then one line per host, then the inventory's ``python:`` pointed at the new
+environments (or what to set, where the file cannot be edited safely). Exit 0 when
+every host is ready, 1 when any failed (each failure is one line naming the host), 2
+for bad input.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
+from rich.text import Text
+
+from meshtrain.launch.inventory import Host, InventoryError, load_inventory
+from meshtrain.launch.inventory_edit import set_python
+from meshtrain.launch.local_install import LocalInstallError, local_install, make_workdir
+from meshtrain.launch.provisioning import FAILED, INSTALLED, UP_TO_DATE, SetupOptions, provision_hosts
+
+console = Console(width=None if sys.stdout.isatty() else 160)
+errors = Console(stderr=True)
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    errors.print(Text.assemble(("error: ", "bold red"), message), soft_wrap=True)
+    return typer.Exit(code)
+
+
+def hosts_setup(
+    inventory: Path = typer.Argument(..., help="Inventory file (hosts/NAME.yaml)."),
+    base_python: str = typer.Option(
+        "python3", "--base-python", help="Interpreter on the hosts that makes the virtual environment "
+                                         "(a name on the host's PATH, or an absolute path)."),
+    pip_arg: list[str] = typer.Option(
+        [], "--pip-arg", help="Extra argument for pip on the hosts, repeatable (e.g. "
+                              "--pip-arg=--index-url=https://mirror/simple for hosts behind a proxy)."),
+    write_inventory: bool = typer.Option(
+        True, "--write-inventory/--no-write-inventory",
+        help="Point the inventory's python: at the new environments (comments and layout kept)."),
+    wheel: Path = typer.Option(
+        None, "--wheel", help="Ship this meshtrain wheel instead of one made from the meshtrain that "
+                              "runs here (it must be the same version)."),
+    accept_new_host_keys: bool = typer.Option(
+        False, "--accept-new-host-keys", help="Trust hosts seen for the first time (records their keys)."),
+    timeout: float = typer.Option(10.0, "--timeout", help="Seconds to wait for each host to answer."),
+) -> None:
+    """Install this machine's meshtrain, torch, transformers and peft on every host.
+
+    Per host: a virtual environment in WORKDIR/.venv (reused when present), the
+    exact dependency versions installed here (from the host's package index), and
+    this meshtrain as a wheel sent over SSH. A second run checks and changes nothing.
+    """
+    try:
+        inv = load_inventory(inventory)
+    except InventoryError as exc:
+        raise _fail(str(exc)) from None
+    if not base_python.strip():
+        raise _fail("--base-python: expected an interpreter name or path, got ''")
+    started = time.monotonic()
+    workdir = make_workdir()
+    try:
+        try:
+            local = local_install(workdir, wheel)
+        except LocalInstallError as exc:
+            raise _fail(str(exc), code=2 if wheel is not None else 1) from None
+        options = SetupOptions(base_python=base_python, pip_args=tuple(pip_arg),
+                               accept_new_host_keys=accept_new_host_keys, timeout=timeout)
+        console.print(f"meshtrain {local.version} ({local.source}) with "
+                      f"{', '.join(local.pins)}", highlight=False, soft_wrap=True)
+        results = _with_progress(inv.hosts, lambda stage: provision_hosts(inv, local, options, stage))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    for r in results:
+        if r.status == FAILED:
+            line = f"{r.host.name} ({r.host.label}): {r.detail}"
+            errors.print(Text.assemble(("failed: ", "bold red"), line), soft_wrap=True)
+        else:
+            took = f" in {r.seconds:.1f} s" if r.shared_with is None else ""
+            console.print(f"{r.host.name}: {r.status}{took}: {r.detail}", highlight=False, soft_wrap=True)
+    if any(r.status == FAILED for r in results):
+        errors.print(f"{inventory} not changed: fix the failed hosts and run `meshtrain hosts setup` again",
+                     highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+    wanted = {r.host.name: r.python for r in results if r.python is not None}
+    edit = set_python(inventory, wanted, write=write_inventory)
+    if edit.written:
+        console.print(f"{inventory}: python of {', '.join(edit.changed)} set to the new environment",
+                      highlight=False)
+    elif edit.by_hand:
+        console.print(f"set in {inventory}: " + "; ".join(edit.by_hand), highlight=False, soft_wrap=True)
+    changed = edit.written or any(r.status != UP_TO_DATE for r in results)
+    summary = "every host ready" if changed else "everything up to date, nothing changed"
+    console.print(f"{summary} ({inv.world_size} hosts, {time.monotonic() - started:.1f} s); "
+                  f"check with: meshtrain hosts check {inventory}", highlight=False)
+
+
+def _with_progress(hosts: tuple[Host, ...], work):  # noqa: ANN001, ANN202 - a thin wrapper
+    """Run ``work(on_stage)`` under a rich progress row per host."""
+    progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.fields[host]}"),
+                        TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                        transient=not console.is_terminal)
+    rows: dict[str, TaskID] = {}
+    with progress:
+        for h in hosts:
+            rows[h.name] = progress.add_task("waiting", total=None, host=h.name)
+
+        def on_stage(host: Host, stage: str) -> None:
+            progress.update(rows[host.name], description=stage)
+            if stage in (INSTALLED, UP_TO_DATE, FAILED):
+                progress.update(rows[host.name], total=1, completed=1)
+
+        return work(on_stage)

@@ -1,0 +1,107 @@
+"""Set hosts' ``python:`` in an inventory file without disturbing the rest of it.
+
+Only the characters of existing ``python:`` values change: their exact place comes
+from the YAML parser's marks, so comments, order, quoting and layout stay as the user
+wrote them. Hosts that take ``python`` from ``defaults`` are changed there when they all
+want the same value. A change that needs a new key (a host that must differ from
+the defaults) is not made: the caller tells the user what to set. The edited text is
+parsed again and must give exactly the wanted interpreters and nothing else changed,
+before it replaces the file atomically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from meshtrain.launch.inventory import Inventory, InventoryError, parse_inventory
+from meshtrain.run_dir import atomic_write
+
+_PLAIN = re.compile(r"^[A-Za-z0-9_./~+@-]+$")
+
+
+@dataclass
+class InventoryEdit:
+    """What :func:`set_python` did: whether the file was written, and what is left to do by hand."""
+
+    written: bool = False
+    changed: list[str] = field(default_factory=list)  # host names whose python now differs
+    by_hand: list[str] = field(default_factory=list)  # "host NAME: set python: VALUE" lines
+
+
+def set_python(path: Path, wanted: dict[str, str], *, write: bool = True) -> InventoryEdit:
+    """Make host ``name``'s interpreter ``wanted[name]`` in the inventory at ``path``."""
+    text = path.read_text()
+    inventory = parse_inventory(yaml.safe_load(text), path)
+    current = {h.name: h.python for h in inventory.hosts}
+    edit = InventoryEdit(changed=[n for n, v in wanted.items() if current.get(n) != v])
+    if not edit.changed:
+        return edit
+    root = yaml.compose(text)
+    defaults_node = _value(root, "defaults")
+    defaults_python = _value(defaults_node, "python") if defaults_node is not None else None
+    own: dict[str, yaml.Node | None] = {}
+    hosts_node = _value(root, "hosts")
+    for entry in hosts_node.value if isinstance(hosts_node, yaml.SequenceNode) else []:
+        name = _value(entry, "name")
+        if isinstance(name, yaml.ScalarNode):
+            own[name.value] = _value(entry, "python")
+    plan: list[tuple[str, yaml.ScalarNode, str]] = []  # (where, value node, new value)
+    inheriting = [h.name for h in inventory.hosts if own.get(h.name) is None]
+    for name in edit.changed:
+        node = own.get(name)
+        if node is not None:
+            plan.append((f"host {name}", node, wanted[name]))
+    if any(n in edit.changed for n in inheriting):
+        values = {wanted.get(n, current[n]) for n in inheriting}
+        if len(values) == 1 and isinstance(defaults_python, yaml.ScalarNode):
+            plan.append(("defaults", defaults_python, values.pop()))
+        else:
+            edit.by_hand += [f"host {n}: set python: {wanted[n]}" for n in inheriting if n in edit.changed]
+    if edit.by_hand or not write:
+        edit.by_hand += [f"{where}: set python: {value}" for where, _, value in plan]
+        return edit
+    new_text = text
+    for _, node, value in sorted(plan, key=lambda p: p[1].start_mark.index, reverse=True):
+        start, end = node.start_mark.index, node.end_mark.index
+        new_text = new_text[:start] + _scalar(value, node.style) + new_text[end:]
+    if not _only_python_changed(inventory, new_text, path, wanted):
+        edit.by_hand = [f"host {n}: set python: {wanted[n]}" for n in edit.changed]
+        return edit
+    mode = path.stat().st_mode & 0o777  # kept: a temporary file starts as 0600
+    atomic_write(path, lambda tmp: (tmp.write_text(new_text), tmp.chmod(mode)))
+    edit.written = True
+    return edit
+
+
+def _value(mapping: yaml.Node | None, key: str) -> yaml.Node | None:
+    if not isinstance(mapping, yaml.MappingNode):
+        return None
+    for k, v in mapping.value:
+        if isinstance(k, yaml.ScalarNode) and k.value == key:
+            return v
+    return None
+
+
+def _scalar(value: str, style: str | None) -> str:
+    """``value`` written in the original's quoting style where that is safe."""
+    if style == "'" and "'" not in value:
+        return f"'{value}'"
+    if style is None and _PLAIN.match(value) and value != "~":
+        return value
+    return json.dumps(value)  # a JSON string is a valid double-quoted YAML scalar
+
+
+def _only_python_changed(before: Inventory, new_text: str, path: Path, wanted: dict[str, str]) -> bool:
+    """The edited text parses to the same inventory with the wanted interpreters."""
+    try:
+        after = parse_inventory(yaml.safe_load(new_text), path)
+    except (yaml.YAMLError, InventoryError):
+        return False
+    expected = tuple(dataclasses.replace(h, python=wanted.get(h.name, h.python)) for h in before.hosts)
+    return after.hosts == expected and after.rendezvous == before.rendezvous
