@@ -13,6 +13,12 @@ A run with ``checkpoint_every=N`` keeps ``<out>/<run-id>.checkpoints/``:
 Every file is written to a temporary name, fsynced, and renamed; a checkpoint folder is
 renamed into place only when complete. Node files are read with
 ``torch.load(weights_only=True)``: tensors and plain containers only, never code.
+
+A checkpoint of N nodes can continue on M < N nodes (a launch that lost a host for
+good, ``launch --allow-shrink``) when every node holds the run's whole global state at
+the checkpoint: see :func:`fewer_nodes_refusal`. Node r then continues from its own
+saved state (a launched host's folder holds its own rank's file only), and the data
+is sharded anew over the M nodes.
 """
 
 from __future__ import annotations
@@ -23,9 +29,12 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from meshtrain.strategies.base import Strategy
 
 META = "meta.json"
 SPEC = "spec.yaml"
@@ -90,6 +99,12 @@ class Found:
     run_id: str
     nodes: int
     skipped: list[str]  # why newer checkpoint folders were not used
+    ranks: tuple[int, ...] = ()  # the node files this folder holds (a launched host: its own)
+
+    def source_rank(self, rank: int) -> int:
+        """The saved node that node ``rank`` continues from: on a launched host the one file
+        its folder holds (after a shrink the ranks are renumbered), else ``node-<rank>``."""
+        return self.ranks[0] if len(self.ranks) == 1 else rank
 
 
 def find_latest(path: str | Path) -> Found:
@@ -111,18 +126,48 @@ def find_latest(path: str | Path) -> Found:
         problem = _problem(candidate)
         if problem is None:
             meta = json.loads((candidate / META).read_text())
-            return Found(candidate, int(meta["step"]), str(meta["run_id"]), int(meta["nodes"]), skipped)
+            ranks = tuple(sorted(int(name[len("node-"):-len(".pt")]) for name in meta["files"]))
+            return Found(candidate, int(meta["step"]), str(meta["run_id"]), int(meta["nodes"]), skipped,
+                         ranks)
         skipped.append(f"{candidate.name}: {problem}")
     detail = f" ({'; '.join(skipped)})" if skipped else ""
     raise CheckpointError(f"--resume {path}: no complete checkpoint found{detail}")
 
 
 def load_node(found: Found, rank: int) -> dict[str, Any]:
-    """Node ``rank``'s state from a checkpoint :func:`find_latest` accepted."""
-    state = torch.load(found.folder / f"node-{rank}.pt", weights_only=True, map_location="cpu")
+    """The state node ``rank`` continues from (:meth:`Found.source_rank`) in a checkpoint
+    :func:`find_latest` accepted."""
+    source = found.source_rank(rank)
+    state = torch.load(found.folder / f"node-{source}.pt", weights_only=True, map_location="cpu")
     if state.get("run_id") != found.run_id or state.get("step") != found.step:
-        raise CheckpointError(f"{found.folder}/node-{rank}.pt belongs to another run or step")
+        raise CheckpointError(f"{found.folder}/node-{source}.pt belongs to another run or step")
     return state
+
+
+# Strategies whose every node holds the run's whole global state at a checkpoint.
+CONTINUE_ON_FEWER = ("ddp", "diloco", "sparta-diloco", "fedavg")
+
+
+def fewer_nodes_refusal(strategy: Strategy) -> str | None:
+    """Why a checkpoint of ``strategy`` cannot continue on fewer nodes, or None if it can.
+
+    It can when dropping a node loses nothing but that node's future work: DDP's nodes
+    are exact replicas (parameters and optimizer); DiLoCo's (and SPARTA-DiLoCo's)
+    checkpoints fall on outer syncs, where every node's parameters equal the outer ones
+    and the outer optimizer is the same everywhere (the inner optimizer is each node's
+    own); after FedAvg's full average every node holds the global model. Not so for
+    SPARTA (the nodes never agree: the global model is the mean of ALL of them), FedAvg
+    with islands (the same, between full averages), and DeMo (each node's residual holds
+    gradient that was never applied anywhere).
+    """
+    name = strategy.name
+    if name == "fedavg" and getattr(strategy, "island_size", None) is not None:
+        return (f"strategy fedavg with island_size={strategy.island_size}: between full "  # type: ignore[attr-defined]
+                "averages the nodes differ, so a lost node takes its part of the global model with it")
+    if name not in CONTINUE_ON_FEWER:
+        return (f"strategy {name}: a checkpoint cannot continue on fewer nodes (only "
+                f"{', '.join(CONTINUE_ON_FEWER)} hold the whole global state on every node)")
+    return None
 
 
 def _problem(folder: Path) -> str | None:

@@ -187,9 +187,14 @@ class Trainer:
                     f"({size // config.nodes} samples of {size} over {config.nodes} nodes)"
                 )
         resume = checkpoint.find_latest(config.resume) if config.resume else None
-        if resume is not None and resume.nodes != config.nodes:
+        if resume is not None and resume.nodes < config.nodes:
             raise ValueError(f"--resume {config.resume}: the checkpoint has {resume.nodes} nodes, "
-                             f"this run {config.nodes}")
+                             f"this run {config.nodes} (a run can continue on fewer nodes, not more)")
+        if resume is not None and resume.nodes > config.nodes:
+            refusal = checkpoint.fewer_nodes_refusal(strategy)
+            if refusal:
+                raise ValueError(f"--resume {config.resume} on {config.nodes} of its {resume.nodes} "
+                                 f"nodes: {refusal}")
         if config.checkpoint_every and getattr(strategy, "H", None):
             # Checkpoint right after an outer sync (DiLoCo, FedAvg): round up to a multiple of H.
             h = int(strategy.H)  # type: ignore[attr-defined]
@@ -336,7 +341,11 @@ def train_node(
         saved = checkpoint.load_node(job.resume, rank)
         model.load_state_dict(saved["model"])
         strategy.load_state_dict(saved["strategy"])
-        batches.load_state_dict(saved["data"])
+        shrunk = job.resume.nodes != cfg.nodes
+        # On fewer nodes the shards are cut anew, so a saved position means nothing there:
+        # the new shards start a fresh epoch (the lost node's samples are in them).
+        batches.load_state_dict({"epoch": saved["data"]["epoch"] + 1, "position": 0} if shrunk
+                                else saved["data"])
         _set_node_rng_state(saved["rng"], rng_guard)
         comm.log = CommLog([CommRecord(*r) for r in saved["comm"]], *saved["comm_totals"])
         losses, seconds, history_val = list(saved["losses"]), list(saved["seconds"]), saved["val"]
@@ -344,6 +353,8 @@ def train_node(
         initial, startup_sent = saved["initial"], saved["startup_sent"]
         first_step, loop_before = saved["step"], saved["loop_seconds"]
         seconds_before = seconds[-1] if seconds else 0.0
+        if shrunk:  # the global state came from each survivor's own file: prove it is one state
+            _check_sync(strategy, comm, first_step - 1)
     else:
         # Step 0: the global model before training, so every run shows before and after.
         initial = evaluator.evaluate(strategy.params_data()) if evaluator else {}

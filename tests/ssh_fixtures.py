@@ -242,10 +242,11 @@ def make_namespaces(n_hosts: int) -> Namespaces:
     return ns
 
 
-def netns_world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SshWorld, Namespaces]]:
-    """Two hosts, each a namespace with its own sshd and address, and the launcher's namespace
-    (``yield from`` it in a fixture)."""
-    ns = make_namespaces(2)
+def netns_world(tmp_path_factory: pytest.TempPathFactory,
+                n_hosts: int = 2) -> Iterator[tuple[SshWorld, Namespaces]]:
+    """``n_hosts`` hosts, each a namespace with its own sshd and address, and the launcher's
+    namespace (``yield from`` it in a fixture)."""
+    ns = make_namespaces(n_hosts)
     world = new_world(tmp_path_factory.mktemp("netns-ssh"))
     world.client_netns = ns.client
     try:

@@ -22,7 +22,14 @@ from rich.text import Text
 
 from meshtrain.launch.checks import CHECKS, check_hosts
 from meshtrain.launch.inventory import Inventory, InventoryError, load_inventory
-from meshtrain.launch.launcher import LaunchOptions, PreflightError, launch, new_launch_id, training_argv
+from meshtrain.launch.launcher import (
+    RESTART_WAIT_S,
+    LaunchOptions,
+    PreflightError,
+    launch,
+    new_launch_id,
+    training_argv,
+)
 from meshtrain.launch.live import rank_output
 from meshtrain.launch.shipping import ShipError, Shipment, hash_path
 
@@ -315,6 +322,28 @@ def _check_training_flags(flags: dict[str, Any], overrides: list[str]) -> None:
         raise fail(str(exc)) from None
 
 
+def _check_shrink(flags: dict[str, Any], overrides: list[str], max_restarts: int) -> None:
+    """``--allow-shrink`` needs restarts, checkpoints, and a strategy whose checkpoint can
+    continue on fewer nodes (see checkpoint.fewer_nodes_refusal); exit 2 otherwise."""
+    from meshtrain.checkpoint import fewer_nodes_refusal
+    from meshtrain.config import ConfigError, RunSpec, build_strategy, load_profile, merge, parse_set
+
+    if max_restarts < 1:
+        raise fail("--allow-shrink continues after a restart: give --max-restarts 1 or more")
+    profile = load_profile(flags["profile"]) if flags.get("profile") else {}
+    if not (flags.get("checkpoint_every") or profile.get("checkpoint_every")):
+        raise fail("--allow-shrink continues from a checkpoint: give --checkpoint-every")
+    name = flags.get("strategy") or profile.get("strategy") or RunSpec.strategy
+    options = merge(profile, parse_set(overrides, name)).get("strategy_options") or {}
+    try:
+        strategy = build_strategy(RunSpec(strategy=name, strategy_options=options))
+    except ConfigError as exc:
+        raise fail(str(exc)) from None
+    refusal = fewer_nodes_refusal(strategy)
+    if refusal:
+        raise fail(f"--allow-shrink: {refusal}")
+
+
 def _local_inputs(flags: dict[str, Any], overrides: list[str]) -> list[tuple[str, str, str]]:
     """(what, setting, path) for what a training run reads from this machine's disk: its
     data, and ``task_options.model`` when that names a local file or folder (not a hub id)."""
@@ -431,6 +460,13 @@ def register(app: typer.Typer) -> None:
             0, "--max-restarts", min=0, rich_help_panel="Long runs",
             help="When a rank fails, start every rank again from the last checkpoint, up to this "
                  "many times."),
+        restart_wait: float = typer.Option(
+            RESTART_WAIT_S, "--restart-wait", rich_help_panel="Long runs",
+            help="Before a restart, wait this many seconds for a host that was cut off to answer again."),
+        allow_shrink: bool = typer.Option(
+            False, "--allow-shrink", rich_help_panel="Long runs",
+            help="A host still unreachable after --restart-wait is left out: the others continue "
+                 "without it from the last checkpoint (ddp, diloco, sparta-diloco, fedavg)."),
         no_ship: bool = typer.Option(
             False, "--no-ship", help="Do not send --data (and a local task_options.model) into every "
                                      "workdir: every host already holds it at the same path."),
@@ -460,8 +496,14 @@ def register(app: typer.Typer) -> None:
             inv = dataclasses.replace(inv, hosts=tuple(dataclasses.replace(h, device=device)
                                                        for h in inv.hosts))
         inv = _apply_overrides(inv, threads, heartbeat_timeout)
+        if not 0 < restart_wait < float("inf"):
+            raise fail(f"--restart-wait: expected seconds > 0, got {restart_wait:g}")
+        if allow_shrink and not training:
+            raise fail("--allow-shrink continues a training run: give training flags, not a command after --")
         if training:
             _check_training_flags(flags, set_)
+            if allow_shrink:
+                _check_shrink(flags, set_, max_restarts)
             set_, shipments, required = _ship_inputs(flags, set_, no_ship)
             if shipments and flags["data"]:
                 flags["data"] = None  # the ranks read the shipped copy (--set data=...)
@@ -477,6 +519,7 @@ def register(app: typer.Typer) -> None:
         options = LaunchOptions(run_id=resume or run_id or new_launch_id(label, inv.world_size, out),
                                 out_dir=out, accept_new_host_keys=accept_new_host_keys,
                                 uploads=list(upload), resume=bool(resume), max_restarts=max_restarts,
+                                restart_wait=restart_wait, allow_shrink=allow_shrink,
                                 shipments=shipments, required_paths=required)
         output = rank_output([h.name for h in inv.hosts], plain=plain, title=options.run_id,
                              log_dir=out / f"{options.run_id}.ranks")  # moved into the run directory
@@ -501,17 +544,19 @@ def register(app: typer.Typer) -> None:
                 for line in failure.tail[-10:]:
                     errors.print(Text(f"  {line}"), soft_wrap=True)
         for event in result.restarts:
-            console.print(f"restarted after rank {event['rank']} on {event['host']} {event['reason']}",
-                          highlight=False)
+            shrunk = (f"; continued on {event['shrunk_to']} hosts without {event['dropped']} from step "
+                      f"{event['at_step']}") if "shrunk_to" in event else ""
+            console.print(f"restarted after rank {event['rank']} on {event['host']} {event['reason']}"
+                          + shrunk, highlight=False)
         if result.exit_code == 1 and training and checkpoint_every:
             errors.print("the checkpoints stay on every host; continue with: "
                          + resume_command(sys.argv[1:], options.run_id), highlight=False, soft_wrap=True)
         if result.copy_failed:
-            console.print(f"all {inv.world_size} ranks finished in {result.seconds:.1f} s, but the run "
+            console.print(f"all {result.world_size} ranks finished in {result.seconds:.1f} s, but the run "
                           "directory was not copied back (see above)", highlight=False)
         if result.exit_code == 0:
             where = f"; run directory: {result.run_dir}" if result.run_dir else ""
-            console.print(f"all {inv.world_size} ranks finished in {result.seconds:.1f} s{where}",
+            console.print(f"all {result.world_size} ranks finished in {result.seconds:.1f} s{where}",
                           highlight=False)
         raise typer.Exit(result.exit_code)
 

@@ -10,6 +10,10 @@ answering) stops every other rank: Ctrl-C on its pty, then SIGTERM and SIGKILL t
 process group, then the connection closes (SIGHUP to anything left). Ctrl-C or
 SIGTERM on the launcher does the same. When all ranks succeed, rank 0's run
 directory is copied back to the launching machine.
+
+With ``max_restarts`` a failed run starts again from the newest checkpoint every host
+holds; with ``allow_shrink`` too, a host that stays unreachable through the restart wait
+is left out and the others continue without it, renumbered in inventory order.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import paramiko
@@ -64,6 +68,8 @@ class LaunchOptions:
     grace: float = 2.0  # seconds from Ctrl-C to SIGTERM, and from SIGTERM to SIGKILL
     resume: bool = False  # continue run_id from the newest checkpoint every host holds
     max_restarts: int = 0  # after a failure, start every rank again from that checkpoint
+    restart_wait: float = RESTART_WAIT_S  # before a restart: how long a cut-off host may take
+    allow_shrink: bool = False  # a host still cut off after restart_wait is left out
     shipments: list[Shipment] = field(default_factory=list)  # local data sent into every workdir first
     # (what, path) every host must already hold, relative to its workdir (launch --no-ship)
     required_paths: list[tuple[str, str]] = field(default_factory=list)
@@ -91,6 +97,9 @@ class LaunchResult:
     leftovers: list[str] = field(default_factory=list)  # ranks that could not be confirmed stopped
     copy_failed: bool = False  # every rank succeeded but the run directory could not be copied back
     restarts: list[dict[str, object]] = field(default_factory=list)  # each restart: why, from which step
+    lost: list[int] = field(default_factory=list)  # the ranks in leftovers: their hosts stayed unreachable
+    resumed_at: int | None = None  # the checkpoint step this attempt started from
+    world_size: int = 0  # ranks of the last attempt (fewer than the inventory's after a shrink)
 
 
 class PreflightError(RuntimeError):
@@ -270,6 +279,7 @@ def upload(client: paramiko.SSHClient, host: Host, files: list[Path]) -> None:
 class _Rank:
     host: Host
     client: paramiko.SSHClient
+    row: int  # the host's line in the output (its inventory position: ranks change on a shrink)
     process: RemoteProcess | None = None
     heartbeat: Heartbeat | None = None
     outcome: str | None = None  # None while running; "ok" or a failure reason
@@ -293,30 +303,61 @@ def launch(inventory: Inventory, argv: list[str], options: LaunchOptions, *, tra
         may_restart = training and len(restarts) < options.max_restarts
         result = _launch_once(inventory, argv, options, output, training=training, resume=resume,
                               restarting=bool(restarts), may_restart=may_restart)
+        if restarts and "shrunk_to" in restarts[-1]:
+            restarts[-1]["at_step"] = result.resumed_at or 0
         can_restart = training and result.exit_code == 1 and not result.copy_failed
         if not can_restart or len(restarts) >= options.max_restarts:
             break
-        if result.leftovers:  # a rank may still be running: a second copy must not join it
-            output.note("not restarting: some ranks could not be confirmed stopped", style="bold red")
-            break
         why = result.failures[0]
-        restarts.append({"rank": why.rank, "host": why.host.name, "reason": why.reason})
+        event: dict[str, object] = {"rank": why.rank, "host": why.host.name, "reason": why.reason}
+        if result.leftovers:  # a rank may still be running: a second copy must not join it
+            smaller = _shrunk(inventory, result.lost, options, output)
+            if smaller is None:
+                break
+            dropped = [inventory.hosts[rank].name for rank in sorted(result.lost)]
+            inventory = smaller
+            event.update(shrunk_to=inventory.world_size, dropped=", ".join(dropped))
+        restarts.append(event)
         output.note(f"restart {len(restarts)} of {options.max_restarts}: starting every rank again "
                     "from the last checkpoint", style="bold yellow")
         resume = True
     result.restarts = restarts
+    result.world_size = inventory.world_size
     if restarts and result.run_dir is not None:
         _record_restarts(result.run_dir, restarts)
     result.seconds = time.monotonic() - started
     return result
 
 
+def _shrunk(inventory: Inventory, lost: list[int], options: LaunchOptions,
+            output: RankOutput) -> Inventory | None:
+    """The inventory without the hosts that stayed unreachable, ranks renumbered in
+    inventory order; None (said why) when the run cannot go on without them.
+
+    A rank left running on such a host cannot disturb the smaller run: every attempt has
+    a new rendezvous secret, and that host's rank writes only into its own workdir.
+    """
+    if not options.allow_shrink:
+        output.note("not restarting: some ranks could not be confirmed stopped", style="bold red")
+        return None
+    if 0 in lost:  # rank 0's host holds the run directory and rank 0's checkpoints
+        output.note(f"not continuing without rank 0's host {inventory.hosts[0].name}: it holds the run "
+                    "directory and rank 0's checkpoints", style="bold red")
+        return None
+    kept = [h for h in inventory.hosts if h.rank not in lost]
+    hosts = tuple(replace(h, rank=rank) for rank, h in enumerate(kept))
+    gone = ", ".join(inventory.hosts[rank].name for rank in sorted(lost))
+    output.note(f"continuing on {len(hosts)} hosts without {gone}", style="bold yellow")
+    return replace(inventory, hosts=hosts)
+
+
 def _launch_once(inventory: Inventory, argv: list[str], options: LaunchOptions, output: RankOutput,
                  *, training: bool, resume: bool, restarting: bool, may_restart: bool) -> LaunchResult:
     """One attempt: preflight every host, start the ranks, wait for them."""
     clients = preflight(inventory, options)
-    ranks = [_Rank(h, c) for h, c in zip(inventory.hosts, clients, strict=True)]
+    ranks = [_Rank(h, c, output.names.index(h.name)) for h, c in zip(inventory.hosts, clients, strict=True)]
     secret = new_secret()  # this launch's: only its ranks can join its rendezvous
+    step = None
     try:
         if resume:
             step = common_checkpoint(ranks, options)
@@ -339,8 +380,10 @@ def _launch_once(inventory: Inventory, argv: list[str], options: LaunchOptions, 
             upload(r.client, r.host, options.uploads)
             deliver_secret(r.client, r.host, options.run_id, secret, options.connect_timeout)
         with _stop_on_signals() as stop:
-            return _run_ranks(inventory, ranks, argv, options, output, stop, training=training,
-                              may_restart=may_restart)
+            result = _run_ranks(inventory, ranks, argv, options, output, stop, training=training,
+                                may_restart=may_restart)
+            result.resumed_at = step
+            return result
     finally:
         for r in ranks:
             if r.heartbeat is not None:
@@ -391,10 +434,9 @@ def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], option
     try:
         for r in ranks:
             command = rank_command(inventory, r.host, options.run_id, argv, training=training)
-            r.process = RemoteProcess(r.client, command,
-                                      lambda line, rank=r.host.rank: output.line(rank, line))
+            r.process = RemoteProcess(r.client, command, lambda line, row=r.row: output.line(row, line))
             r.heartbeat = Heartbeat(r.client)
-            output.watch(r.host.rank, r.process)  # the live view shows its heartbeats
+            output.watch(r.row, r.process)  # the live view shows its heartbeats
     except Exception as exc:  # noqa: BLE001 - a host dropped while starting: stop the others
         r.outcome = f"could not start: {exc}"
         failures.append(RankFailure(r.host.rank, r.host, r.outcome, []))
@@ -404,9 +446,9 @@ def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], option
             if r.outcome is None:
                 r.outcome = _outcome(r, options, inventory.rendezvous.heartbeat_timeout)
                 if r.outcome is not None:
-                    output.ended(r.host.rank, r.outcome)
+                    output.ended(r.row, r.outcome)
                 if r.outcome is not None and r.outcome != "ok":
-                    failures.append(RankFailure(r.host.rank, r.host, r.outcome, output.tail(r.host.rank)))
+                    failures.append(RankFailure(r.host.rank, r.host, r.outcome, output.tail(r.row)))
         if all(r.outcome == "ok" for r in ranks):
             _teardown(ranks, options)  # anything the ranks left running in the background
             return _copy_back(ranks[0], options, output, stop)
@@ -424,14 +466,15 @@ def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], option
     unconfirmed = _teardown(ranks, options)
     teardown_seconds = time.monotonic() - t0
     for r in ranks:  # the live view: who failed, and who was stopped because of it
-        output.ended(r.host.rank, r.outcome or STOPPED)
+        output.ended(r.row, r.outcome or STOPPED)
     output.note(f"all ranks stopped in {teardown_seconds:.1f} s" if not unconfirmed else
                 "could not confirm these ranks stopped: " + "; ".join(unconfirmed.values()), style="bold")
     if unconfirmed and failures and may_restart:
-        unconfirmed = _stop_when_back(ranks, unconfirmed, options, output, RESTART_WAIT_S)
+        unconfirmed = _stop_when_back(ranks, unconfirmed, options, output, options.restart_wait)
     _report_incomplete(ranks[0], options, output)
     code = 1 if failures else 128 + int(stop.signum)  # type: ignore[arg-type]
-    return LaunchResult(code, failures, None, 0.0, teardown_seconds, list(unconfirmed.values()))
+    return LaunchResult(code, failures, None, 0.0, teardown_seconds, list(unconfirmed.values()),
+                        lost=sorted(unconfirmed))
 
 
 def _outcome(r: _Rank, options: LaunchOptions, heartbeat_timeout: float) -> str | None:
