@@ -130,13 +130,18 @@ HOLD_PORT = textwrap.dedent("""
 """)
 
 
-def test_rogue_machine_is_refused_and_nothing_listens_once_training(lan, tmp_path: Path) -> None:
-    world, ns = lan
+def two_box_inventory(world: SshWorld, ns: Namespaces, tmp_path: Path) -> tuple[Path, str]:
+    """The inventory of the two sshd hosts (rendezvous on PORT) and rank 0's address."""
     hosts = [{"name": f"box{i}", "host": s.address, "workdir": str(tmp_path / f"box{i}")}
              for i, s in enumerate(world.servers)]
     inv = world.inventory(tmp_path / "inv.yaml", hosts, iface="eth0",
                           rendezvous={"port": PORT, "timeout": 60})
-    rank0 = ns.addresses[ns.hosts[0]]
+    return inv, ns.addresses[ns.hosts[0]]
+
+
+def test_rogue_machine_is_refused_and_nothing_listens_once_training(lan, tmp_path: Path) -> None:
+    world, ns = lan
+    inv, rank0 = two_box_inventory(world, ns, tmp_path)
     training = ["--task", "digits", "--strategy", "diloco", "--steps", "1500", "--set", "H=50",
                 "--no-progress", "--threads", "1"]
     # The rogue waits on the LAN for the gate to open, then tries to join.
@@ -169,11 +174,7 @@ def test_rogue_machine_is_refused_and_nothing_listens_once_training(lan, tmp_pat
 
 def test_a_launch_on_a_port_in_use_fails_with_one_line(lan, tmp_path: Path) -> None:
     world, ns = lan
-    hosts = [{"name": f"box{i}", "host": s.address, "workdir": str(tmp_path / f"box{i}")}
-             for i, s in enumerate(world.servers)]
-    inv = world.inventory(tmp_path / "inv.yaml", hosts, iface="eth0",
-                          rendezvous={"port": PORT, "timeout": 60})
-    rank0 = ns.addresses[ns.hosts[0]]
+    inv, rank0 = two_box_inventory(world, ns, tmp_path)
     holder = subprocess.Popen(["ip", "netns", "exec", ns.hosts[0], PYTHON, "-c", HOLD_PORT, rank0, str(PORT)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
