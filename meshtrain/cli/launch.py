@@ -231,8 +231,10 @@ def hosts_discover(
     known_hosts: str = typer.Option(None, "--known-hosts", help="known_hosts file (default "
                                                                  "~/.ssh/known_hosts)."),
 ) -> None:
-    """List machines on this network that advertise SSH (Bonjour / mDNS), e.g. Macs with
-    Remote Login on, and optionally write them as a starter inventory.
+    """Find machines on this network that advertise SSH (Bonjour) and write an inventory.
+
+    Macs with Remote Login on announce ``_ssh._tcp`` over mDNS; so do Linux hosts running
+    avahi. The list can be written as a starter inventory (--write).
 
     Nothing is connected to unless --check-keys is given, and then only the machines found.
 
@@ -402,7 +404,7 @@ def register(app: typer.Typer) -> None:
     """Add ``hosts check``, ``hosts bench`` and ``launch`` to the ``meshtrain`` app."""
     from meshtrain.cli.main import TRAINING_FLAGS as F
 
-    hosts_app = typer.Typer(help="Check the machines of an inventory before launching.",
+    hosts_app = typer.Typer(help="Find, set up, check and measure the machines of an inventory.",
                             no_args_is_help=True)
     hosts_app.command("check")(hosts_check)
     hosts_app.command("bench")(hosts_bench)
