@@ -96,12 +96,17 @@ def _check_restarted_run(tmp_path: Path, run_id: str, output: str, proc: subproc
         assert torch.equal(final[name], uninterrupted[name]), name
 
 
+def _start_restartable(ssh: SshWorld, tmp_path: Path, run_id: str) -> subprocess.Popen[str]:
+    """The launch both tests disturb: checkpoints every 30 steps, one restart allowed."""
+    return start_meshtrain(ssh, "launch", str(_inventory(ssh, tmp_path)), "--out", str(tmp_path / "runs"),
+                           "--run-id", run_id, "--checkpoint-every", "30", "--max-restarts", "1", *TRAINING,
+                           cwd=tmp_path)
+
+
 def test_killed_rank_restarts_from_the_checkpoint(world, tmp_path: Path, uninterrupted) -> None:
     ssh, _ = world
     run_id = "killed"
-    proc = start_meshtrain(ssh, "launch", str(_inventory(ssh, tmp_path)), "--out", str(tmp_path / "runs"),
-                           "--run-id", run_id, "--checkpoint-every", "30", "--max-restarts", "1", *TRAINING,
-                           cwd=tmp_path)
+    proc = _start_restartable(ssh, tmp_path, run_id)
     try:
         _wait_for_checkpoint(tmp_path / "box1", run_id)
         os.kill(_rank_pid(run_id, 1), signal.SIGKILL)
@@ -115,9 +120,7 @@ def test_killed_rank_restarts_from_the_checkpoint(world, tmp_path: Path, uninter
 def test_host_cut_off_the_network_restarts_when_it_is_back(world, tmp_path: Path, uninterrupted) -> None:
     ssh, ns = world
     run_id = "cut"
-    proc = start_meshtrain(ssh, "launch", str(_inventory(ssh, tmp_path)), "--out", str(tmp_path / "runs"),
-                           "--run-id", run_id, "--checkpoint-every", "30", "--max-restarts", "1", *TRAINING,
-                           cwd=tmp_path)
+    proc = _start_restartable(ssh, tmp_path, run_id)
     try:
         _wait_for_checkpoint(tmp_path / "box1", run_id)
         ns.set_link(ns.hosts[1], up=False)

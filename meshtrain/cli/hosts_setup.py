@@ -10,27 +10,18 @@ for bad input.
 from __future__ import annotations
 
 import shutil
-import sys
 import time
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
+from meshtrain.cli.launch import console, errors, fail  # the hosts commands' own output
 from meshtrain.launch.inventory import Host, InventoryError, load_inventory
 from meshtrain.launch.inventory_edit import set_python
 from meshtrain.launch.local_install import LocalInstallError, local_install, make_workdir
 from meshtrain.launch.provisioning import FAILED, INSTALLED, UP_TO_DATE, SetupOptions, provision_hosts
-
-console = Console(width=None if sys.stdout.isatty() else 160)
-errors = Console(stderr=True)
-
-
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    errors.print(Text.assemble(("error: ", "bold red"), message), soft_wrap=True)
-    return typer.Exit(code)
 
 
 def hosts_setup(
@@ -60,16 +51,16 @@ def hosts_setup(
     try:
         inv = load_inventory(inventory)
     except InventoryError as exc:
-        raise _fail(str(exc)) from None
+        raise fail(str(exc)) from None
     if not base_python.strip():
-        raise _fail("--base-python: expected an interpreter name or path, got ''")
+        raise fail("--base-python: expected an interpreter name or path, got ''")
     started = time.monotonic()
     workdir = make_workdir()
     try:
         try:
             local = local_install(workdir, wheel)
         except LocalInstallError as exc:
-            raise _fail(str(exc), code=2 if wheel is not None else 1) from None
+            raise fail(str(exc), code=2 if wheel is not None else 1) from None
         options = SetupOptions(base_python=base_python, pip_args=tuple(pip_arg),
                                accept_new_host_keys=accept_new_host_keys, timeout=timeout)
         console.print(f"meshtrain {local.version} ({local.source}) with "
