@@ -7,8 +7,10 @@ if sys.platform == "darwin":
     # Ops MPS lacks fall back to the CPU instead of failing; torch reads this at import.
     os.environ.setdefault("PYTORCH_ENABLE_MPS_FALLBACK", "1")
 
-from meshtrain.trainer import FitResult, NodeFailed, TrainConfig, Trainer  # noqa: E402 - after the MPS setting
-
-__version__ = "0.1.0"
+# The API, imported after the MPS setting above (torch reads it at import).
+from meshtrain.job import FitResult, NodeFailed  # noqa: E402
+from meshtrain.settings import TrainConfig  # noqa: E402
+from meshtrain.trainer import Trainer  # noqa: E402
+from meshtrain.version import __version__  # noqa: E402
 
 __all__ = ["FitResult", "NodeFailed", "TrainConfig", "Trainer", "__version__"]

@@ -26,11 +26,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from meshtrain.build import build_run  # the one resolution of settings layers
 from meshtrain.config import ConfigError, RunSpec, strategy_class
 from meshtrain.plots import plot_runs
 from meshtrain.run_dir import atomic_write_text
 from meshtrain.runs import FinishedRun, load_run, strategy_label
 from meshtrain.strategies import STRATEGIES
+from meshtrain.trainer import Trainer, run_job
 
 DEFAULT_STRATEGIES = ("ddp", "diloco", "sparta")
 
@@ -127,8 +129,6 @@ def plan(spec: CompareSpec) -> list[PlannedRun]:
     Raises ``ValueError`` (:class:`ConfigError`, ``TaskError``) with one line naming the
     strategy, option or value at fault.
     """
-    from meshtrain.cli.main import build_run  # the one resolution of settings layers
-
     if not spec.strategies:
         raise ConfigError("--strategies: give at least one strategy, e.g. ddp,diloco")
     for name in spec.strategies:
@@ -200,9 +200,6 @@ def run_comparison(
     Raises ``ValueError`` for bad input (before anything trains); a failing run raises
     its error after the comparison folder's finished runs are kept.
     """
-    from meshtrain import Trainer
-    from meshtrain.trainer import run_job
-
     planned = planned if planned is not None else plan(spec)
     folder = claim_folder(spec.out_dir)
     jobs = []

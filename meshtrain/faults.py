@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshtrain.settings import SettingError
+from meshtrain.errors import SettingError
 
 
 class FaultError(SettingError):

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from meshtrain.job import NodeJob
     from meshtrain.settings import TrainConfig
     from meshtrain.strategies import Strategy
-    from meshtrain.trainer import NodeJob
 
 #: For each logger setting: the module it imports and the extra that installs it.
 PACKAGES = {"wandb": ("wandb", "wandb"), "tensorboard": ("tensorboard", "tensorboard")}

@@ -14,17 +14,14 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Union
 
-if TYPE_CHECKING:
-    from meshtrain.faults import FaultPlan
+from meshtrain.cluster import get_cluster
+from meshtrain.errors import SettingError
+from meshtrain.faults import FaultError, FaultPlan, parse_faults
 
 RUNTIMES = ("threads", "processes", "launched")
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-
-
-class SettingError(ValueError):
-    """A setting with the wrong type or out of range: one line naming it."""
 
 
 def _setting(default: Any, help: str, *, minimum: float | None = None, above: float | None = None,
@@ -109,15 +106,11 @@ class TrainConfig:
         if self.run_id is not None and not RUN_ID.match(self.run_id):
             raise SettingError(f"run id {self.run_id!r}: use letters, digits, '.', '_' and '-' "
                                "(not starting with '.' or '-'), at most 128 characters")
-        from meshtrain.cluster import get_cluster
-
         get_cluster(self.cluster)
         self.fault_plan()
 
     def fault_plan(self) -> FaultPlan:
         """The simulated faults of ``fail`` and ``straggler``, checked against the run."""
-        from meshtrain.faults import FaultError, parse_faults
-
         given: dict[str, list[Any]] = {}
         for name in ("fail", "straggler"):
             values = getattr(self, name)

@@ -489,7 +489,7 @@ def test_interpreter_path_with_an_equals_sign(world: SshWorld, tmp_path: Path) -
 
 CHATTY = textwrap.dedent("""
     import os, time
-    from meshtrain.launch.heartbeat import start_heartbeat
+    from meshtrain.heartbeat import start_heartbeat
     start_heartbeat()
     for i in range(3000):
         print(f"rank {os.environ['RANK']} line {i} " + "x" * 100, flush=True)

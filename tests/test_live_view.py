@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
-from meshtrain.launch.heartbeat import (
+from meshtrain.heartbeat import (
     STATUS_MAX_BYTES,
     RankStatus,
     StatusReporter,
@@ -340,7 +340,7 @@ def test_live_panel_shows_every_rank_to_the_last_step(world, tmp_path: Path) -> 
 
 FAILING = textwrap.dedent("""
     import os, sys, time
-    from meshtrain.launch.heartbeat import status_reporter
+    from meshtrain.heartbeat import status_reporter
     rank = int(os.environ["RANK"])
     status = status_reporter(100)  # as a training loop would
     status.step_done(1, 0.5, 1000)
@@ -373,7 +373,7 @@ def test_live_panel_marks_the_failing_rank_failed_and_the_run_still_stops(world,
 
 PRINTER = textwrap.dedent("""
     import os, time
-    from meshtrain.launch.heartbeat import status_reporter
+    from meshtrain.heartbeat import status_reporter
     rank = os.environ["RANK"]
     status = status_reporter(2)
     print("rank", rank, "half a line, ", end="", flush=True)

@@ -32,8 +32,7 @@ def _rank(rank: int, port: int, secret_file: str, report: str) -> None:
     import torch.distributed as dist
 
     from meshtrain.comm import rendezvous
-    from meshtrain.comm.torch_dist import init_process_group
-    from meshtrain.runtimes.launched import _leave_in_order
+    from meshtrain.comm.torch_dist import init_process_group, leave_in_order
 
     os.environ[SECRET_FILE_ENV] = secret_file
     tunnels: list[int] = []
@@ -51,7 +50,7 @@ def _rank(rank: int, port: int, secret_file: str, report: str) -> None:
     dist.barrier()  # both ranks have probed before anyone leaves
     value = torch.tensor([float(rank + 1)])
     dist.all_reduce(value)
-    _leave_in_order(rank, 2, 30)
+    leave_in_order(rank, 2, 30)
     Path(report).write_text(json.dumps({"listening": listening, "sum": value.item()}))
 
 

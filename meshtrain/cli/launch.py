@@ -16,13 +16,39 @@ from pathlib import Path
 from typing import Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from meshtrain.checkpoint import fewer_nodes_refusal
+from meshtrain.cli.console import errors, fail
+from meshtrain.cli.console import wide_console as console  # the hosts commands' output
+from meshtrain.cli.flags import TRAINING_FLAGS as F
+from meshtrain.cli.hosts_setup import hosts_setup
+from meshtrain.cluster import cluster_file_text
+from meshtrain.config import (
+    ConfigError,
+    RunSpec,
+    build_strategy,
+    load_profile,
+    merge,
+    parse_set,
+    strategy_class,
+)
+from meshtrain.launch import discovery as d
+from meshtrain.launch.bench import (
+    BENCH_FILE,
+    BenchError,
+    bench_sizes,
+    fit_alpha_beta,
+    fitted_cluster,
+    model_seconds,
+    parse_size,
+    samples_from_json,
+)
 from meshtrain.launch.checks import CHECKS, check_hosts
 from meshtrain.launch.inventory import Inventory, InventoryError, load_inventory
 from meshtrain.launch.launcher import (
+    REMOTE_RUNS,
     RESTART_WAIT_S,
     LaunchOptions,
     PreflightError,
@@ -32,10 +58,9 @@ from meshtrain.launch.launcher import (
 )
 from meshtrain.launch.live import rank_output
 from meshtrain.launch.shipping import ShipError, Shipment, hash_path
-
-# Piped output (CI logs, tests) gets room for the whole table rather than 80 columns.
-console = Console(width=None if sys.stdout.isatty() else 160)
-errors = Console(stderr=True)
+from meshtrain.progress import human_bytes
+from meshtrain.run_dir import atomic_write_text
+from meshtrain.tasks import TaskError, get_task
 
 # simulate's flag name for each training option the launcher forwards.
 FORWARDED = {
@@ -44,12 +69,6 @@ FORWARDED = {
     "lr": "--lr", "seed": "--seed", "val_interval": "--val-interval",
     "checkpoint_every": "--checkpoint-every", "keep_checkpoints": "--keep",
 }
-
-
-def fail(message: str, code: int = 2) -> typer.Exit:
-    """Print one clear line (no traceback) and return the exit to raise."""
-    errors.print(Text.assemble(("error: ", "bold red"), message), soft_wrap=True)
-    return typer.Exit(code)
 
 
 def resume_command(args: list[str], run_id: str) -> str:
@@ -136,21 +155,6 @@ def hosts_bench(
 
       meshtrain simulate --strategy diloco --cluster clusters/NAME.yaml
     """
-    from meshtrain.cluster import cluster_file_text
-    from meshtrain.launch.bench import (
-        BENCH_FILE,
-        BenchError,
-        bench_sizes,
-        fit_alpha_beta,
-        fitted_cluster,
-        model_seconds,
-        parse_size,
-        samples_from_json,
-    )
-    from meshtrain.launch.launcher import REMOTE_RUNS
-    from meshtrain.progress import human_bytes
-    from meshtrain.run_dir import atomic_write_text
-
     inv = _inventory(inventory)
     if inv.world_size < 2:
         raise fail(f"{inventory}: a benchmark needs at least 2 hosts, the inventory has {inv.world_size}")
@@ -240,8 +244,6 @@ def hosts_discover(
 
       meshtrain hosts discover --check-keys --write hosts/mine.yaml
     """
-    from meshtrain.launch import discovery as d
-
     try:
         d.require_zeroconf()
         net = d.parse_network(network) if network else None
@@ -311,9 +313,6 @@ def hosts_discover(
 
 def _check_training_flags(flags: dict[str, Any], overrides: list[str]) -> None:
     """Catch bad training flags here (exit 2) rather than on every host."""
-    from meshtrain.config import ConfigError, RunSpec, load_profile, parse_set, strategy_class
-    from meshtrain.tasks import TaskError, get_task
-
     try:
         profile = load_profile(flags["profile"]) if flags.get("profile") else {}
         strategy = flags.get("strategy") or profile.get("strategy") or RunSpec.strategy
@@ -327,9 +326,6 @@ def _check_training_flags(flags: dict[str, Any], overrides: list[str]) -> None:
 def _check_shrink(flags: dict[str, Any], overrides: list[str], max_restarts: int) -> None:
     """``--allow-shrink`` needs restarts, checkpoints, and a strategy whose checkpoint can
     continue on fewer nodes (see checkpoint.fewer_nodes_refusal); exit 2 otherwise."""
-    from meshtrain.checkpoint import fewer_nodes_refusal
-    from meshtrain.config import ConfigError, RunSpec, build_strategy, load_profile, merge, parse_set
-
     if max_restarts < 1:
         raise fail("--allow-shrink continues after a restart: give --max-restarts 1 or more")
     profile = load_profile(flags["profile"]) if flags.get("profile") else {}
@@ -349,9 +345,6 @@ def _check_shrink(flags: dict[str, Any], overrides: list[str], max_restarts: int
 def _local_inputs(flags: dict[str, Any], overrides: list[str]) -> list[tuple[str, str, str]]:
     """(what, setting, path) for what a training run reads from this machine's disk: its
     data, and ``task_options.model`` when that names a local file or folder (not a hub id)."""
-    from meshtrain.config import RunSpec, load_profile, merge, parse_set
-    from meshtrain.tasks import TaskError, get_task
-
     profile = load_profile(flags["profile"]) if flags.get("profile") else {}
     strategy = flags.get("strategy") or profile.get("strategy") or RunSpec.strategy
     given = {k: flags[k] for k in ("data", "task") if flags.get(k) is not None}
@@ -402,13 +395,10 @@ def _apply_overrides(inv: Inventory, threads: int | None, heartbeat_timeout: flo
 
 def register(app: typer.Typer) -> None:
     """Add ``hosts check``, ``hosts bench`` and ``launch`` to the ``meshtrain`` app."""
-    from meshtrain.cli.main import TRAINING_FLAGS as F
-
     hosts_app = typer.Typer(help="Find, set up, check and measure the machines of an inventory.",
                             no_args_is_help=True)
     hosts_app.command("check")(hosts_check)
     hosts_app.command("bench")(hosts_bench)
-    from meshtrain.cli.hosts_setup import hosts_setup  # its own module: the provisioning command
     hosts_app.command("setup")(hosts_setup)
     hosts_app.command("discover")(hosts_discover)
     app.add_typer(hosts_app, name="hosts")

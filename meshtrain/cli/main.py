@@ -13,27 +13,24 @@ from typing import Any
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
 
 from meshtrain import checkpoint
+from meshtrain.build import build_run
+from meshtrain.cli import launch, research
+from meshtrain.cli.console import console, errors, fail
+from meshtrain.cli.flags import TRAINING_FLAGS, flag
 from meshtrain.cluster import CLUSTERS
-from meshtrain.config import (
-    ConfigError,
-    RunSpec,
-    build_strategy,
-    list_profiles,
-    load_profile,
-    parse_set,
-    resolve_spec,
-    strategy_class,
-)
-from meshtrain.devices import resolve_device
+from meshtrain.config import ConfigError, RunSpec, list_profiles, load_profile
+from meshtrain.heartbeat import start_heartbeat
+from meshtrain.job import NodeFailed
 from meshtrain.progress import human_bytes
 from meshtrain.run_dir import atomic_write_text
 from meshtrain.settings import help_for
 from meshtrain.strategies import STRATEGIES, Strategy
-from meshtrain.tasks import TASKS, TaskOptions, check_options, get_task
+from meshtrain.tasks import TASKS, get_task
+from meshtrain.trainer import Trainer, run_job
+from meshtrain.version import __version__
 
 app = typer.Typer(
     help="Train with communication-efficient strategies on simulated nodes or real machines.",
@@ -41,14 +38,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console()
-errors = Console(stderr=True)
-
 
 def _show_version(value: bool) -> None:
     if value:
-        from meshtrain import __version__
-
         console.print(f"meshtrain {__version__}")
         raise typer.Exit()
 
@@ -59,79 +51,6 @@ def _main(
                                  help="Print meshtrain's version and exit."),
 ) -> None:
     """Train with communication-efficient strategies on simulated nodes or real machines."""
-
-
-def fail(message: str, code: int = 2) -> typer.Exit:
-    """Print one clear line (no traceback) and return the exit to raise."""
-    # Escaped: a message may hold brackets ("pip install 'meshtrain[wandb]'"), never markup.
-    errors.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    return typer.Exit(code)
-
-
-def _flag(name: str, *flags: str, **kwargs: Any) -> Any:
-    """A CLI option for setting ``name``, its help taken from the setting's one definition."""
-    spec_fields = {f.name: f for f in dataclasses.fields(RunSpec)}
-    return typer.Option(None, *flags, help=spec_fields[name].metadata.get("help", ""), **kwargs)
-
-
-# Flags shared by `simulate` and `launch` (the launcher forwards them to every rank).
-TRAINING_FLAGS = dict(
-    profile=typer.Option(None, "--profile", "-p", help="Profile name (profiles/NAME.yaml) or path.",
-                         rich_help_panel="What to train"),
-    strategy=_flag("strategy", "--strategy", "-s", rich_help_panel="What to train"),
-    task=_flag("task", "--task", "-t", rich_help_panel="What to train"),
-    data=_flag("data", "--data", rich_help_panel="What to train"),
-    steps=_flag("steps", "--steps", rich_help_panel="What to train"),
-    epochs=_flag("epochs", "--epochs", rich_help_panel="What to train"),
-    batch_size=_flag("batch_size", "--batch-size", "-b", rich_help_panel="What to train"),
-    microbatch_size=_flag("microbatch_size", "--microbatch-size", rich_help_panel="What to train"),
-    lr=_flag("lr", "--lr", rich_help_panel="What to train"),
-    device=_flag("device", "--device", rich_help_panel="The simulated cluster"),
-    seed=_flag("seed", "--seed", rich_help_panel="What to train"),
-    threads=_flag("threads", "--threads", rich_help_panel="The simulated cluster"),
-    val_interval=_flag("val_interval", "--val-interval", rich_help_panel="Output"),
-    wandb=_flag("wandb", "--wandb", metavar="PROJECT", rich_help_panel="Output"),
-    tensorboard=typer.Option(None, "--tensorboard/--no-tensorboard", help=help_for("tensorboard"),
-                             rich_help_panel="Output"),
-    set_=typer.Option([], "--set", help="Override any setting: key=value (H=50, steps=100, "
-                                        "task_options.arch=cnn); values are read as YAML.",
-                      rich_help_panel="What to train"),
-)
-
-
-def build_run(
-    flags: dict[str, Any], overrides: list[str], launched: bool
-) -> tuple[RunSpec, Any, Any]:
-    """Resolve settings layers into a spec, then build the task and the strategy.
-
-    Layers, later ones winning: RunSpec defaults < the task's suggestions < a profile <
-    flags < ``--set``. Every layer is checked against the settings' one definition.
-    """
-    profile_name = flags.pop("profile", None)
-    profile = load_profile(profile_name) if profile_name else {}
-    strategy_name = flags.get("strategy") or profile.get("strategy") or RunSpec.strategy
-    set_layer = parse_set(overrides, strategy_name)  # bare names (H=50) are this strategy's
-    strategy_name = set_layer.get("strategy") or strategy_name
-    strategy_class(strategy_name)
-    task = get_task(set_layer.get("task") or flags.get("task") or profile.get("task") or RunSpec.task)
-    defaults = {**task.defaults, "strategy_options": task.strategy_defaults.get(strategy_name, {})}
-    spec = resolve_spec([
-        (f"task {task.name!r} defaults: ", defaults),
-        (f"profile {profile_name}: ", profile),
-        ("", flags),
-        ("--set ", set_layer),
-    ])
-    if launched:
-        spec.nodes = int(os.environ["WORLD_SIZE"])
-    if spec.data is not None and not task.takes_data:
-        raise ConfigError(f"task {task.name!r} reads no data file: drop --data {spec.data}")
-    try:
-        resolve_device(spec.device)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    strategy = build_strategy(spec)
-    bundle = task.build(TaskOptions(spec.data, spec.seed, check_options(task, spec.task_options)))
-    return spec, bundle, strategy
 
 
 @app.command()
@@ -147,24 +66,24 @@ def simulate(
     lr: float = TRAINING_FLAGS["lr"],
     seed: int = TRAINING_FLAGS["seed"],
     set_: list[str] = TRAINING_FLAGS["set_"],
-    nodes: int = _flag("nodes", "--nodes", "-n", rich_help_panel="The simulated cluster"),
-    runtime: str = _flag("runtime", "--runtime", rich_help_panel="The simulated cluster"),
-    out: str = _flag("out_dir", "--out", rich_help_panel="Output"),
-    run_id: str = _flag("run_id", "--run-id", rich_help_panel="Output"),
+    nodes: int = flag("nodes", "--nodes", "-n", rich_help_panel="The simulated cluster"),
+    runtime: str = flag("runtime", "--runtime", rich_help_panel="The simulated cluster"),
+    out: str = flag("out_dir", "--out", rich_help_panel="Output"),
+    run_id: str = flag("run_id", "--run-id", rich_help_panel="Output"),
     progress: bool = typer.Option(None, "--progress/--no-progress", help=help_for("progress"),
                                   rich_help_panel="Output"),
-    cluster: str = _flag("cluster", "--cluster", rich_help_panel="The simulated cluster"),
-    step_seconds: float = _flag("step_seconds", "--step-seconds", rich_help_panel="The simulated cluster"),
-    fail_: list[str] = _flag("fail", "--fail", metavar="node=N,step=S",
+    cluster: str = flag("cluster", "--cluster", rich_help_panel="The simulated cluster"),
+    step_seconds: float = flag("step_seconds", "--step-seconds", rich_help_panel="The simulated cluster"),
+    fail_: list[str] = flag("fail", "--fail", metavar="node=N,step=S",
                              rich_help_panel="The simulated cluster"),
-    straggler: list[str] = _flag("straggler", "--straggler", metavar="node=N,slowdown=X",
+    straggler: list[str] = flag("straggler", "--straggler", metavar="node=N,slowdown=X",
                                  rich_help_panel="The simulated cluster"),
     check_sync: bool = typer.Option(None, "--check-sync/--no-check-sync", help=help_for("check_sync"),
                                     rich_help_panel="Long runs"),
     skip_nonfinite: bool = typer.Option(None, "--skip-nonfinite/--stop-on-nonfinite",
                                         help=help_for("skip_nonfinite"), rich_help_panel="Long runs"),
-    checkpoint_every: int = _flag("checkpoint_every", "--checkpoint-every", rich_help_panel="Long runs"),
-    keep: int = _flag("keep_checkpoints", "--keep", rich_help_panel="Long runs"),
+    checkpoint_every: int = flag("checkpoint_every", "--checkpoint-every", rich_help_panel="Long runs"),
+    keep: int = flag("keep_checkpoints", "--keep", rich_help_panel="Long runs"),
     resume: str = typer.Option(None, "--resume", help="Continue a stopped run from its newest intact "
                                "checkpoint: its <run-id>.checkpoints folder (settings come from there; "
                                "flags given now win).", rich_help_panel="Long runs"),
@@ -197,13 +116,8 @@ def simulate(
 
       meshtrain simulate --tensorboard --wandb my-project   # also log there (extras)
     """
-    from meshtrain import NodeFailed, Trainer
-    from meshtrain.trainer import run_job
-
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if launched:  # beat from the start: a rank that stalls while loading data is noticed too
-        from meshtrain.launch.heartbeat import start_heartbeat
-
         start_heartbeat()
     if resume:
         try:
@@ -408,11 +322,7 @@ def list_profile_files() -> None:
     console.print(table)
 
 
-from meshtrain.cli import launch as launch_cli  # noqa: E402 - after TRAINING_FLAGS, which it reuses
-
-launch_cli.register(app)
-from meshtrain.cli import research  # noqa: E402
-
+launch.register(app)
 research.register(app)
 
 

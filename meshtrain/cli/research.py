@@ -13,6 +13,9 @@ import typer
 from rich import box
 from rich.table import Table
 
+from meshtrain.cli.console import console, fail
+from meshtrain.compare import CompareSpec, plan, run_comparison
+from meshtrain.plots import plot_runs
 from meshtrain.progress import human_bytes
 from meshtrain.runs import FinishedRun, RunError, list_runs, load_run
 
@@ -49,9 +52,6 @@ def compare(
 
       meshtrain compare --set diloco.H=50 --set sparta.p=0.001 --set val_interval=25
     """
-    from meshtrain.cli.main import console, fail
-    from meshtrain.compare import CompareSpec, plan, run_comparison
-
     spec = CompareSpec(strategies=[s.strip() for s in strategies.split(",") if s.strip()], nodes=nodes,
                        task=task, data=data, steps=steps, seed=seed, lr=lr, cluster=cluster,
                        overrides=list(set_), out_dir=out, target_loss=target_loss, progress=progress)
@@ -129,9 +129,6 @@ def plot(
     target_loss: float = typer.Option(None, "--target-loss", help="Draw this loss as a dotted line."),
 ) -> None:
     """Plot finished runs: val loss against steps, bytes sent per node and projected time."""
-    from meshtrain.cli.main import console, fail
-    from meshtrain.plots import plot_runs
-
     try:
         runs = [load_run(d) for d in run_dirs]
     except RunError as exc:
@@ -150,8 +147,6 @@ def runs(
     folder: Path = typer.Argument(Path("runs"), help="Folder of run directories."),
 ) -> None:
     """List the finished runs in a folder (comparison folders included)."""
-    from meshtrain.cli.main import console, fail
-
     try:
         listing = list_runs(folder)
     except RunError as exc:

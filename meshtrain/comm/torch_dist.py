@@ -11,6 +11,7 @@ The ring is written with point-to-point send/recv on the default group, so
 from __future__ import annotations
 
 import socket
+import time
 from datetime import timedelta
 
 import torch
@@ -158,3 +159,22 @@ def loopback_interface() -> str | None:
     """The loopback interface's name (``lo`` on Linux, ``lo0`` on macOS), for gloo."""
     names = [name for _, name in socket.if_nameindex()]
     return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def leave_in_order(rank: int, world: int, timeout_s: float) -> None:
+    """Tear the group down with rank 0 last.
+
+    Rank 0 may host the rendezvous store: if it exits while a peer is still tearing down
+    (which talks to the store), the peer's store client fails in a background thread and
+    the process aborts ("terminate called without an active exception"). So every other
+    rank leaves first and says so through the store; rank 0 waits for them, then leaves.
+    """
+    store = dist.distributed_c10d._get_default_store()
+    if rank != 0:
+        dist.destroy_process_group()
+        store.add("meshtrain/left", 1)
+        return
+    deadline = time.monotonic() + min(timeout_s, 60.0)
+    while store.add("meshtrain/left", 0) < world - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    dist.destroy_process_group()

@@ -32,9 +32,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from meshtrain.cluster import Cluster, collective_seconds
 from meshtrain.comm import CommRecord, Communicator, ring_all_reduce_bytes
+from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group, leave_in_order
+from meshtrain.heartbeat import start_heartbeat
 from meshtrain.run_dir import atomic_write_text
 
 ELEMENT_BYTES = 4  # the buffers are float32, like gradients
@@ -211,12 +214,6 @@ def samples_from_json(text: str, source: str) -> list[Sample]:
 def run_rank(sizes: Sequence[int], repeats: int, out: Path, timeout_s: float) -> None:
     """Join the launched group (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), measure, and on
     rank 0 write the samples to ``out``."""
-    import torch.distributed as dist
-
-    from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group
-    from meshtrain.launch.heartbeat import start_heartbeat
-    from meshtrain.runtimes.launched import _leave_in_order  # same exit order as training ranks
-
     start_heartbeat()  # the launcher stops a rank that goes silent
     # One thread: summing the chunks takes well under a millisecond per MB, while idle
     # OpenMP workers spinning on shared cores can add tens of ms to every message.
@@ -238,7 +235,7 @@ def run_rank(sizes: Sequence[int], repeats: int, out: Path, timeout_s: float) ->
     except BaseException:
         dist.destroy_process_group()
         raise
-    _leave_in_order(rank, world, timeout_s)
+    leave_in_order(rank, world, timeout_s)  # the same exit order as training ranks
     if rank == 0:
         atomic_write_text(out, samples_to_json(samples))
 

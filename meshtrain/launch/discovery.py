@@ -228,6 +228,7 @@ def check_keys(inventory: Inventory, *, timeout: float = 10.0) -> dict[str, KeyC
 
 
 def _check_one(host: Host, timeout: float) -> KeyCheck:
+    # Deferred: the SSH stack (paramiko) loads only when keys are checked.
     from meshtrain.launch.ssh import RevokedHostKey, SSHError, UnknownHostKey, connect
 
     try:

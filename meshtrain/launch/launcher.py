@@ -34,7 +34,7 @@ from pathlib import Path
 import paramiko
 
 from meshtrain.comm.rendezvous import SECRET_FILE_ENV, new_secret
-from meshtrain.launch.heartbeat import HEARTBEAT_FD, heartbeat_interval
+from meshtrain.heartbeat import HEARTBEAT_FD, heartbeat_interval
 from meshtrain.launch.inventory import Host, Inventory
 from meshtrain.launch.output import STOPPED, RankOutput
 from meshtrain.launch.shipping import ShipError, Shipment, ship_to_hosts

@@ -35,7 +35,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from meshtrain.launch.heartbeat import RankStatus
+from meshtrain.heartbeat import RankStatus
 from meshtrain.launch.output import COLOURS, STOPPED, BeatSource, RankOutput
 from meshtrain.progress import human_bytes
 

@@ -2,7 +2,7 @@
 
 On a terminal the prefixes are coloured per rank (rich); piped, they are plain text, so
 logs stay greppable: ``studio-1 r0 | step 10/100  loss 1.2345``. The ranks' status
-frames (see :class:`~meshtrain.launch.heartbeat.StatusReporter`) are taken out of the
+frames (see :class:`~meshtrain.heartbeat.StatusReporter`) are taken out of the
 lines here and handed to :meth:`RankOutput.status`; this plain output ignores them, the
 live panel (:class:`~meshtrain.launch.live.LiveOutput`) shows them.
 
@@ -23,7 +23,7 @@ from typing import Protocol, TextIO
 from rich.console import Console
 from rich.text import Text
 
-from meshtrain.launch.heartbeat import RankStatus, split_status
+from meshtrain.heartbeat import RankStatus, split_status
 
 COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
 TAIL_LINES = 20

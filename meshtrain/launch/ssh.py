@@ -23,7 +23,7 @@ from pathlib import Path
 
 import paramiko
 
-from meshtrain.launch.heartbeat import BEAT, HEARTBEAT_FD
+from meshtrain.heartbeat import BEAT, HEARTBEAT_FD
 from meshtrain.launch.inventory import Host
 from meshtrain.launch.known_hosts import KnownHosts, append_known_host, load_known_hosts
 

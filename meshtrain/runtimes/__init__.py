@@ -3,22 +3,19 @@ rank this process already is (launched by ``meshtrain launch`` or torchrun)."""
 
 from __future__ import annotations
 
-from meshtrain.trainer import FitResult, NodeJob
+from meshtrain.job import FitResult, NodeJob
+from meshtrain.runtimes.launched import run_launched_rank
+from meshtrain.runtimes.processes import run_processes
+from meshtrain.runtimes.threads import run_threads
 
 
 def run(job: NodeJob) -> FitResult:
     """Run ``job`` on the runtime its config names."""
     runtime = job.config.runtime
     if runtime == "threads":
-        from meshtrain.runtimes.threads import run_threads
-
         return run_threads(job)
     if runtime == "processes":
-        from meshtrain.runtimes.processes import run_processes
-
         return run_processes(job)
     if runtime == "launched":
-        from meshtrain.runtimes.launched import run_launched_rank
-
         return run_launched_rank(job)
     raise ValueError(f"unknown runtime {runtime!r}")

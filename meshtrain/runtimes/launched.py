@@ -8,15 +8,16 @@ its node, and leaves the group.
 from __future__ import annotations
 
 import os
-import time
 import traceback
 
 import torch
 import torch.distributed as dist
 
-from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group
+from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group, leave_in_order
 from meshtrain.devices import resolve_device
-from meshtrain.trainer import FitResult, NodeFailed, NodeJob, node_seed, train_node
+from meshtrain.heartbeat import start_heartbeat
+from meshtrain.job import FitResult, NodeFailed, NodeJob
+from meshtrain.node import node_seed, train_node
 
 REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -26,7 +27,6 @@ def run_launched_rank(job: NodeJob) -> FitResult:
     if missing:
         raise RuntimeError(f"launched rank is missing environment variables: {', '.join(missing)}")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    from meshtrain.launch.heartbeat import start_heartbeat  # launch-faults owner: liveness beats
     start_heartbeat()  # no-op unless `meshtrain launch` started this rank
     timeout = float(os.environ.get("MESHTRAIN_TIMEOUT", job.config.timeout_s))
     try:
@@ -55,7 +55,7 @@ def join_and_train(
     except BaseException:
         dist.destroy_process_group()
         raise
-    _leave_in_order(rank, world, timeout_s)
+    leave_in_order(rank, world, timeout_s)
     return result
 
 
@@ -67,22 +67,3 @@ def _barrier(comm: TorchDistCommunicator) -> None:
         dist.barrier()
     elif comm.rank in comm.alive:
         comm.all_reduce(torch.zeros(1), op="sum", record=False)  # a ring needs every member
-
-
-def _leave_in_order(rank: int, world: int, timeout_s: float) -> None:
-    """Tear the group down with rank 0 last.
-
-    Rank 0 may host the rendezvous store: if it exits while a peer is still tearing down
-    (which talks to the store), the peer's store client fails in a background thread and
-    the process aborts ("terminate called without an active exception"). So every other
-    rank leaves first and says so through the store; rank 0 waits for them, then leaves.
-    """
-    store = dist.distributed_c10d._get_default_store()
-    if rank != 0:
-        dist.destroy_process_group()
-        store.add("meshtrain/left", 1)
-        return
-    deadline = time.monotonic() + min(timeout_s, 60.0)
-    while store.add("meshtrain/left", 0) < world - 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    dist.destroy_process_group()

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from meshtrain.comm.torch_dist import host_loopback_store, loopback_interface
+from meshtrain.job import FitResult, NodeFailed, NodeJob
 from meshtrain.runtimes.launched import join_and_train
-from meshtrain.trainer import FitResult, NodeFailed, NodeJob
 
 POLL_SECONDS = 0.2
 FAILURE_GRACE_S = 1.0  # how long to wait for the other nodes' reports after a failure

@@ -15,6 +15,9 @@ A rank is held to this only after its first beat: a script that never starts the
 heartbeat (one that does not use meshtrain in the rank) is not mistaken for a hung one.
 
 Status messages for the live view ride on the same descriptor: see :class:`StatusReporter`.
+
+Both ends of that channel live here, below ``launch/``: every launched rank (the trainer,
+the launched runtime, the benchmark) beats and reports without importing the launcher.
 """
 
 from __future__ import annotations

@@ -1,0 +1,23 @@
+"""Where every command prints: its consoles and :func:`fail`, the one way to stop with
+one clear line."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+console = Console()
+# The hosts and launch commands' tables: piped output (CI logs, tests) gets room for the
+# whole table rather than 80 columns.
+wide_console = Console(width=None if sys.stdout.isatty() else 160)
+errors = Console(stderr=True)
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    """Print one clear line (no traceback) and return the exit to raise."""
+    # A Text, never markup: a message may hold brackets ("pip install 'meshtrain[wandb]'").
+    errors.print(Text.assemble(("error: ", "bold red"), message), soft_wrap=True)
+    return typer.Exit(code)

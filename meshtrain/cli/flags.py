@@ -1,0 +1,43 @@
+"""Options that several commands share, each with its help taken from the setting's one
+definition (:class:`~meshtrain.config.RunSpec`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import typer
+
+from meshtrain.config import RunSpec
+from meshtrain.settings import help_for
+
+
+def flag(name: str, *flags: str, **kwargs: Any) -> Any:
+    """A CLI option for setting ``name``, its help taken from the setting's one definition."""
+    spec_fields = {f.name: f for f in dataclasses.fields(RunSpec)}
+    return typer.Option(None, *flags, help=spec_fields[name].metadata.get("help", ""), **kwargs)
+
+
+# Flags shared by `simulate` and `launch` (the launcher forwards them to every rank).
+TRAINING_FLAGS = dict(
+    profile=typer.Option(None, "--profile", "-p", help="Profile name (profiles/NAME.yaml) or path.",
+                         rich_help_panel="What to train"),
+    strategy=flag("strategy", "--strategy", "-s", rich_help_panel="What to train"),
+    task=flag("task", "--task", "-t", rich_help_panel="What to train"),
+    data=flag("data", "--data", rich_help_panel="What to train"),
+    steps=flag("steps", "--steps", rich_help_panel="What to train"),
+    epochs=flag("epochs", "--epochs", rich_help_panel="What to train"),
+    batch_size=flag("batch_size", "--batch-size", "-b", rich_help_panel="What to train"),
+    microbatch_size=flag("microbatch_size", "--microbatch-size", rich_help_panel="What to train"),
+    lr=flag("lr", "--lr", rich_help_panel="What to train"),
+    device=flag("device", "--device", rich_help_panel="The simulated cluster"),
+    seed=flag("seed", "--seed", rich_help_panel="What to train"),
+    threads=flag("threads", "--threads", rich_help_panel="The simulated cluster"),
+    val_interval=flag("val_interval", "--val-interval", rich_help_panel="Output"),
+    wandb=flag("wandb", "--wandb", metavar="PROJECT", rich_help_panel="Output"),
+    tensorboard=typer.Option(None, "--tensorboard/--no-tensorboard", help=help_for("tensorboard"),
+                             rich_help_panel="Output"),
+    set_=typer.Option([], "--set", help="Override any setting: key=value (H=50, steps=100, "
+                                        "task_options.arch=cnn); values are read as YAML.",
+                      rich_help_panel="What to train"),
+)
