@@ -14,38 +14,21 @@ from meshtrain.config import (
     RunSpec,
     build_strategy,
     load_profile,
+    merge,
     parse_set,
     resolve_spec,
     strategy_class,
 )
 from meshtrain.devices import resolve_device
-from meshtrain.tasks import TaskOptions, check_options, get_task
+from meshtrain.tasks import Task, TaskOptions, check_options, get_task
 
 
 def build_run(
     flags: dict[str, Any], overrides: list[str], launched: bool
 ) -> tuple[RunSpec, Any, Any]:
-    """Resolve settings layers into a spec, then build the task and the strategy.
-
-    Layers, later ones winning: RunSpec defaults < the task's suggestions < a profile <
-    flags < ``--set``. Every layer is checked against the settings' one definition.
-    """
-    profile_name = flags.pop("profile", None)
-    profile = load_profile(profile_name) if profile_name else {}
-    strategy_name = flags.get("strategy") or profile.get("strategy") or RunSpec.strategy
-    set_layer = parse_set(overrides, strategy_name)  # bare names (H=50) are this strategy's
-    strategy_name = set_layer.get("strategy") or strategy_name
-    strategy_class(strategy_name)
-    task = get_task(set_layer.get("task") or flags.get("task") or profile.get("task") or RunSpec.task)
-    defaults = {**task.defaults, "strategy_options": task.strategy_defaults.get(strategy_name, {})}
-    spec = resolve_spec([
-        (f"task {task.name!r} defaults: ", defaults),
-        (f"profile {profile_name}: ", profile),
-        ("", flags),
-        ("--set ", set_layer),
-    ])
-    if launched:
-        spec.nodes = int(os.environ["WORLD_SIZE"])
+    """Resolve settings layers into a spec (:func:`resolve_run`), then build the task and
+    the strategy."""
+    spec, task = resolve_run(flags, overrides, launched)
     if spec.data is not None and not task.takes_data:
         raise ConfigError(f"task {task.name!r} reads no data file: drop --data {spec.data}")
     try:
@@ -55,3 +38,46 @@ def build_run(
     strategy = build_strategy(spec)
     bundle = task.build(TaskOptions(spec.data, spec.seed, check_options(task, spec.task_options)))
     return spec, bundle, strategy
+
+
+def resolve_run(flags: dict[str, Any], overrides: list[str], launched: bool) -> tuple[RunSpec, Task]:
+    """The checked spec of a run, and its task, from settings layers; nothing is built.
+
+    Layers, later ones winning: RunSpec defaults < the task's suggestions < a profile <
+    flags < ``--set``. Every layer is checked against the settings' one definition.
+    ``flags`` holds the command's options (None: not given); its ``profile`` names the profile.
+    """
+    flags = dict(flags)
+    profile_name = flags.pop("profile", None)
+    profile = load_profile(profile_name) if profile_name else {}
+    chosen = flags.get("strategy") or profile.get("strategy")
+    set_layer = parse_set(overrides, chosen or RunSpec.strategy)  # bare names (H=50) are its
+    task = get_task(set_layer.get("task") or flags.get("task") or profile.get("task") or RunSpec.task)
+    strategy_name = chosen or task.defaults.get("strategy") or RunSpec.strategy
+    if strategy_name != (chosen or RunSpec.strategy):  # the task's strategy: H=50 means its H
+        set_layer = parse_set(overrides, strategy_name)
+    strategy_name = set_layer.get("strategy") or strategy_name
+    strategy_class(strategy_name)
+    spec = resolve_spec([
+        (f"task {task.name!r} defaults: ", task_suggestions(task, strategy_name)),
+        (f"profile {profile_name}: ", profile),
+        ("", flags),
+        ("--set ", set_layer),
+    ])
+    if launched:
+        spec.nodes = int(os.environ["WORLD_SIZE"])
+    return spec, task
+
+
+def task_suggestions(task: Task, strategy: str) -> dict[str, Any]:
+    """The settings ``task`` suggests for a run with ``strategy``.
+
+    The strategy options it suggests are its ``strategy_defaults[strategy]`` on top of the
+    ``strategy_options`` in its ``defaults``; those belong to the strategy its defaults
+    suggest (RunSpec's when they name none), so another strategy does not get them.
+    """
+    suggested = {k: v for k, v in task.defaults.items() if k != "strategy_options"}
+    own = task.defaults.get("strategy_options", {}) \
+        if task.defaults.get("strategy", RunSpec.strategy) == strategy else {}
+    suggested["strategy_options"] = merge(own, task.strategy_defaults.get(strategy, {}))
+    return suggested

@@ -1,0 +1,48 @@
+"""Settings layers resolve alike wherever a run starts: task suggestions < profile < flags < --set."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshtrain.build import resolve_run, task_suggestions
+from meshtrain.config import ConfigError, build_strategy
+from meshtrain.tasks import get_task
+
+
+def test_task_whisper_runs_diloco_with_the_tasks_own_defaults() -> None:
+    """`meshtrain simulate --task whisper` used to run DiLoCo's defaults (H=100, weight
+    decay 0.1): the whisper task's H=50 and weight decay 0 were overwritten."""
+    spec, task = resolve_run({"task": "whisper"}, [], launched=False)
+    assert task.name == "whisper" and spec.strategy == "diloco"
+    strategy = build_strategy(spec)
+    assert strategy.config()["H"] == 50
+    assert strategy.config()["optim"] == {"name": "adamw", "weight_decay": 0.0}
+    assert spec.lr == 1e-3 and spec.steps == 200 and spec.nodes == 2  # the task's other suggestions
+
+
+def test_profile_then_flags_then_set_win_over_the_task() -> None:
+    spec, _ = resolve_run({"profile": "whisper-tiny-random-lora"}, [], launched=False)
+    assert spec.strategy_options["H"] == 5  # the profile's
+    assert spec.strategy_options["optim"]["weight_decay"] == 0.0
+    spec, _ = resolve_run({"task": "whisper", "lr": 0.01, "steps": 7}, ["H=9", "steps=3"], launched=False)
+    assert spec.lr == 0.01 and spec.strategy_options["H"] == 9 and spec.steps == 3  # flags, then --set
+    assert spec.strategy_options["optim"]["weight_decay"] == 0.0  # still the task's where not given
+
+
+def test_another_strategy_does_not_get_the_tasks_diloco_options() -> None:
+    spec, _ = resolve_run({"task": "whisper", "strategy": "ddp"}, [], launched=False)
+    assert spec.strategy == "ddp" and spec.strategy_options == {}
+    build_strategy(spec)  # no H for DDP
+    spec, _ = resolve_run({"task": "whisper"}, ["strategy=sparta"], launched=False)
+    assert spec.strategy == "sparta" and spec.strategy_options == {}
+
+
+def test_strategy_defaults_by_task_still_apply() -> None:
+    spec, _ = resolve_run({}, [], launched=False)  # digits, DiLoCo: digits' tuned H and lr
+    assert spec.task == "digits" and spec.strategy_options == {"H": 25, "lr": 2e-3}
+    assert task_suggestions(get_task("gpt"), "fedavg")["strategy_options"] == {"lr": 0.1}
+
+
+def test_a_bare_parameter_of_another_strategy_is_bad_input() -> None:
+    with pytest.raises(ConfigError, match="not a setting or a parameter of strategy 'ddp'"):
+        resolve_run({"task": "whisper", "strategy": "ddp"}, ["H=5"], launched=False)
