@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from meshtrain.errors import InputError
+
 if TYPE_CHECKING:
     from meshtrain.strategies.base import Strategy
 
@@ -40,7 +42,7 @@ META = "meta.json"
 SPEC = "spec.yaml"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """No usable checkpoint where one was asked for: one line naming the folder and why."""
 
 

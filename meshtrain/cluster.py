@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from meshtrain.comm import CommRecord
+from meshtrain.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ CLUSTERS: dict[str, Cluster] = {
 }
 
 
-class ClusterFileError(ValueError):
+class ClusterFileError(InputError):
     """A cluster file that cannot be used: one line naming the file and the key at fault."""
 
 

@@ -12,6 +12,7 @@ from torch.utils.data import Dataset
 
 from meshtrain import checkpoint
 from meshtrain.data import Collate, DataFactory
+from meshtrain.errors import RunFailure
 from meshtrain.run_dir import RunDirectory
 from meshtrain.settings import TrainConfig
 from meshtrain.strategies import Strategy
@@ -44,7 +45,7 @@ class FitResult:
     summary: dict[str, Any]
 
 
-class NodeFailed(RuntimeError):
+class NodeFailed(RunFailure):
     """A node raised: the run stopped, and this names the node and its error.
 
     ``str()`` is one line; ``traceback`` holds the failing node's full traceback (shown by

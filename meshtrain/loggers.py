@@ -24,6 +24,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from meshtrain.errors import InputError
+
 if TYPE_CHECKING:
     from meshtrain.job import NodeJob
     from meshtrain.settings import TrainConfig
@@ -35,7 +37,7 @@ PACKAGES = {"wandb": ("wandb", "wandb"), "tensorboard": ("tensorboard", "tensorb
 ROW_KEYS = ("train_loss", "total_bytes_sent", "node_val_loss")
 
 
-class MissingExtra(ValueError):
+class MissingExtra(InputError):
     """A logger was asked for but its package is not installed (one line, exit 2)."""
 
 

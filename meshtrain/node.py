@@ -35,6 +35,7 @@ from meshtrain.data import (
     to_device,
 )
 from meshtrain.devices import resolve_device
+from meshtrain.errors import RunFailure
 from meshtrain.faults import FaultPlan, check_steps
 from meshtrain.heartbeat import status_reporter
 from meshtrain.job import FitResult, NodeJob
@@ -317,7 +318,7 @@ def _set_node_rng_state(state: torch.Tensor, rng_guard: Callable[[], Any] | None
         torch.set_rng_state(state)
 
 
-class ReplicaDrift(RuntimeError):
+class ReplicaDrift(RunFailure):
     """Nodes that a strategy keeps identical were found to differ (``check_sync``)."""
 
 
@@ -336,7 +337,7 @@ def _check_sync(strategy: Strategy, comm: Communicator, step: int) -> None:
                            f"{strategy.name} keeps them identical")
 
 
-class NonFiniteLoss(RuntimeError):
+class NonFiniteLoss(RunFailure):
     """A node's loss became NaN or infinite: the run stops, naming the step and node."""
 
 

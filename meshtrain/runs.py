@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from meshtrain.errors import InputError
+
 #: The files every finished run directory holds.
 REQUIRED = ("summary.json", "config.yaml", "metrics.csv")
 
@@ -35,7 +37,7 @@ def strategy_label(name: str, options: dict[str, Any]) -> str:
     return " ".join([DISPLAY_NAMES.get(name, name), *params])
 
 
-class RunError(ValueError):
+class RunError(InputError):
     """A folder that is not a finished run: one line naming it and what is missing."""
 
 

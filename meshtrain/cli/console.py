@@ -9,6 +9,8 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from meshtrain.errors import MeshtrainError
+
 console = Console()
 # The hosts and launch commands' tables: piped output (CI logs, tests) gets room for the
 # whole table rather than 80 columns.
@@ -21,3 +23,8 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     # A Text, never markup: a message may hold brackets ("pip install 'meshtrain[wandb]'").
     errors.print(Text.assemble(("error: ", "bold red"), message), soft_wrap=True)
     return typer.Exit(code)
+
+
+def fail_on(exc: MeshtrainError) -> typer.Exit:
+    """Stop with ``exc``'s one line and its kind's exit status (2 bad input, 1 a failure)."""
+    return fail(str(exc), exc.exit_code)

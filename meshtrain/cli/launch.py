@@ -20,7 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from meshtrain.checkpoint import fewer_nodes_refusal
-from meshtrain.cli.console import errors, fail
+from meshtrain.cli.console import errors, fail, fail_on
 from meshtrain.cli.console import wide_console as console  # the hosts commands' output
 from meshtrain.cli.flags import TRAINING_FLAGS as F
 from meshtrain.cli.hosts_setup import hosts_setup
@@ -90,7 +90,7 @@ def _inventory(path: Path) -> Inventory:
     try:
         return load_inventory(path)
     except InventoryError as exc:
-        raise fail(str(exc)) from None
+        raise fail_on(exc) from None
 
 
 def hosts_check(
@@ -248,7 +248,7 @@ def hosts_discover(
         d.require_zeroconf()
         net = d.parse_network(network) if network else None
     except d.DiscoveryError as exc:
-        raise fail(str(exc)) from None
+        raise fail_on(exc) from None
     if not 0 < timeout <= 600:
         raise fail(f"--timeout: expected seconds between 0 and 600, got {timeout}")
     if accepted_only and not check_keys:
@@ -263,7 +263,7 @@ def hosts_discover(
     try:
         found = d.browse(timeout, iface=iface, network=net)
     except d.DiscoveryError as exc:
-        raise fail(str(exc)) from None
+        raise fail_on(exc) from None
     if not found:
         console.print(f"no machine advertised SSH within {timeout:g} s (on a Mac: System Settings > "
                       "General > Sharing > Remote Login)", highlight=False)
@@ -276,7 +276,7 @@ def hosts_discover(
     try:
         inv = d.parse_inventory(raw, where)
     except InventoryError as exc:
-        raise fail(str(exc)) from None
+        raise fail_on(exc) from None
     checks = d.check_keys(inv) if check_keys else None
     if checks is not None:  # machines that already let you in first: rank 0 should be one of them
         order = sorted(range(len(found)), key=lambda i: checks[raw["hosts"][i]["name"]].status != d.ACCEPTED)
@@ -372,7 +372,7 @@ def _ship_inputs(flags: dict[str, Any], overrides: list[str], no_ship: bool
     try:
         shipments = [hash_path(what, Path(path).expanduser()) for what, _, path in inputs]
     except ShipError as exc:
-        raise fail(str(exc)) from None
+        raise fail_on(exc) from None
     # --set is the last layer: it wins over --data and the profile; JSON is a YAML string.
     moved = [f"{key}={json.dumps(s.remote)}" for (_, key, _), s in zip(inputs, shipments, strict=True)]
     return [*overrides, *moved], shipments, []

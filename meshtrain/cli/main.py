@@ -18,10 +18,11 @@ from rich.table import Table
 from meshtrain import checkpoint
 from meshtrain.build import build_run
 from meshtrain.cli import launch, research
-from meshtrain.cli.console import console, errors, fail
+from meshtrain.cli.console import console, errors, fail, fail_on
 from meshtrain.cli.flags import TRAINING_FLAGS, flag
 from meshtrain.cluster import CLUSTERS
 from meshtrain.config import ConfigError, RunSpec, list_profiles, load_profile
+from meshtrain.errors import MeshtrainError
 from meshtrain.heartbeat import start_heartbeat
 from meshtrain.job import NodeFailed
 from meshtrain.progress import human_bytes
@@ -123,7 +124,7 @@ def simulate(
         try:
             found = checkpoint.find_latest(resume)
         except checkpoint.CheckpointError as exc:
-            raise fail(str(exc)) from None
+            raise fail_on(exc) from None
         for note in found.skipped:
             errors.print(f"[yellow]skipped a damaged checkpoint:[/] {note}", highlight=False)
         spec_file = found.folder.parent / checkpoint.SPEC
@@ -166,8 +167,9 @@ def simulate(
 
 def _report_failure(exc: BaseException, job: Any, verbose: bool) -> None:
     """One line for the failure; the full traceback under --verbose and in the error log."""
-    message = str(exc) if isinstance(exc, RuntimeError) and "failed" in str(exc) else \
-        f"{type(exc).__name__}: {exc}"
+    # meshtrain's own errors are one line that says what failed ("node 1 failed: ..."); anything
+    # else is named by its type.
+    message = str(exc) if isinstance(exc, MeshtrainError) else f"{type(exc).__name__}: {exc}"
     errors.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     if verbose:
         node_traceback = getattr(exc, "traceback", None)

@@ -13,7 +13,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from meshtrain.cli.console import console, fail
+from meshtrain.cli.console import console, fail, fail_on
 from meshtrain.compare import CompareSpec, plan, run_comparison
 from meshtrain.plots import plot_runs
 from meshtrain.progress import human_bytes
@@ -132,7 +132,7 @@ def plot(
     try:
         runs = [load_run(d) for d in run_dirs]
     except RunError as exc:
-        raise fail(str(exc)) from None
+        raise fail_on(exc) from None
     if not any(run.validation() for run in runs):
         raise fail(f"{run_dirs[0]}: these runs have no validation loss to plot")
     try:
@@ -150,7 +150,7 @@ def runs(
     try:
         listing = list_runs(folder)
     except RunError as exc:
-        raise fail(str(exc)) from None
+        raise fail_on(exc) from None
     if not listing.finished and not listing.unfinished:
         console.print(f"no runs in {folder}", highlight=False)
         return

@@ -26,6 +26,8 @@ from typing import Any, Literal
 
 import torch
 
+from meshtrain.errors import RunFailure
+
 ReduceOp = Literal["mean", "sum", "max"]
 Group = Sequence[int]
 #: Largest node report gather_json accepts (per-step numbers of a long run fit easily).
@@ -109,7 +111,7 @@ def _combine_(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
         acc.add_(other)
 
 
-class NodeAborted(RuntimeError):
+class NodeAborted(RunFailure):
     """Raised inside a node when another node failed and the run is stopping."""
 
 

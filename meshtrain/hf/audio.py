@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from meshtrain.errors import InputError
+
 SAMPLE_RATE = 16_000
 
 # WAVE format tags (mmreg.h): what the fmt chunk says the samples are.
@@ -31,7 +33,7 @@ INSTALL_HINT = ("install ffmpeg (reads every common format, m4a included) or `pi
                 "(flac, ogg, mp3), or convert the recordings to WAV")
 
 
-class SpeechDataError(ValueError):
+class SpeechDataError(InputError):
     """Bad speech data: missing folder, transcript file, column or recording (one line)."""
 
 

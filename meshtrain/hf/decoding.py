@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
+from meshtrain.errors import InputError
 
-class DecodingError(ValueError):
+
+class DecodingError(InputError):
     """A language or task the checkpoint cannot decode in (one line, before training)."""
 
 

@@ -21,10 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from meshtrain.errors import InputError
+
 ADAPTER_CONFIG = "adapter_config.json"
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(InputError):
     """A model that cannot be loaded (unknown id offline, missing folder, bad LoRA settings)."""
 
 

@@ -11,13 +11,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from meshtrain.errors import InputError
+
 #: Whisper's special tokens: every label starts with the decoder start token and ends with
 #: end-of-text, which is also the padding token.
 START_TOKEN = "<|startoftranscript|>"
 END_TOKEN = "<|endoftext|>"
 
 
-class TokenizerError(ValueError):
+class TokenizerError(InputError):
     """A tokenizer that cannot be used: missing, or loaded empty (vocabulary size 0)."""
 
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from meshtrain.cluster import Cluster, collective_seconds
 from meshtrain.comm import CommRecord, Communicator, ring_all_reduce_bytes
 from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group, leave_in_order
+from meshtrain.errors import InputError
 from meshtrain.heartbeat import start_heartbeat
 from meshtrain.run_dir import atomic_write_text
 
@@ -44,7 +45,7 @@ ELEMENT_BYTES = 4  # the buffers are float32, like gradients
 BENCH_FILE = "bench.json"  # what rank 0 writes into the launch's run directory
 
 
-class BenchError(ValueError):
+class BenchError(InputError):
     """Measurements that cannot give a cluster (too few sizes, times that do not grow)."""
 
 

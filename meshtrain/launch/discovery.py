@@ -24,6 +24,7 @@ from typing import Any
 import paramiko
 import yaml
 
+from meshtrain.errors import InputError
 from meshtrain.launch.inventory import Host, Inventory, parse_inventory
 
 SERVICE = "_ssh._tcp.local."
@@ -41,7 +42,7 @@ NEEDS_AGENT = "key-needs-agent"
 UNREACHABLE = "unreachable"
 
 
-class DiscoveryError(RuntimeError):
+class DiscoveryError(InputError, RuntimeError):
     """Discovery cannot run as asked; the message is one line naming the fault."""
 
 

@@ -23,6 +23,8 @@ from typing import Any
 import paramiko
 import yaml
 
+from meshtrain.errors import InputError
+
 # Keys a host entry may set; every one except name/host/advertise may also go in defaults.
 HOST_ONLY_KEYS = ("name", "host", "advertise")
 SHARED_KEYS = ("user", "port", "identity_file", "known_hosts", "ssh_config", "python", "workdir",
@@ -40,7 +42,7 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _IFACE = re.compile(r"^[A-Za-z0-9_.:@-]+$")
 
 
-class InventoryError(ValueError):
+class InventoryError(InputError):
     """A bad inventory: the message is one line naming the file, the host and the key."""
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 import paramiko
 
 from meshtrain.comm.rendezvous import SECRET_FILE_ENV, new_secret
+from meshtrain.errors import InputError
 from meshtrain.heartbeat import HEARTBEAT_FD, heartbeat_interval
 from meshtrain.launch.inventory import Host, Inventory
 from meshtrain.launch.output import STOPPED, RankOutput
@@ -102,7 +103,7 @@ class LaunchResult:
     world_size: int = 0  # ranks of the last attempt (fewer than the inventory's after a shrink)
 
 
-class PreflightError(RuntimeError):
+class PreflightError(InputError, RuntimeError):
     """Some hosts are not ready; nothing was started. One line per problem."""
 
     def __init__(self, problems: list[str]) -> None:

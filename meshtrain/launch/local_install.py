@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from meshtrain.errors import RunFailure
+
 PACKAGE = "meshtrain"
 # Files of a checkout that a wheel build reads besides the package itself.
 PROJECT_FILES = ("pyproject.toml", "setup.py", "setup.cfg", "MANIFEST.in")
@@ -35,7 +37,7 @@ INSTALLER_FILES = ("INSTALLER", "REQUESTED", "direct_url.json", "RECORD")
 BUILD_TIMEOUT = 300.0
 
 
-class LocalInstallError(RuntimeError):
+class LocalInstallError(RunFailure):
     """This machine's meshtrain cannot be packed into a wheel; one line says why."""
 
 

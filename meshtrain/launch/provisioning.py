@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import paramiko
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
+from meshtrain.errors import RunFailure
 from meshtrain.launch.inventory import Host, Inventory
 from meshtrain.launch.local_install import LocalInstall, public_version
 from meshtrain.launch.ssh import SSHError, connect, remote_path, run, sh
@@ -79,7 +80,7 @@ os.replace(path + ".tmp", path)
 """
 
 
-class SetupFailed(RuntimeError):
+class SetupFailed(RunFailure):
     """One host could not be set up; the message is one line with the reason."""
 
 

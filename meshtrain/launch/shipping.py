@@ -36,6 +36,7 @@ from typing import TypeVar
 
 import paramiko
 
+from meshtrain.errors import InputError
 from meshtrain.launch import blobstore
 from meshtrain.launch.inventory import Host
 from meshtrain.launch.ssh import remote_path, run, sh
@@ -52,7 +53,7 @@ T = TypeVar("T")
 _Destination = tuple[Host, paramiko.SSHClient, list[str]]  # a workdir: one host, the names sharing it
 
 
-class ShipError(RuntimeError):
+class ShipError(InputError, RuntimeError):
     """Shipping failed before any rank started: one line per problem."""
 
     def __init__(self, problems: list[str]) -> None:

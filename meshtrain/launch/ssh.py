@@ -23,6 +23,7 @@ from pathlib import Path
 
 import paramiko
 
+from meshtrain.errors import RunFailure
 from meshtrain.heartbeat import BEAT, HEARTBEAT_FD
 from meshtrain.launch.inventory import Host
 from meshtrain.launch.known_hosts import KnownHosts, append_known_host, load_known_hosts
@@ -34,7 +35,7 @@ EXIT_MARKER = "__MESHTRAIN_EXIT__"
 BLOCKED_PRINT = 1.0  # seconds printing a chunk of output may take before we count it as blocked
 
 
-class SSHError(RuntimeError):
+class SSHError(RunFailure):
     """Connecting to or running on a host failed; the message is one line with the fix."""
 
     def __init__(self, host: Host, message: str) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import paramiko
 
+from meshtrain.errors import RunFailure
 from meshtrain.launch.ssh import remote_path, run, sh
 
 CHUNK = 1 << 16
@@ -25,7 +26,7 @@ QUESTION_TIMEOUT = 10.0  # seconds for a yes/no question to a host (one that van
 STALL_TIMEOUT = 60.0  # seconds a copy may go without receiving a byte
 
 
-class TransferError(RuntimeError):
+class TransferError(RunFailure):
     """A copy failed; the message says what and where."""
 
 

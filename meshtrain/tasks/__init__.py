@@ -15,10 +15,11 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from meshtrain.data import Collate, DataFactory
+from meshtrain.errors import InputError
 from meshtrain.settings import SettingError, check_value
 
 
-class TaskError(ValueError):
+class TaskError(InputError):
     """Bad task input (missing data file, unknown option): shown as one line, exit 2."""
 
 
