@@ -29,14 +29,12 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from meshtrain.errors import InputError
-
-if TYPE_CHECKING:
-    from meshtrain.strategies.base import Strategy
+from meshtrain.strategies import STRATEGIES, Strategy
 
 META = "meta.json"
 SPEC = "spec.yaml"
@@ -146,10 +144,6 @@ def load_node(found: Found, rank: int) -> dict[str, Any]:
     return state
 
 
-# Strategies whose every node holds the run's whole global state at a checkpoint.
-CONTINUE_ON_FEWER = ("ddp", "diloco", "sparta-diloco", "fedavg")
-
-
 def fewer_nodes_refusal(strategy: Strategy) -> str | None:
     """Why a checkpoint of ``strategy`` cannot continue on fewer nodes, or None if it can.
 
@@ -162,14 +156,12 @@ def fewer_nodes_refusal(strategy: Strategy) -> str | None:
     with islands (the same, between full averages), and DeMo (each node's residual holds
     gradient that was never applied anywhere).
     """
-    name = strategy.name
-    if name == "fedavg" and getattr(strategy, "island_size", None) is not None:
-        return (f"strategy fedavg with island_size={strategy.island_size}: between full "  # type: ignore[attr-defined]
-                "averages the nodes differ, so a lost node takes its part of the global model with it")
-    if name not in CONTINUE_ON_FEWER:
-        return (f"strategy {name}: a checkpoint cannot continue on fewer nodes (only "
-                f"{', '.join(CONTINUE_ON_FEWER)} hold the whole global state on every node)")
-    return None
+    problem = strategy.fewer_nodes_problem()  # each strategy says so itself
+    if problem or strategy.continues_on_fewer_nodes:
+        return problem
+    able = [name for name, cls in STRATEGIES.items() if cls.continues_on_fewer_nodes]
+    return (f"strategy {strategy.name}: a checkpoint cannot continue on fewer nodes (only "
+            f"{', '.join(able)} hold the whole global state on every node)")
 
 
 def _problem(folder: Path) -> str | None:

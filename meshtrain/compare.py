@@ -208,7 +208,8 @@ def run_comparison(
             config = p.spec.train_config(extra_config={"spec": {**p.spec.to_dict(),
                                                                 "out_dir": str(folder)}})
             trainer = Trainer(p.bundle.model, p.bundle.train_data, p.bundle.val_data, p.bundle.collate_fn)
-            jobs.append(trainer.prepare(p.instance, config=config, out_dir=str(folder), run_id=p.strategy))
+            jobs.append(trainer.prepare(p.instance, config=config, out_dir=str(folder),
+                                        run_id=p.instance.name))  # a custom one's path holds a ':'
     except (ValueError, FileExistsError) as exc:
         shutil.rmtree(folder, ignore_errors=True)
         name = planned[len(jobs)].strategy
@@ -223,7 +224,7 @@ def run_comparison(
                 "projected"]["step_seconds"])
         options = p.instance.config()
         lr = f", lr {options['lr']:g}" if isinstance(options.get("lr"), float) else ""
-        notify(f"[{i}/{len(jobs)}] {strategy_label(p.strategy, options)}{lr}")
+        notify(f"[{i}/{len(jobs)}] {strategy_label(p.instance.name, options)}{lr}")
         job.started = time.time()  # wall time of this run only, not of the ones before it
         try:
             result = run_job(job)

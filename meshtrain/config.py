@@ -9,6 +9,9 @@ repeats it.
 from __future__ import annotations
 
 import copy
+import importlib
+import os
+import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -37,7 +40,8 @@ class RunSpec(TrainConfig):
         "help": "The task's own options (task_options.arch=cnn)."})
     data: str | None = field(default=None, metadata={"help": "Data file or folder the task reads."})
     strategy: str = field(default="diloco", metadata={"help": "Strategy: " + ", ".join(STRATEGIES)
-                                                                + " (`meshtrain strategies`)."})
+                                                                + " (`meshtrain strategies`), or "
+                                                                  "package.module:Class for your own."})
     strategy_options: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "The strategy's parameters (H=50 with --set)."})
     lr: float | None = field(default=None, metadata={
@@ -188,9 +192,41 @@ def resolve_spec(layers: list[tuple[str, dict[str, Any]]]) -> RunSpec:
 
 
 def strategy_class(name: str) -> type[Strategy]:
+    """A built-in strategy by name, or your own as ``package.module:Class``."""
+    if ":" in name:
+        return custom_strategy_class(name)
     if name not in STRATEGIES:
-        raise ConfigError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
+        raise ConfigError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)} "
+                          "(or package.module:Class for your own)")
     return STRATEGIES[name]
+
+
+def custom_strategy_class(path: str) -> type[Strategy]:
+    """The :class:`Strategy` subclass ``package.module:Class`` names; :class:`ConfigError`, one
+    line, if it cannot be imported or is not a strategy. As with ``python -m``, modules in
+    the working directory can be imported (examples.custom_strategy:Int8DDP)."""
+    module_name, _, class_name = path.partition(":")
+    where = f"strategy {path!r}"
+    if not all(part.isidentifier() for part in module_name.split(".")) or not class_name.isidentifier():
+        raise ConfigError(f"{where}: expected package.module:Class")
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # searched last: it never shadows an installed package
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and module_name.startswith(exc.name):
+            raise ConfigError(f"{where}: no module named {exc.name!r} here or among the installed "
+                              "packages") from None
+        raise ConfigError(f"{where}: importing {module_name} failed: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module failed: say so in one line
+        raise ConfigError(f"{where}: importing {module_name} failed: {type(exc).__name__}: {exc}") \
+            from None
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ConfigError(f"{where}: module {module_name} has no {class_name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, Strategy)):
+        raise ConfigError(f"{where}: {class_name} is not a subclass of meshtrain.strategies.Strategy")
+    return cls
 
 
 def _check_type(strategy: str, key: str, value: Any, default: Any) -> None:

@@ -17,24 +17,21 @@ from typing import Any
 import yaml
 
 from meshtrain.errors import InputError
+from meshtrain.strategies import STRATEGIES
 
 #: The files every finished run directory holds.
 REQUIRED = ("summary.json", "config.yaml", "metrics.csv")
 
-#: How each strategy is named in tables and legends, and which parameters identify a run of it.
-DISPLAY_NAMES = {"ddp": "DDP", "diloco": "DiLoCo", "sparta": "SPARTA",
-                 "sparta-diloco": "SPARTA+DiLoCo", "fedavg": "FedAvg", "demo": "DeMo"}
-KEY_PARAMETERS = {"diloco": ("H",), "sparta": ("p",), "sparta-diloco": ("p", "H"),
-                  "fedavg": ("H", "island_size"), "demo": ("compression_topk",)}
-SHORT_NAMES = {"compression_topk": "topk", "island_size": "islands"}
 
 
 def strategy_label(name: str, options: dict[str, Any]) -> str:
-    """``DiLoCo H=25``: a strategy's display name and its key parameters from ``options``."""
-    params = [f"{SHORT_NAMES.get(k, k)}={options[k]:g}" if isinstance(options[k], float)
-              else f"{SHORT_NAMES.get(k, k)}={options[k]}"
-              for k in KEY_PARAMETERS.get(name, ()) if options.get(k) is not None]
-    return " ".join([DISPLAY_NAMES.get(name, name), *params])
+    """``DiLoCo H=25``: a strategy's display name and its key parameters from ``options``
+    (as its class declares them; a strategy outside the registry shows its name alone)."""
+    cls = STRATEGIES.get(name)
+    keys = cls.key_parameters if cls else {}
+    params = [f"{label}={options[k]:g}" if isinstance(options[k], float) else f"{label}={options[k]}"
+              for k, label in keys.items() if options.get(k) is not None]
+    return " ".join([(cls.display_name if cls else None) or name, *params])
 
 
 class RunError(InputError):

@@ -136,10 +136,10 @@ class Trainer:
             if refusal:
                 raise ValueError(f"--resume {config.resume} on {config.nodes} of its {resume.nodes} "
                                  f"nodes: {refusal}")
-        if config.checkpoint_every and getattr(strategy, "H", None):
+        interval = strategy.sync_interval()
+        if config.checkpoint_every and interval:
             # Checkpoint right after an outer sync (DiLoCo, FedAvg): round up to a multiple of H.
-            h = int(strategy.H)  # type: ignore[attr-defined]
-            config = replace(config, checkpoint_every=-(-config.checkpoint_every // h) * h)
+            config = replace(config, checkpoint_every=-(-config.checkpoint_every // interval) * interval)
         writes = os.environ.get("RANK", "0") == "0"  # only rank 0 writes the run directory
         if writes:
             loggers.require_installed(config)  # a missing wandb/tensorboard: one line, nothing trains

@@ -104,6 +104,13 @@ class Strategy:
     """
 
     name: ClassVar[str] = "custom"
+    #: How tables and plot legends name it (default: ``name``).
+    display_name: ClassVar[str | None] = None
+    #: The parameters that tell its runs apart, each with its label (``DiLoCo H=25``).
+    key_parameters: ClassVar[dict[str, str]] = {}
+    #: True when every node holds the run's whole global state at a checkpoint, so a run
+    #: can continue from it on fewer nodes (see :meth:`fewer_nodes_problem` for exceptions).
+    continues_on_fewer_nodes: ClassVar[bool] = False
     #: True when every node holds the same parameters after every step (DDP, DeMo).
     replicas_in_sync: ClassVar[bool] = False
 
@@ -304,6 +311,16 @@ class Strategy:
                     continue
                 found.setdefault(n, p)
         return found
+
+    def sync_interval(self) -> int | None:
+        """Steps between the syncs after which every node holds the global state (DiLoCo's
+        and FedAvg's H): checkpoints are rounded up to a multiple of it. None: no such rhythm."""
+        return None
+
+    def fewer_nodes_problem(self) -> str | None:
+        """Why this instance's checkpoint cannot continue on fewer nodes although its class
+        can (FedAvg with islands), or None."""
+        return None
 
     def config(self) -> dict[str, Any]:
         """Constructor arguments (each stored under its own name), for config.yaml."""

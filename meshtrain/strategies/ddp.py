@@ -32,6 +32,8 @@ class DDP(Strategy):
     """
 
     name = "ddp"
+    display_name = "DDP"
+    continues_on_fewer_nodes = True  # the nodes are exact replicas (parameters and optimizer)
     replicas_in_sync = True
 
     def __init__(self, optim: str | Optim = "adamw", lr: float = 1e-3, **common: Any) -> None:

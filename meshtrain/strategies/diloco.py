@@ -99,6 +99,11 @@ class DiLoCo(Strategy):
     """
 
     name = "diloco"
+    display_name = "DiLoCo"
+    key_parameters = {"H": "H"}
+    # Checkpoints fall on outer syncs, where every node holds the outer parameters and the
+    # same outer optimizer (the inner optimizer is each node's own).
+    continues_on_fewer_nodes = True
 
     def __init__(
         self,
@@ -117,3 +122,6 @@ class DiLoCo(Strategy):
         super().__init__(
             optim, lr, modules=[OuterSync(H, outer_lr, outer_momentum, nesterov)], **common
         )
+
+    def sync_interval(self) -> int | None:
+        return self.H

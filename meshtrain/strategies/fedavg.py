@@ -117,6 +117,9 @@ class FedAvg(Strategy):
     """
 
     name = "fedavg"
+    display_name = "FedAvg"
+    key_parameters = {"H": "H", "island_size": "islands"}
+    continues_on_fewer_nodes = True  # after a full average every node holds the global model
 
     def __init__(
         self,
@@ -133,3 +136,12 @@ class FedAvg(Strategy):
         super().__init__(
             optim, lr, modules=[ModelAveraging(H, island_size, weighted)], **common
         )
+
+    def sync_interval(self) -> int | None:
+        return self.H
+
+    def fewer_nodes_problem(self) -> str | None:
+        if self.island_size is None:
+            return None
+        return (f"strategy fedavg with island_size={self.island_size}: between full "
+                "averages the nodes differ, so a lost node takes its part of the global model with it")

@@ -106,6 +106,9 @@ class SPARTA(Strategy):
     """
 
     name = "sparta"
+    display_name = "SPARTA"
+    key_parameters = {"p": "p"}
+    # Not continues_on_fewer_nodes: the nodes never agree; the global model is the mean of all.
 
     def __init__(
         self,

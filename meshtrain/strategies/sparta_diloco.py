@@ -17,6 +17,9 @@ class SPARTADiLoCo(Strategy):
     """SPARTA every ``sparse_interval`` steps, DiLoCo outer sync every ``H`` steps."""
 
     name = "sparta-diloco"
+    display_name = "SPARTA+DiLoCo"
+    key_parameters = {"p": "p", "H": "H"}
+    continues_on_fewer_nodes = True  # as DiLoCo: checkpoints fall on outer syncs
 
     def __init__(
         self,
@@ -43,3 +46,6 @@ class SPARTADiLoCo(Strategy):
             OuterSync(H, outer_lr, outer_momentum, nesterov),
         ]
         super().__init__(optim, lr, modules=modules, **common)
+
+    def sync_interval(self) -> int | None:
+        return self.H
