@@ -171,8 +171,3 @@ def project(
         "communication_seconds": comm,
         "total_seconds": compute + comm,
     }
-
-
-def cluster_table() -> list[dict[str, object]]:
-    """The named clusters as rows (for `meshtrain clusters`)."""
-    return [asdict(c) for c in CLUSTERS.values()]

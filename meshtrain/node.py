@@ -47,27 +47,6 @@ from meshtrain.version import __version__
 
 
 @dataclass
-class NodeState:
-    """All training state of one node, in one place (what a checkpoint holds)."""
-
-    rank: int
-    model: nn.Module
-    strategy: Strategy
-    batches: NodeBatches
-    step: int = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "step": self.step,
-            "model": self.model.state_dict(),
-            "strategy": self.strategy.state_dict(),
-            "data": self.batches.state_dict(),
-            "rng": torch.get_rng_state(),
-        }
-
-
-@dataclass
 class NodeReport:
     """What a node sends rank 0 at the end: its per-step numbers."""
 
@@ -113,7 +92,6 @@ def train_node(
         _verify_replicas(model, comm)
     strategy.setup(model, comm, seed=cfg.seed, max_steps=max_steps,
                    num_samples=len(batches.indices))
-    node = NodeState(rank, model, strategy, batches)
     startup_sent = comm.log.bytes_sent
 
     val_batches = _validation_batches(job, rank, device)
@@ -179,7 +157,7 @@ def train_node(
     with progress, live.closed_on_failure():
         for step in range(first_step, max_steps):
             comm.check_abort()  # another node failed or the run was interrupted: stop here
-            node.step = comm.step = step
+            comm.step = step
             if plan.failures and plan.alive_at(step, cfg.nodes) != comm.alive:
                 if not _leave_or_go_on(comm, plan, step, departed, progress, max_steps,
                                        NodeReport(losses, seconds, *_bytes_per_step(comm, max_steps),

@@ -15,9 +15,6 @@ from pathlib import Path
 from meshtrain.progress import human_bytes
 from meshtrain.runs import FinishedRun
 
-#: The files :func:`plot_runs` writes (each also as .svg).
-PLOTS = ("val_loss_vs_steps", "val_loss_vs_bytes", "val_loss_vs_time")
-
 
 def plot_runs(runs: list[FinishedRun], out_dir: str | Path, target_loss: float | None = None) -> list[Path]:
     """Draw the three comparison figures of ``runs`` into ``out_dir``; return the files written.

@@ -135,12 +135,6 @@ def help_for(name: str, cls: type = TrainConfig) -> str:
     return next(f.metadata["help"] for f in fields(cls) if f.name == name)
 
 
-def default_of(name: str, cls: type = TrainConfig) -> Any:
-    """The default of setting ``name``."""
-    f = next(f for f in fields(cls) if f.name == name)
-    return f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
-
-
 def check_settings(cls: type, values: dict[str, Any], where: str) -> None:
     """Check ``values`` against the types and limits of dataclass ``cls``'s fields.
 

@@ -157,23 +157,6 @@ def read_audio(path: str | Path, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
     raise SpeechDataError(f"{path}: no decoder could read it ({'; '.join(failures)}); {INSTALL_HINT}")
 
 
-def audio_seconds(path: str | Path) -> float:
-    """A recording's duration: from the header for WAV and (with soundfile) what soundfile
-    reads, else by decoding it, which also proves it decodes."""
-    path = Path(path)
-    try:
-        return wav_format(path).seconds
-    except UnsupportedWav:
-        pass
-    try:
-        import soundfile
-
-        return float(soundfile.info(str(path)).duration)
-    except (ImportError, RuntimeError, OSError):
-        pass
-    return len(read_audio(path, SAMPLE_RATE)) / SAMPLE_RATE
-
-
 def _decoders() -> list[tuple[str, Callable[[Path], tuple[np.ndarray, int]]]]:
     """The decoders installed here, in the order they are tried."""
     chain: list[tuple[str, Callable[[Path], tuple[np.ndarray, int]]]] = [("wav reader", read_wav)]
