@@ -15,7 +15,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
 from typing import Any
@@ -268,7 +268,7 @@ def _leave_or_go_on(comm: Communicator, plan: FaultPlan, step: int, departed: di
     return not leaving
 
 
-def _non_finite(loss: float, params: list[torch.Tensor]) -> str | None:
+def _non_finite(loss: float, params: Sequence[torch.Tensor]) -> str | None:
     """What is NaN or infinite this step (the loss, else a gradient), or None."""
     if not math.isfinite(loss):
         return f"loss is {loss}"
@@ -366,7 +366,7 @@ def _verify_replicas(model: nn.Module, comm: Communicator) -> None:
         comm.broadcast([p.data for p in trainable], src=0)
 
 
-def _digest(params: list[torch.Tensor]) -> torch.Tensor:
+def _digest(params: Sequence[torch.Tensor]) -> torch.Tensor:
     h = hashlib.sha256()
     for p in params:
         h.update(p.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())

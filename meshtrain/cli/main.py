@@ -6,7 +6,6 @@ import dataclasses
 import inspect
 import io
 import os
-import sys
 import traceback
 from pathlib import Path
 from typing import Any
@@ -333,4 +332,4 @@ def main() -> None:  # pragma: no cover - console entry point
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    main()
