@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from meshtrain import checkpoint
+from meshtrain.cli import dashboard as dashboard_cli
 from meshtrain.cluster import CLUSTERS
 from meshtrain.config import (
     ConfigError,
@@ -176,6 +177,7 @@ def simulate(
     val_interval: int = TRAINING_FLAGS["val_interval"],
     wandb: str = TRAINING_FLAGS["wandb"],
     tensorboard: bool = TRAINING_FLAGS["tensorboard"],
+    dashboard: bool = dashboard_cli.DASHBOARD_FLAG,
 ) -> None:
     """Train N simulated nodes on this machine and report loss, bytes and time.
 
@@ -235,7 +237,10 @@ def simulate(
         raise fail(str(exc)) from None
     # From here on, an error is a failure of the run (1), never "bad input".
     try:
-        result = run_job(job)
+        with dashboard_cli.live_dashboard(dashboard and not launched, "simulate", job.run_id,
+                                          [f"node {r}" for r in range(spec.nodes)],
+                                          {"strategy": spec.strategy, "task": spec.task}):
+            result = run_job(job)
     except NodeFailed as exc:
         _report_failure(exc, job, verbose)
         raise typer.Exit(1) from None
@@ -414,6 +419,7 @@ launch_cli.register(app)
 from meshtrain.cli import research  # noqa: E402
 
 research.register(app)
+dashboard_cli.register(app)
 
 
 def main() -> None:  # pragma: no cover - console entry point

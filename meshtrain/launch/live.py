@@ -35,6 +35,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from meshtrain import observers
 from meshtrain.launch.heartbeat import RankStatus
 from meshtrain.launch.output import COLOURS, STOPPED, BeatSource, RankOutput
 from meshtrain.progress import human_bytes
@@ -192,11 +193,13 @@ class LiveOutput(RankOutput):
         self.close()
 
     def watch(self, rank: int, source: BeatSource) -> None:
+        super().watch(rank, source)  # tells the observers
         with self._lock:
             self.view.started(rank)
             self._sources[rank] = source
 
     def note(self, text: str, style: str = "bold") -> None:
+        observers.notify("event", "note", text)
         with self._lock:
             self.log.append(Text(f"meshtrain: {text}", style=style, no_wrap=True, overflow="ellipsis"))
 

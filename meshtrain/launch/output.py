@@ -23,6 +23,7 @@ from typing import Protocol, TextIO
 from rich.console import Console
 from rich.text import Text
 
+from meshtrain import observers
 from meshtrain.launch.heartbeat import RankStatus, split_status
 
 COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
@@ -63,6 +64,10 @@ class RankOutput:
         with self._lock:
             for status in statuses:
                 self._status(rank, status)
+                observers.notify("node_update", observers.NodeUpdate(
+                    rank, status.step, status.steps, status.loss, status.steps_per_second,
+                    status.bytes_sent, status.rss_bytes, None, status.last_sync))
+            observers.notify("node_heard", rank)
             text, self._pending[rank] = self._pending[rank] + text, ""
             if cut_short:  # the program's line goes on in the next one
                 self._pending[rank] = text
@@ -79,13 +84,19 @@ class RankOutput:
             if rank in self._logs:
                 self._logs.pop(rank).close()
             self._ended(rank, outcome)
+            from meshtrain.launch.live import state_for_outcome  # live.py builds on this module
+
+            state = state_for_outcome(outcome)
+            observers.notify("node_ended", rank, state, outcome if state in ("failed", "lost") else None)
 
     def watch(self, rank: int, source: BeatSource) -> None:
         """``rank`` was started (again, on a restart); ``source`` times its heartbeats
         (plain output does not show them)."""
+        observers.notify("node_started", rank)
 
     def note(self, text: str, style: str = "bold") -> None:
         """A line from the launcher itself."""
+        observers.notify("event", "note", text)
         with self._lock:
             if self.console.is_terminal:
                 self.console.print(Text(f"meshtrain: {text}", style=style))
