@@ -48,7 +48,8 @@ function short(v) {
   if (a >= 1e3) return (v / 1e3).toFixed(a >= 1e4 ? 0 : 1) + "k";
   if (a >= 10) return v.toFixed(0);
   if (a >= 1) return v.toFixed(1);
-  return v.toPrecision(2);
+  if (a < 0.01) return v.toExponential(0);
+  return String(Number(v.toPrecision(2)));
 }
 
 // ---------------------------------------------------------------- the plotter
@@ -70,6 +71,18 @@ function extent(values, padFraction) {
   return [lo - pad, hi + pad];
 }
 
+// Ticks for a log10 axis spanning [lo, hi] (in log10 units): 1, 2 and 5 times each power of
+// ten when there are few decades, powers of ten only when there are many.
+function logTicks(lo, hi) {
+  const out = [], multiples = hi - lo > 4 ? [1] : hi - lo > 2 ? [1, 3] : [1, 2, 5];
+  for (let e = Math.floor(lo); e <= Math.ceil(hi); e++)
+    for (const m of multiples) {
+      const v = m * Math.pow(10, e);
+      if (Math.log10(v) >= lo && Math.log10(v) <= hi) out.push(v);
+    }
+  return out;
+}
+
 // series: [{name, color, points: [[x, y], ...], dots}], drawn into `svg` at its current size.
 function plot(svg, series, opts) {
   while (svg.firstChild) svg.removeChild(svg.firstChild);
@@ -85,10 +98,14 @@ function plot(svg, series, opts) {
     return;
   }
   const xs = drawn.flatMap(s => s.points.map(p => p[0])), ys = drawn.flatMap(s => s.points.map(p => p[1]));
-  const [x0, x1] = extent(xs, 0), [y0, y1] = extent(ys, 0.05);
+  // Losses that fall over decades are read on a log scale (a linear one flattens all but the start).
+  const log = opts.logY && Math.min(...ys) > 0 && Math.max(...ys) / Math.min(...ys) > 20;
+  const ty = log ? Math.log10 : (v => v);
+  const [x0, x1] = extent(xs, 0), [y0, y1] = extent(ys.map(ty), 0.05);
   const X = v => m.left + (v - x0) / (x1 - x0) * (width - m.left - m.right);
-  const Y = v => height - m.bottom - (v - y0) / (y1 - y0) * (height - m.top - m.bottom);
-  for (const v of ticks(y0, y1, 5)) {
+  const Y = v => height - m.bottom - (ty(v) - y0) / (y1 - y0) * (height - m.top - m.bottom);
+  const yTicks = log ? logTicks(y0, y1) : ticks(y0, y1, 5);
+  for (const v of yTicks) {
     svg.appendChild(svgEl("line", { x1: m.left, x2: width - m.right, y1: Y(v), y2: Y(v), class: "grid" }));
     const t = svgEl("text", { x: m.left - 6, y: Y(v) + 3, "text-anchor": "end" });
     t.textContent = (opts.yFormat || short)(v);
@@ -105,6 +122,11 @@ function plot(svg, series, opts) {
   const label = svgEl("text", { x: width - m.right, y: height - 3, "text-anchor": "end" });
   label.textContent = opts.xLabel;
   svg.appendChild(label);
+  if (log) {
+    const scale = svgEl("text", { x: width - m.right, y: 11, "text-anchor": "end" });
+    scale.textContent = "log scale";
+    svg.appendChild(scale);
+  }
   for (const s of drawn) {
     const d = s.points.map((p, i) => `${i ? "L" : "M"}${X(p[0]).toFixed(1)},${Y(p[1]).toFixed(1)}`).join("");
     const path = svgEl("path", { d, class: "line", stroke: s.color, "data-series": s.name, "data-n": s.points.length });
@@ -244,9 +266,10 @@ function renderCharts() {
   const alone = runs.length === 1;
   const all = runs.flatMap(([r, i]) => curves(r, i, alone));
   const pick = (xi) => all.map(s => ({ ...s, points: s.points.map(p => [p[xi], p[1]]) }));
-  plot(document.getElementById("chart-step"), pick(0), { xLabel: "step" });
-  plot(document.getElementById("chart-bytes"), pick(2), { xLabel: "bytes sent", xFormat: v => bytes(v).replace(".00", "") });
-  plot(document.getElementById("chart-time"), pick(3), { xLabel: "seconds" });
+  plot(document.getElementById("chart-step"), pick(0), { xLabel: "step", logY: true });
+  plot(document.getElementById("chart-bytes"), pick(2), { xLabel: "bytes sent", logY: true,
+                                                          xFormat: v => bytes(v).replace(".00", "") });
+  plot(document.getElementById("chart-time"), pick(3), { xLabel: "seconds", logY: true });
   const time = [];
   runs.forEach(([r, i]) => {
     const name = alone ? "" : `${r.id} `;
