@@ -124,3 +124,35 @@ class NodeReporter:
         notify("node_update", NodeUpdate(self.node, step, self.steps, loss if finite else None, rate,
                                          bytes_sent, resident_bytes(), cpu))
         self._sent_at, self._sent_step, self._cpu_at = now, step, cpu_now
+
+
+class QueueForwarder:
+    """An observer inside a node process (the processes runtime): it puts every call on the
+    ``results`` queue its parent reads, as ``(node, "observe", (method, args))``; the parent
+    hands them to its own observers (:func:`notify`). A local multiprocessing queue between
+    this machine's own processes, never the network."""
+
+    def __init__(self, results: Any, node: int) -> None:
+        self.results = results
+        self.node = node
+
+    def _put(self, method: str, *args: Any) -> None:
+        self.results.put((self.node, "observe", (method, args)))
+
+    def node_started(self, node: int) -> None:
+        self._put("node_started", node)
+
+    def node_update(self, update: NodeUpdate) -> None:
+        self._put("node_update", update)
+
+    def node_heard(self, node: int) -> None:
+        self._put("node_heard", node)
+
+    def node_ended(self, node: int, state: str, reason: str | None) -> None:
+        self._put("node_ended", node, state, reason)
+
+    def event(self, kind: str, text: str, node: int | None = None) -> None:
+        self._put("event", kind, text, node)
+
+    def run_finished(self, summary: Mapping[str, Any], history: list[dict[str, Any]]) -> None:
+        self._put("run_finished", dict(summary), history)

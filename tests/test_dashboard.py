@@ -160,7 +160,8 @@ def test_a_failing_observer_is_dropped_and_the_run_goes_on() -> None:
     assert not observers.active()
 
 
-def test_simulated_nodes_feed_every_node_skips_and_the_summary(tmp_path: Path) -> None:
+@pytest.mark.parametrize("runtime", ["threads", "processes"])
+def test_simulated_nodes_feed_every_node_skips_and_the_summary(runtime: str, tmp_path: Path) -> None:
     from helpers import ranked_factory
     from test_check_sync import SpikesOnNode1
 
@@ -169,7 +170,8 @@ def test_simulated_nodes_feed_every_node_skips_and_the_summary(tmp_path: Path) -
     seen = Recorder()
     with observers.watching(seen):
         Trainer(SpikesOnNode1(), ranked_factory).fit(DDP("sgd", 0.1), nodes=2, max_steps=5, batch_size=4,
-                                                     out_dir=tmp_path, progress=False, skip_nonfinite=True)
+                                                     out_dir=tmp_path, progress=False, skip_nonfinite=True,
+                                                     runtime=runtime)
     updates = [args[0] for name, args in seen.calls if name == "node_update"]
     assert {u.node for u in updates} == {0, 1}
     for node in (0, 1):
@@ -180,7 +182,7 @@ def test_simulated_nodes_feed_every_node_skips_and_the_summary(tmp_path: Path) -
     finished = [args for name, args in seen.calls if name == "run_finished"]
     assert len(finished) == 1 and finished[0][0]["steps"] == 5 and len(finished[0][1]) == 5
     skips = [args for name, args in seen.calls if name == "event" and args[0] == "nonfinite"]
-    assert [text.split(" skipped")[0] for _, text in skips] == ["step 3", "step 5"]  # node 1's NaN batches
+    assert [args[1].split(" skipped")[0] for args in skips] == ["step 3", "step 5"]  # node 1's NaN batches
 
 
 def test_the_launchers_output_feeds_statuses_endings_and_notes() -> None:
