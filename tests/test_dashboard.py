@@ -5,10 +5,13 @@ drives the page in a real browser)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -262,3 +265,62 @@ def test_dashboard_command_names_a_bad_run_directory(tmp_path: Path) -> None:
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert result.stderr.strip() == f"error: {tmp_path / 'missing'}: no such run directory"
+
+
+def _url_from(proc: subprocess.Popen[str], prefix: str) -> tuple[str, str]:
+    """The dashboard URL ``proc`` printed, and everything it printed up to it."""
+    assert proc.stdout is not None
+    seen = ""
+    for line in proc.stdout:  # the URL is among the first lines printed
+        seen += line
+        if prefix in line:
+            return re.search(r"(http://127\.0\.0\.[12]:\d+/\?token=[\w-]+)", line).group(1), seen
+    raise AssertionError(f"no dashboard URL in:\n{seen}")
+
+
+def _wait_for(read: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not read():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_simulate_dashboard_is_live_while_it_trains_and_closes_with_it(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "meshtrain", "simulate", "--dashboard", "--nodes", "2",
+                             "--steps", "1000", "--no-progress", "--out", str(tmp_path), "--run-id", "seen"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.DEVNULL)
+    try:
+        url, _ = _url_from(proc, "dashboard: http://127.0.0.1:")
+        api = url.replace("/?token=", "/api/state?token=")
+        assert _get(api.replace("token=", "token=x"))[0] == 403
+
+        def training() -> bool:
+            nodes = json.loads(_get(api)[2])["runs"][0]["nodes"]
+            return all(n["state"] == "training" and n["step"] > 0 and n["cpu_percent"] is not None
+                       for n in nodes)
+        _wait_for(training, 60)
+        run = json.loads(_get(api)[2])["runs"][0]
+        assert run["id"] == "seen" and run["kind"] == "simulate" and run["status"] == "running"
+        assert [n["name"] for n in run["nodes"]] == ["node 0", "node 1"]
+        assert proc.wait(timeout=120) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    with pytest.raises(urllib.error.URLError):  # not on a terminal: it closed with the run
+        urllib.request.urlopen(api, timeout=5)
+
+
+def test_dashboard_command_warns_when_listening_beyond_127_0_0_1(tmp_path: Path) -> None:
+    # 127.0.0.2 is still this machine's loopback: the warning is shown without opening a port
+    # to the network.
+    proc = subprocess.Popen([sys.executable, "-m", "meshtrain", "dashboard", "--host", "127.0.0.2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url, shown = _url_from(proc, "dashboard of 0 runs: http://127.0.0.2:")
+        assert _get(url)[0] == 200 and _get(url.split("?")[0])[0] == 403
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+    warning = " ".join(shown.split())
+    assert "warning: the dashboard listens on 127.0.0.2: anyone who can reach this machine there" in warning
