@@ -5,6 +5,7 @@ drives the page in a real browser)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -163,7 +164,7 @@ def test_a_failing_observer_is_dropped_and_the_run_goes_on() -> None:
     assert not observers.active()
 
 
-@pytest.mark.parametrize("runtime", ["threads", "processes"])
+@pytest.mark.parametrize("runtime", ["threads", pytest.param("processes", marks=pytest.mark.slow)])
 def test_simulated_nodes_feed_every_node_skips_and_the_summary(runtime: str, tmp_path: Path) -> None:
     from helpers import ranked_factory
     from test_check_sync import SpikesOnNode1
@@ -285,29 +286,63 @@ def _wait_for(read: Callable[[], bool], timeout: float) -> None:
         time.sleep(0.1)
 
 
-def test_simulate_dashboard_is_live_while_it_trains_and_closes_with_it(tmp_path: Path) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "meshtrain", "simulate", "--dashboard", "--nodes", "2",
-                             "--steps", "1000", "--no-progress", "--out", str(tmp_path), "--run-id", "seen"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            stdin=subprocess.DEVNULL)
+class Terminal:
+    """A command on a pseudo-terminal (stdin and stdout), its output read as it comes."""
+
+    def __init__(self, args: list[str]) -> None:
+        import pty
+
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=slave,
+                                     env={**os.environ, "COLUMNS": "200", "TERM": "xterm"})
+        os.close(slave)
+        self.shown = ""
+
+    def read_until(self, pattern: str, timeout: float) -> re.Match[str]:
+        import select
+
+        deadline = time.monotonic() + timeout
+        while not (found := re.search(pattern, self.shown)):
+            assert time.monotonic() < deadline, f"no {pattern!r} in:\n{self.shown}"
+            if select.select([self.master], [], [], 0.2)[0]:
+                try:
+                    self.shown += os.read(self.master, 65536).decode(errors="replace")
+                except OSError:  # EIO: the command has exited
+                    time.sleep(0.1)
+        return found
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        os.close(self.master)
+
+
+@pytest.mark.slow
+def test_simulate_dashboard_is_live_while_it_trains_and_stays_until_enter(tmp_path: Path) -> None:
+    term = Terminal([sys.executable, "-m", "meshtrain", "simulate", "--dashboard", "--nodes", "2",
+                     "--steps", "1000", "--no-progress", "--out", str(tmp_path), "--run-id", "seen"])
     try:
-        url, _ = _url_from(proc, "dashboard: http://127.0.0.1:")
+        url = term.read_until(r"dashboard: .*?(http://127\.0\.0\.1:\d+/\?token=[\w-]+)", 60).group(1)
         api = url.replace("/?token=", "/api/state?token=")
         assert _get(api.replace("token=", "token=x"))[0] == 403
 
-        def training() -> bool:
-            nodes = json.loads(_get(api)[2])["runs"][0]["nodes"]
-            return all(n["state"] == "training" and n["step"] > 0 and n["cpu_percent"] is not None
-                       for n in nodes)
-        _wait_for(training, 60)
+        def nodes() -> list[dict]:
+            return json.loads(_get(api)[2])["runs"][0]["nodes"]
+        _wait_for(lambda: all(n["state"] == "training" and n["step"] > 0 and n["cpu_percent"] is not None
+                              for n in nodes()), 60)
         run = json.loads(_get(api)[2])["runs"][0]
         assert run["id"] == "seen" and run["kind"] == "simulate" and run["status"] == "running"
         assert [n["name"] for n in run["nodes"]] == ["node 0", "node 1"]
-        assert proc.wait(timeout=120) == 0
+        # The run ends; on a terminal the page stays up, showing it finished, until Enter.
+        term.read_until(r"press Enter to close it", 120)
+        run = json.loads(_get(api)[2])["runs"][0]
+        assert run["status"] == "finished" and [n["state"] for n in run["nodes"]] == ["done", "done"]
+        assert run["mean_series"]["points"][-1][0] == 1000 and run["projected_total"] > 0
+        os.write(term.master, b"\n")
+        assert term.proc.wait(timeout=30) == 0
     finally:
-        proc.kill()
-        proc.wait()
-    with pytest.raises(urllib.error.URLError):  # not on a terminal: it closed with the run
+        term.close()
+    with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(api, timeout=5)
 
 
