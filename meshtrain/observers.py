@@ -84,6 +84,8 @@ def active() -> bool:
 
 def notify(method: str, *args: Any) -> None:
     """Call ``method`` on every observer; one that raises is dropped, the run goes on."""
+    if not _observers:  # nobody watches (the usual case): no lock taken per line or step
+        return
     with _lock:
         current = list(_observers)
     for observer in current:

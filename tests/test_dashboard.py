@@ -359,3 +359,12 @@ def test_dashboard_command_warns_when_listening_beyond_127_0_0_1(tmp_path: Path)
         proc.communicate(timeout=30)
     warning = " ".join(shown.split())
     assert "warning: the dashboard listens on 127.0.0.2: anyone who can reach this machine there" in warning
+
+
+def test_dashboard_without_its_extra_is_one_line_naming_it() -> None:
+    hide_aiohttp = ("import sys; sys.modules['aiohttp'] = None; from meshtrain.cli.main import app; "
+                    "app(['dashboard'])")
+    result = subprocess.run([sys.executable, "-c", hide_aiohttp], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("error: meshtrain dashboard: the aiohttp package is not installed; "
+                                     "pip install 'meshtrain[dashboard]'")

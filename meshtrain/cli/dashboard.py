@@ -33,7 +33,7 @@ EXTRA_HINT = "pip install 'meshtrain[dashboard]'"
 DASHBOARD_FLAG = typer.Option(
     False, "--dashboard", rich_help_panel="Output",
     help="Serve a live web dashboard of this run on 127.0.0.1 (a free port; the URL, token included, "
-         "is printed). Needs meshtrain[dashboard].")
+         "is printed). Needs the dashboard extra: pip install meshtrain\\[dashboard].")
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -41,10 +41,10 @@ def fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def require_extra() -> None:
+def require_extra(asked_by: str) -> None:
     """Exit 2 naming the extra when the web server library is missing."""
     if importlib.util.find_spec("aiohttp") is None:
-        raise fail(f"--dashboard: the aiohttp package is not installed; {EXTRA_HINT}")
+        raise fail(f"{asked_by}: the aiohttp package is not installed; {EXTRA_HINT}")
 
 
 def _warn_if_exposed(host: str) -> None:
@@ -75,7 +75,7 @@ def live_dashboard(enabled: bool, kind: str, run_id: str, names: list[str],
     if not enabled:
         yield None
         return
-    require_extra()
+    require_extra("--dashboard")
     from meshtrain.dashboard.state import DashboardState
 
     state = DashboardState()
@@ -123,7 +123,7 @@ def dashboard(
     The URL it prints holds a random token: requests without it get 403. For a live run,
     give --dashboard to `meshtrain launch` or `meshtrain simulate` instead.
     """
-    require_extra()
+    require_extra("meshtrain dashboard")
     from meshtrain.dashboard.state import DashboardState, RunDirError, find_run_directories
 
     state = DashboardState()
