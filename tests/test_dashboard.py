@@ -361,10 +361,15 @@ def test_dashboard_command_warns_when_listening_beyond_127_0_0_1(tmp_path: Path)
     assert "warning: the dashboard listens on 127.0.0.2: anyone who can reach this machine there" in warning
 
 
-def test_dashboard_without_its_extra_is_one_line_naming_it() -> None:
-    hide_aiohttp = ("import sys; sys.modules['aiohttp'] = None; from meshtrain.cli.main import app; "
-                    "app(['dashboard'])")
-    result = subprocess.run([sys.executable, "-c", hide_aiohttp], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2
-    assert result.stderr.strip() == ("error: meshtrain dashboard: the aiohttp package is not installed; "
-                                     "pip install 'meshtrain[dashboard]'")
+def test_dashboard_without_its_extra_is_one_line_naming_it(tmp_path: Path) -> None:
+    def without_aiohttp(*args: str) -> subprocess.CompletedProcess[str]:
+        code = ("import sys; sys.modules['aiohttp'] = None; from meshtrain.cli.main import app; "
+                f"app({list(args)!r})")
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+    hint = "the aiohttp package is not installed; pip install 'meshtrain[dashboard]'"
+    result = without_aiohttp("dashboard")
+    assert (result.returncode, result.stderr.strip()) == (2, f"error: meshtrain dashboard: {hint}")
+    result = without_aiohttp("simulate", "--dashboard", "--steps", "2", "--out", str(tmp_path / "runs"))
+    assert (result.returncode, result.stderr.strip()) == (2, f"error: --dashboard: {hint}")
+    assert not (tmp_path / "runs").exists()  # nothing was prepared

@@ -203,6 +203,8 @@ def simulate(
     from meshtrain.trainer import run_job
 
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if dashboard and not launched:
+        dashboard_cli.require_extra("--dashboard")  # bad input (2), before anything is prepared
     if launched:  # beat from the start: a rank that stalls while loading data is noticed too
         from meshtrain.launch.heartbeat import start_heartbeat
 
