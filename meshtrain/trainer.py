@@ -398,6 +398,8 @@ def train_node(
             comm.check_abort()  # another node failed or the run was interrupted: stop here
             node.step = comm.step = step
             if plan.failures and plan.alive_at(step, cfg.nodes) != comm.alive:
+                if watched is not None and rank not in plan.alive_at(step, cfg.nodes):  # its last word
+                    watched.step_done(step, losses[-1] if losses else None, comm.log.bytes_sent, final=True)
                 if not _leave_or_go_on(comm, plan, step, departed, progress, max_steps,
                                        NodeReport(losses, seconds, *_bytes_per_step(comm, max_steps),
                                                   startup_sent)):

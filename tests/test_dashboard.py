@@ -189,6 +189,20 @@ def test_simulated_nodes_feed_every_node_skips_and_the_summary(runtime: str, tmp
     assert [args[1].split(" skipped")[0] for args in skips] == ["step 3", "step 5"]  # node 1's NaN batches
 
 
+def test_a_node_leaving_a_simulation_is_lost_with_an_event(tmp_path: Path) -> None:
+    seen = Recorder()
+    state = DashboardState()
+    live = state.live_run("faults", ["node 0", "node 1", "node 2"], "simulate")
+    with observers.watching(seen), observers.watching(live):
+        Trainer(MLP(), regression_data()).fit(nodes=3, max_steps=6, batch_size=8, out_dir=tmp_path,
+                                              progress=False, fail=["node=2,step=3"])
+    assert ("node_ended", (2, "lost", "left at step 3 (--fail)")) in seen.calls
+    assert ("event", ("left", "step 3: node 2 left (--fail); 2 go on")) in seen.calls
+    run = state.snapshot()["runs"][0]
+    assert [(n["state"], n["step"]) for n in run["nodes"]] == [("done", 6), ("done", 6), ("lost", 3)]
+    assert [e["kind"] for e in run["events"]] == ["lost", "left"]
+
+
 def test_the_launchers_output_feeds_statuses_endings_and_notes() -> None:
     import io
 
