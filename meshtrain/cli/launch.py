@@ -535,6 +535,8 @@ def register(app: typer.Typer) -> None:
                     result = launch(inv, argv, options, training=training, output=output)
                 if board is not None and result.run_dir is not None:
                     board.load_directory(result.run_dir)  # the whole curve, projected time included
+                if board is not None and result.exit_code != 0:
+                    board.failed(f"the launch ended with exit code {result.exit_code}")
         except PreflightError as exc:
             for problem in exc.problems:
                 errors.print(Text.assemble(("error: ", "bold red"), problem), soft_wrap=True)

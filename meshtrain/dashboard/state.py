@@ -26,6 +26,7 @@ STARTING, TRAINING, FINISHING = "starting", "training", "finishing"
 DONE, FAILED, LOST, STOPPED = "done", "failed", "lost", "stopped"
 MAX_POINTS = 1500  # per series: older points are thinned, so a long run stays light to send
 MAX_EVENTS = 500
+MAX_NODES = 1024  # rows shown for a finished run (a damaged summary.json must not exhaust memory)
 
 
 class RunDirError(ValueError):
@@ -246,7 +247,8 @@ class DashboardState:
     def add_run_directory(self, run_dir: Path) -> RunState:
         """A finished run from its directory (raises :class:`RunDirError`)."""
         summary, _, _ = read_run_directory(run_dir)
-        nodes = int(summary.get("nodes") or 0) if isinstance(summary.get("nodes"), int) else 0
+        nodes = min(summary["nodes"], MAX_NODES) if isinstance(summary.get("nodes"), int) else 0
+        steps = summary.get("steps") if isinstance(summary.get("steps"), int) else None
         with self._lock:
             run_id = str(summary.get("run_id") or run_dir.name)
             while run_id in self.runs:  # two folders holding runs of one id
@@ -256,7 +258,7 @@ class DashboardState:
             run.load_directory(run_dir)
             for row in run.nodes:
                 row.state = DONE
-                row.step = row.steps = summary.get("steps") if isinstance(summary.get("steps"), int) else None
+                row.step = row.steps = steps
             self.runs[run_id] = run
             return run
 
