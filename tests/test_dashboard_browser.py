@@ -127,14 +127,15 @@ def test_the_page_shows_every_host_and_growing_curves_while_a_launch_trains(
 def test_a_finished_run_opens_in_the_dashboard_command(browser, tmp_path: Path) -> None:  # noqa: ANN001
     import sys
 
+    from helpers import MLP, regression_data
     from selenium.webdriver.support.ui import WebDriverWait
 
-    for name in ("first", "second"):
-        done = subprocess.run([sys.executable, "-m", "meshtrain", "simulate", "--nodes", "2", "--steps", "40",
-                               "--no-progress", "--out", str(tmp_path / "runs"), "--run-id", name,
-                               "--seed", "1" if name == "first" else "2"],
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
+    from meshtrain import Trainer
+
+    for seed, name in enumerate(("first", "second")):
+        Trainer(MLP(seed), regression_data()).fit(nodes=2, max_steps=40, batch_size=8, seed=seed,
+                                                  cluster="gbe", out_dir=str(tmp_path / "runs"), run_id=name,
+                                                  progress=False)
     proc = subprocess.Popen([sys.executable, "-m", "meshtrain", "dashboard", str(tmp_path / "runs")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
