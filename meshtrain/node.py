@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshtrain import checkpoint, loggers
+from meshtrain import checkpoint, loggers, observers
 from meshtrain.cluster import Cluster, collective_seconds, get_cluster, measured_step_seconds, project
 from meshtrain.comm import Communicator
 from meshtrain.comm.communicator import CommLog, CommRecord
@@ -153,12 +153,17 @@ def train_node(
 
     # A rank of `meshtrain launch` tells the launcher's live view where it is (heartbeat.py).
     status = status_reporter(max_steps, first_step) if cfg.runtime == "launched" else None
+    # Observers in this process (the live dashboard of `simulate --dashboard`) see every node.
+    watched = observers.NodeReporter(rank, max_steps, own_thread=cfg.runtime == "threads") \
+        if observers.active() else None
     loop_started = time.perf_counter()
     with progress, live.closed_on_failure():
         for step in range(first_step, max_steps):
             comm.check_abort()  # another node failed or the run was interrupted: stop here
             comm.step = step
             if plan.failures and plan.alive_at(step, cfg.nodes) != comm.alive:
+                if watched is not None and rank not in plan.alive_at(step, cfg.nodes):  # its last word
+                    watched.step_done(step, losses[-1] if losses else None, comm.log.bytes_sent, final=True)
                 if not _leave_or_go_on(comm, plan, step, departed, progress, max_steps,
                                        NodeReport(losses, seconds, *_bytes_per_step(comm, max_steps),
                                                   startup_sent)):
@@ -187,6 +192,9 @@ def train_node(
             if skip:
                 strategy.skip_step(step)
                 skipped.append(step + 1)
+                if rank == 0:
+                    observers.notify("event", "nonfinite", f"step {step + 1} skipped: a node's loss or "
+                                     "parameters were not finite (--skip-nonfinite)")
             else:
                 strategy.step(step)
             if cfg.check_sync:
@@ -195,6 +203,8 @@ def train_node(
             seconds.append(seconds_before + time.time() - job.started)
             if status is not None:
                 status.step_done(step + 1, loss_value, comm.log.bytes_sent, strategy)
+            if watched is not None:
+                watched.step_done(step + 1, loss_value, comm.log.bytes_sent)
             last = step == max_steps - 1
             if cfg.val_interval and (step + 1) % cfg.val_interval == 0 and not last and val_batches:
                 history_val[step] = _validate(strategy, model, comm, evaluator, val_batches)
@@ -209,6 +219,8 @@ def train_node(
         if status is not None:  # with the final sync's bytes
             status.step_done(max_steps, losses[-1] if losses else None, comm.log.bytes_sent, strategy,
                              final=True)
+        if watched is not None:
+            watched.step_done(max_steps, losses[-1] if losses else None, comm.log.bytes_sent, final=True)
         if cfg.check_sync:
             _check_sync(strategy, comm, max_steps - 1)
         if shown is not None:  # the final sync's bytes count too
@@ -241,6 +253,7 @@ def train_node(
     with live.closed_on_failure():  # before the run directory is committed (TensorBoard's files)
         live.finish(history[-1], summary)
     run_dir = _write_run(job, strategy, model, history, summary, progress.lines)
+    observers.notify("run_finished", summary, history)
     return FitResult(model=model, history=history, run_dir=run_dir, summary=summary)
 
 
@@ -264,6 +277,10 @@ def _leave_or_go_on(comm: Communicator, plan: FaultPlan, step: int, departed: di
         names = ", ".join(map(str, gone))
         progress.note(f"step {step}/{steps}  node{'s' if len(gone) > 1 else ''} {names} left "
                       f"(--fail); {len(now)} node{'s' if len(now) > 1 else ''} go on")
+        for r in gone:
+            observers.notify("node_ended", r, "lost", f"left at step {step} (--fail)")
+        observers.notify("event", "left", f"step {step}: node{'s' if len(gone) > 1 else ''} {names} left "
+                         f"(--fail); {len(now)} go on")
     comm.set_alive(now)
     return not leaving
 

@@ -20,6 +20,7 @@ from rich.table import Table
 from rich.text import Text
 
 from meshtrain.checkpoint import fewer_nodes_refusal
+from meshtrain.cli import dashboard as dashboard_cli
 from meshtrain.cli.console import errors, fail, fail_on
 from meshtrain.cli.console import wide_console as console  # the hosts commands' output
 from meshtrain.cli.flags import TRAINING_FLAGS as F
@@ -462,6 +463,7 @@ def register(app: typer.Typer) -> None:
         no_ship: bool = typer.Option(
             False, "--no-ship", help="Do not send --data (and a local task_options.model) into every "
                                      "workdir: every host already holds it at the same path."),
+        dashboard: bool = dashboard_cli.DASHBOARD_FLAG,
     ) -> None:
         """Train with one rank per host of INVENTORY, or run a command on every host (after --).
 
@@ -516,8 +518,15 @@ def register(app: typer.Typer) -> None:
         output = rank_output([h.name for h in inv.hosts], plain=plain, title=options.run_id,
                              log_dir=out / f"{options.run_id}.ranks")  # moved into the run directory
         try:
-            with output:
-                result = launch(inv, argv, options, training=training, output=output)
+            names = [h.name for h in inv.hosts]
+            with dashboard_cli.live_dashboard(dashboard, "launch", options.run_id, names,
+                                              {"strategy": strategy or ""}) as board:
+                with output:
+                    result = launch(inv, argv, options, training=training, output=output)
+                if board is not None and result.run_dir is not None:
+                    board.load_directory(result.run_dir)  # the whole curve, projected time included
+                if board is not None and result.exit_code != 0:
+                    board.failed(f"the launch ended with exit code {result.exit_code}")
         except PreflightError as exc:
             for problem in exc.problems:
                 errors.print(Text.assemble(("error: ", "bold red"), problem), soft_wrap=True)

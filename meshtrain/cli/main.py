@@ -16,6 +16,7 @@ from rich.table import Table
 
 from meshtrain import checkpoint
 from meshtrain.build import build_run
+from meshtrain.cli import dashboard as dashboard_cli
 from meshtrain.cli import launch, research
 from meshtrain.cli.console import console, errors, fail, fail_on
 from meshtrain.cli.flags import TRAINING_FLAGS, flag
@@ -95,6 +96,7 @@ def simulate(
     val_interval: int = TRAINING_FLAGS["val_interval"],
     wandb: str = TRAINING_FLAGS["wandb"],
     tensorboard: bool = TRAINING_FLAGS["tensorboard"],
+    dashboard: bool = dashboard_cli.DASHBOARD_FLAG,
 ) -> None:
     """Train N simulated nodes on this machine and report loss, bytes and time.
 
@@ -117,6 +119,8 @@ def simulate(
       meshtrain simulate --tensorboard --wandb my-project   # also log there (extras)
     """
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if dashboard and not launched:
+        dashboard_cli.require_extra("--dashboard")  # bad input (2), before anything is prepared
     if launched:  # beat from the start: a rank that stalls while loading data is noticed too
         start_heartbeat()
     if resume:
@@ -149,7 +153,10 @@ def simulate(
         raise fail(str(exc)) from None
     # From here on, an error is a failure of the run (1), never "bad input".
     try:
-        result = run_job(job)
+        with dashboard_cli.live_dashboard(dashboard and not launched, "simulate", job.run_id,
+                                          [f"node {r}" for r in range(spec.nodes)],
+                                          {"strategy": spec.strategy, "task": spec.task}):
+            result = run_job(job)
     except NodeFailed as exc:
         _report_failure(exc, job, verbose)
         raise typer.Exit(1) from None
@@ -325,6 +332,7 @@ def list_profile_files() -> None:
 
 launch.register(app)
 research.register(app)
+dashboard_cli.register(app)
 
 
 def main() -> None:  # pragma: no cover - console entry point

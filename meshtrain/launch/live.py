@@ -35,16 +35,23 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from meshtrain import observers
 from meshtrain.heartbeat import RankStatus
-from meshtrain.launch.output import COLOURS, STOPPED, BeatSource, RankOutput
+from meshtrain.launch.output import (
+    COLOURS,
+    DONE,
+    FAILED,
+    LOST,
+    STOPPED_STATE,
+    BeatSource,
+    RankOutput,
+    state_for_outcome,
+)
 from meshtrain.progress import human_bytes
 
 STARTING, TRAINING, FINISHING = "starting", "training", "finishing"
-DONE, FAILED, LOST, STOPPED_STATE = "done", "failed", "lost", "stopped"
 STATE_STYLES = {STARTING: "dim", TRAINING: "green", FINISHING: "cyan", DONE: "bold green",
                 FAILED: "bold red", LOST: "bold red", STOPPED_STATE: "yellow"}
-# The launcher's reasons for a rank it can no longer hear (see launcher._outcome).
-_LOST_REASONS = ("lost connection", "stopped answering", "sent no heartbeat")
 LOG_LINES = 200  # log lines the live view keeps; it shows as many as the terminal fits
 REFRESH_PER_SECOND = 4
 
@@ -72,15 +79,6 @@ class HostRow:
         if self.last_heard is None:
             return None
         return max(0.0, (self.ended_at if self.ended_at is not None else now) - self.last_heard)
-
-
-def state_for_outcome(outcome: str) -> str:
-    """The row state for a launcher outcome ("ok", :data:`STOPPED`, or a failure reason)."""
-    if outcome == "ok":
-        return DONE
-    if outcome == STOPPED:
-        return STOPPED_STATE
-    return LOST if outcome.startswith(_LOST_REASONS) else FAILED
 
 
 class ClusterView:
@@ -192,11 +190,13 @@ class LiveOutput(RankOutput):
         self.close()
 
     def watch(self, rank: int, source: BeatSource) -> None:
+        super().watch(rank, source)  # tells the observers
         with self._lock:
             self.view.started(rank)
             self._sources[rank] = source
 
     def note(self, text: str, style: str = "bold") -> None:
+        observers.notify("event", "note", text)
         with self._lock:
             self.log.append(Text(f"meshtrain: {text}", style=style, no_wrap=True, overflow="ellipsis"))
 

@@ -23,11 +23,25 @@ from typing import Protocol, TextIO
 from rich.console import Console
 from rich.text import Text
 
+from meshtrain import observers
 from meshtrain.heartbeat import RankStatus, split_status
 
 COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
 TAIL_LINES = 20
 STOPPED = "stopped by the launcher"  # the outcome of a rank torn down after another failed
+# A rank's state as the live view and the dashboard show it, once it has ended.
+DONE, FAILED, LOST, STOPPED_STATE = "done", "failed", "lost", "stopped"
+# The launcher's reasons for a rank it can no longer hear (see launcher._outcome).
+_LOST_REASONS = ("lost connection", "stopped answering", "sent no heartbeat")
+
+
+def state_for_outcome(outcome: str) -> str:
+    """The row state for a launcher outcome ("ok", :data:`STOPPED`, or a failure reason)."""
+    if outcome == "ok":
+        return DONE
+    if outcome == STOPPED:
+        return STOPPED_STATE
+    return LOST if outcome.startswith(_LOST_REASONS) else FAILED
 
 
 class BeatSource(Protocol):
@@ -63,6 +77,10 @@ class RankOutput:
         with self._lock:
             for status in statuses:
                 self._status(rank, status)
+                observers.notify("node_update", observers.NodeUpdate(
+                    rank, status.step, status.steps, status.loss, status.steps_per_second,
+                    status.bytes_sent, status.rss_bytes, None, status.last_sync))
+            observers.notify("node_heard", rank)
             text, self._pending[rank] = self._pending[rank] + text, ""
             if cut_short:  # the program's line goes on in the next one
                 self._pending[rank] = text
@@ -79,13 +97,17 @@ class RankOutput:
             if rank in self._logs:
                 self._logs.pop(rank).close()
             self._ended(rank, outcome)
+            state = state_for_outcome(outcome)
+            observers.notify("node_ended", rank, state, outcome if state in ("failed", "lost") else None)
 
     def watch(self, rank: int, source: BeatSource) -> None:
         """``rank`` was started (again, on a restart); ``source`` times its heartbeats
         (plain output does not show them)."""
+        observers.notify("node_started", rank)
 
     def note(self, text: str, style: str = "bold") -> None:
         """A line from the launcher itself."""
+        observers.notify("event", "note", text)
         with self._lock:
             if self.console.is_terminal:
                 self.console.print(Text(f"meshtrain: {text}", style=style))

@@ -15,10 +15,12 @@ import queue
 import socket
 import time
 import traceback
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
+from meshtrain import observers
 from meshtrain.comm.torch_dist import host_loopback_store, loopback_interface
 from meshtrain.job import FitResult, NodeFailed, NodeJob
 from meshtrain.runtimes.launched import join_and_train
@@ -34,14 +36,16 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
-def _node_process(job: NodeJob, rank: int, port: int, results: Any) -> None:
+def _node_process(job: NodeJob, rank: int, port: int, results: Any, observed: bool = False) -> None:
     torch.set_num_threads(job.config.threads or 1)  # N processes share the cores: 1 each by default
     loopback = loopback_interface()
     if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback  # gloo listens on loopback only
     try:
-        result = join_and_train(job, rank, job.config.nodes, "127.0.0.1", port,
-                                job.config.timeout_s, verify_replicas=False, external_store=True)
+        # The parent's observers (a live dashboard) hear this node through the results queue.
+        with observers.watching(observers.QueueForwarder(results, rank)) if observed else nullcontext():
+            result = join_and_train(job, rank, job.config.nodes, "127.0.0.1", port,
+                                    job.config.timeout_s, verify_replicas=False, external_store=True)
         payload = None
         if rank == 0:
             payload = {
@@ -72,7 +76,7 @@ def run_processes(job: NodeJob) -> FitResult:
     # The rendezvous store lives here, in the parent, listening on loopback only.
     store, port = host_loopback_store(job.config.timeout_s)
     procs = [
-        ctx.Process(target=_node_process, args=(job, r, port, results),
+        ctx.Process(target=_node_process, args=(job, r, port, results, observers.active()),
                     name=f"meshtrain-node-{r}", daemon=True)
         for r in range(n)
     ]
@@ -93,6 +97,10 @@ def run_processes(job: NodeJob) -> FitResult:
             except queue.Empty:
                 if any(r not in done and p.exitcode not in (None, 0) for r, p in enumerate(procs)):
                     raise _first_failure(procs, results, done, {}) from None
+                continue
+            if status == "observe":
+                method, args = payload
+                observers.notify(method, *args)
                 continue
             if status == "error":
                 raise _first_failure(procs, results, done, {rank: payload}) from None
@@ -127,7 +135,7 @@ def _first_failure(
             continue
         if status == "error":
             errors.setdefault(rank, payload)
-        else:
+        elif status == "done":
             done[rank] = payload
     silent = [r for r, p in enumerate(procs)
               if r not in done and r not in errors and p.exitcode not in (None, 0)]

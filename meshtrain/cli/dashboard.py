@@ -1,0 +1,155 @@
+"""``meshtrain dashboard [RUN_DIR...]`` and the ``--dashboard`` of launch and simulate.
+
+The web server lives in :mod:`meshtrain.dashboard` (the optional extra
+``meshtrain[dashboard]``); this module only starts it, prints its URL, and registers the
+live run as an observer (:mod:`meshtrain.observers`) for as long as the run goes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from meshtrain import observers
+
+if TYPE_CHECKING:
+    from meshtrain.dashboard.state import LiveRun
+
+console = Console()
+errors = Console(stderr=True)
+LOCALHOST = "127.0.0.1"
+EXTRA_HINT = "pip install 'meshtrain[dashboard]'"
+
+#: The ``--dashboard`` flag of ``simulate`` and ``launch``.
+DASHBOARD_FLAG = typer.Option(
+    False, "--dashboard", rich_help_panel="Output",
+    help="Serve a live web dashboard of this run on 127.0.0.1 (a free port; the URL, token included, "
+         "is printed). Needs the dashboard extra: pip install meshtrain\\[dashboard].")
+
+
+def fail(message: str, code: int = 2) -> typer.Exit:
+    errors.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def require_extra(asked_by: str) -> None:
+    """Exit 2 naming the extra when the web server library is missing."""
+    if importlib.util.find_spec("aiohttp") is None:
+        raise fail(f"{asked_by}: the aiohttp package is not installed; {EXTRA_HINT}")
+
+
+def _warn_if_exposed(host: str) -> None:
+    if host not in (LOCALHOST, "localhost", "::1"):
+        errors.print(f"[bold yellow]warning:[/] the dashboard listens on {escape(host)}: anyone who can "
+                     "reach this machine there and learns the URL (its token) sees your runs; it is plain "
+                     "HTTP. Prefer 127.0.0.1 and an SSH tunnel (ssh -L).", highlight=False, soft_wrap=True)
+
+
+def _start(state: Any, host: str, port: int) -> Any:
+    from meshtrain.dashboard.server import DashboardServer
+
+    try:
+        return DashboardServer(state, host, port).start()
+    except OSError as exc:
+        raise fail(f"dashboard: cannot listen on {host}:{port} ({exc.strerror or exc})") from None
+
+
+@contextmanager
+def live_dashboard(enabled: bool, kind: str, run_id: str, names: list[str],
+                   info: Mapping[str, Any] | None = None) -> Iterator[LiveRun | None]:
+    """While inside: a dashboard of this run (``kind``: launch or simulate) on 127.0.0.1,
+    its URL printed, fed through the observers. Yields None when not ``enabled``.
+
+    A run that raises is marked failed there. Afterwards, on a terminal, the page stays up
+    until Enter or Ctrl-C, so the finished run can still be looked at.
+    """
+    if not enabled:
+        yield None
+        return
+    require_extra("--dashboard")
+    from meshtrain.dashboard.state import DashboardState
+
+    state = DashboardState()
+    live = state.live_run(run_id, names, kind, info)
+    server = _start(state, LOCALHOST, 0)
+    console.print(f"dashboard: [bold]{server.url}[/]", highlight=False, soft_wrap=True)
+    try:
+        with observers.watching(live):
+            try:
+                yield live
+            except BaseException as exc:
+                live.failed(str(exc) or type(exc).__name__)
+                raise
+            finally:
+                live.ended()
+        if sys.stdin.isatty() and sys.stdout.isatty():
+            console.print("the dashboard stays open for a look at the finished run: press Enter to close it",
+                          highlight=False)
+            _wait_for_enter()
+    finally:
+        server.stop()
+
+
+def _wait_for_enter() -> None:
+    done = threading.Event()
+
+    def read_line() -> None:
+        sys.stdin.readline()
+        done.set()
+
+    threading.Thread(target=read_line, daemon=True).start()
+    try:
+        while not done.wait(0.5):
+            pass
+    except KeyboardInterrupt:
+        pass
+
+
+def dashboard(
+    run_dirs: list[Path] = typer.Argument(
+        None, help="Finished run directories to show (or folders holding them, like runs/); several "
+                   "can be compared."),
+    host: str = typer.Option(LOCALHOST, "--host", help="Address to listen on. Anything but 127.0.0.1 "
+                             "exposes the page to the network (a warning says so)."),
+    port: int = typer.Option(0, "--port", min=0, max=65535, help="Port to listen on (0: a free one)."),
+) -> None:
+    """Serve a web dashboard of finished runs: loss against steps, bytes and wall-clock,
+    measured against projected time, every node, events; tick runs to compare them.
+
+    The URL it prints holds a random token: requests without it get 403. For a live run,
+    give --dashboard to `meshtrain launch` or `meshtrain simulate` instead.
+    """
+    require_extra("meshtrain dashboard")
+    from meshtrain.dashboard.state import DashboardState, RunDirError, find_run_directories
+
+    state = DashboardState()
+    try:
+        for path in run_dirs or []:
+            for run_dir in find_run_directories(path):
+                state.add_run_directory(run_dir)
+    except RunDirError as exc:
+        raise fail(str(exc)) from None
+    _warn_if_exposed(host)
+    server = _start(state, host, port)
+    console.print(f"dashboard of {len(state.runs)} run{'s' if len(state.runs) != 1 else ''}: "
+                  f"[bold]{server.url}[/]\nCtrl-C to stop", highlight=False, soft_wrap=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``meshtrain dashboard`` to the app."""
+    app.command("dashboard")(dashboard)

@@ -1,0 +1,151 @@
+"""The dashboard's web server: one page and one JSON endpoint, behind a token.
+
+aiohttp runs on its own event loop in a background thread, so a training run (threads,
+or the launcher's reader threads) goes on undisturbed. Security:
+
+* it listens on 127.0.0.1 unless told otherwise;
+* every request must carry the token (``?token=`` or the ``X-Meshtrain-Token`` header),
+  compared in constant time; anything else gets 403 before a route is looked at;
+* the page is self-contained (its script and style inlined, nothing from the network) and
+  served with a Content-Security-Policy that allows only them and requests to this server,
+  and no Referer is ever sent (the token is in the URL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import secrets
+import socket
+import threading
+from importlib import resources
+from typing import Any
+
+from aiohttp import web
+
+from meshtrain.dashboard.state import DashboardState
+
+LOCALHOST = "127.0.0.1"
+TOKEN_HEADER = "X-Meshtrain-Token"
+
+
+def new_token() -> str:
+    """A random token for one dashboard (256 bits, URL-safe)."""
+    return secrets.token_urlsafe(32)
+
+
+def token_matches(given: str | None, token: str) -> bool:
+    """Whether ``given`` is ``token``, compared in constant time (None never matches)."""
+    return given is not None and hmac.compare_digest(given.encode(), token.encode())
+
+
+def page(nonce: str) -> str:
+    """index.html with app.js and style.css inlined, both allowed by ``nonce``."""
+    static = resources.files("meshtrain.dashboard") / "static"
+    html = (static / "index.html").read_text(encoding="utf-8")
+    style = (static / "style.css").read_text(encoding="utf-8")
+    script = (static / "app.js").read_text(encoding="utf-8")
+    return (html.replace("<!--STYLE-->", f'<style nonce="{nonce}">\n{style}</style>')
+                .replace("<!--SCRIPT-->", f'<script nonce="{nonce}">\n{script}</script>'))
+
+
+def build_app(state: DashboardState, token: str) -> web.Application:
+    """The aiohttp application: ``/`` (the page) and ``/api/state`` (JSON), token required."""
+
+    @web.middleware
+    async def require_token(request: web.Request, handler: Any) -> web.StreamResponse:
+        given = request.query.get("token") or request.headers.get(TOKEN_HEADER)
+        if not token_matches(given, token):
+            return web.Response(status=403, text="403: forbidden (the dashboard's URL carries a token)\n",
+                                headers=_SECURITY_HEADERS)
+        response = await handler(request)
+        response.headers.update(_SECURITY_HEADERS)
+        return response
+
+    async def index(request: web.Request) -> web.Response:
+        nonce = secrets.token_urlsafe(16)
+        csp = (f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'nonce-{nonce}'; "
+               "connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+               "frame-ancestors 'none'")
+        return web.Response(text=page(nonce), content_type="text/html",
+                            headers={"Content-Security-Policy": csp})
+
+    async def api_state(request: web.Request) -> web.Response:
+        snapshot = state.snapshot()
+        return web.Response(text=json.dumps(snapshot, allow_nan=False), content_type="application/json")
+
+    app = web.Application(middlewares=[require_token])
+    app.router.add_get("/", index)
+    app.router.add_get("/api/state", api_state)
+    return app
+
+
+_SECURITY_HEADERS = {"Cache-Control": "no-store", "Referrer-Policy": "no-referrer",
+                     "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY"}
+
+
+class DashboardServer:
+    """Serves ``state`` on ``host:port`` (0: a free port) from a background thread.
+
+    Use as a context manager, or :meth:`start` and :meth:`stop`; :attr:`url` is the
+    address to open, token included.
+    """
+
+    def __init__(self, state: DashboardState, host: str = LOCALHOST, port: int = 0,
+                 token: str | None = None) -> None:
+        self.state = state
+        self.host = host
+        self.token = token or new_token()
+        self._sock = _listen(host, port)  # bound now: a taken port is an error before anything runs
+        self.port = self._sock.getsockname()[1]
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="meshtrain-dashboard",
+                                        daemon=True)
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        shown = f"[{self.host}]" if ":" in self.host else self.host
+        if self.host in ("0.0.0.0", "::"):
+            shown = socket.gethostname()
+        return f"http://{shown}:{self.port}/?token={self.token}"
+
+    def start(self) -> DashboardServer:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._serve(), self._loop).result(timeout=30)
+        return self
+
+    async def _serve(self) -> None:
+        self._runner = web.AppRunner(build_app(self.state, self.token), access_log=None)
+        await self._runner.setup()
+        await web.SockSite(self._runner, self._sock).start()
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            if self._runner is not None:
+                asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=30)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+        self._sock.close()
+
+    def __enter__(self) -> DashboardServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (raises OSError naming what failed)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(64)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock

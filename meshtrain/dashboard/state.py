@@ -1,0 +1,387 @@
+"""What the dashboard shows, as plain data: live runs fed by observer calls, finished runs
+read from their run directories. No web server here: tests replay calls and read
+:meth:`DashboardState.snapshot`.
+
+Times are wall-clock (``time.time()``) so the browser can show "heard 0.4 s ago" against
+the snapshot's ``now``; a clock is passed in so tests control it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from meshtrain.errors import InputError
+from meshtrain.observers import NodeUpdate
+
+STARTING, TRAINING, FINISHING = "starting", "training", "finishing"
+DONE, FAILED, LOST, STOPPED = "done", "failed", "lost", "stopped"
+MAX_POINTS = 1500  # per series: older points are thinned, so a long run stays light to send
+MAX_EVENTS = 500
+MAX_NODES = 1024  # rows shown for a finished run (a damaged summary.json must not exhaust memory)
+
+
+class RunDirError(InputError):
+    """A run directory that cannot be shown (one line naming the file at fault)."""
+
+
+@dataclass
+class NodeRow:
+    """One host (launch) or simulated node."""
+
+    name: str
+    rank: int
+    state: str = STARTING
+    step: int | None = None
+    steps: int | None = None
+    loss: float | None = None
+    steps_per_second: float | None = None
+    bytes_sent: int | None = None
+    rss_bytes: int | None = None
+    cpu_percent: float | None = None
+    last_sync: int | None = None
+    last_heard: float | None = None
+    reason: str | None = None
+    restarts: int = 0
+
+
+@dataclass
+class Series:
+    """Points of one curve: ``step``, ``loss``, ``bytes`` (sent so far), ``seconds`` (since
+    the run started). Thinned to at most :data:`MAX_POINTS` by dropping every other point."""
+
+    name: str
+    points: list[list[float | None]] = field(default_factory=list)
+
+    def add(self, step: float, loss: float | None, sent: float | None, seconds: float | None) -> None:
+        if self.points and self.points[-1][0] == step:
+            self.points[-1] = [step, loss, sent, seconds]  # the final status repeats the last step
+            return
+        self.points.append([step, loss, sent, seconds])
+        if len(self.points) > MAX_POINTS:
+            self.points = self.points[::2] + ([self.points[-1]] if len(self.points) % 2 == 0 else [])
+
+
+class RunState:
+    """One run on the dashboard, live or read from its directory."""
+
+    def __init__(self, run_id: str, names: list[str], *, kind: str, clock: Callable[[], float],
+                 changed: Callable[[], None], info: Mapping[str, Any] | None = None) -> None:
+        self.run_id = run_id
+        self.kind = kind  # "launch", "simulate" or "finished"
+        self.clock = clock
+        self._changed = changed
+        self.started_at = clock()
+        self.nodes = [NodeRow(name, rank) for rank, name in enumerate(names)]
+        self.node_series = [Series(name) for name in names]
+        self.mean_series: Series | None = None  # metrics.csv's train_loss (finished runs)
+        self.val_series: Series | None = None
+        self.projected: list[list[float]] = []  # [step, projected seconds], from metrics.csv
+        self.measured: list[list[float]] = []  # [step, measured seconds]
+        self.events: list[dict[str, Any]] = []
+        self.info = dict(info or {})
+        self.summary: dict[str, Any] | None = None
+        self.status = "running" if kind != "finished" else "finished"
+
+    # ------------------------------------------------------------ RunObserver
+    def node_started(self, node: int) -> None:
+        row = self.nodes[node]
+        if row.state != STARTING or row.step is not None:  # a restart: the row begins afresh
+            self.nodes[node] = NodeRow(row.name, row.rank, restarts=row.restarts + 1,
+                                       last_heard=row.last_heard)
+        self._changed()
+
+    def node_update(self, update: NodeUpdate) -> None:
+        row = self.nodes[update.node]
+        if row.state in (DONE, FAILED, LOST, STOPPED):
+            return  # a late message does not bring a stopped node back
+        now = self.clock()
+        row.last_heard = now
+        row.step = update.step
+        for name in ("steps", "loss", "steps_per_second", "bytes_sent", "rss_bytes", "cpu_percent",
+                     "last_sync"):
+            value = getattr(update, name)
+            if value is not None:  # a field an update leaves out keeps its last value
+                setattr(row, name, value)
+        row.state = FINISHING if row.steps is not None and update.step >= row.steps else TRAINING
+        if update.loss is not None and update.step > 0:
+            self.node_series[update.node].add(update.step, update.loss, update.bytes_sent,
+                                              now - self.started_at)
+        if update.node == 0 and update.step > 0:
+            self.measured.append([update.step, now - self.started_at])
+            if len(self.measured) > MAX_POINTS:
+                self.measured = self.measured[::2]
+        self._changed()
+
+    def node_heard(self, node: int) -> None:
+        row = self.nodes[node]
+        if row.state not in (DONE, FAILED, LOST, STOPPED):
+            row.last_heard = self.clock()
+            self._changed()
+
+    def node_ended(self, node: int, state: str, reason: str | None) -> None:
+        row = self.nodes[node]
+        if row.state in (DONE, FAILED, LOST, STOPPED):
+            return
+        row.state, row.reason = state, reason
+        if state in (FAILED, LOST):
+            self.event("lost" if state == LOST else "failed",
+                       f"{row.name} {'lost' if state == LOST else 'failed'}: {reason}", node)
+        self._changed()
+
+    def event(self, kind: str, text: str, node: int | None = None) -> None:
+        if kind == "note" and text.startswith("restart "):
+            kind = "restart"
+        self.events.append({"time": self.clock(), "kind": kind, "text": text, "node": node})
+        del self.events[:-MAX_EVENTS]
+        self._changed()
+
+    def run_finished(self, summary: Mapping[str, Any], history: list[dict[str, Any]]) -> None:
+        self.summary = dict(summary)
+        self._take_history(history)
+        for row in self.nodes:
+            if row.state not in (FAILED, LOST, STOPPED):
+                row.state = DONE
+        self.status = "finished"
+        self._changed()
+
+    # ------------------------------------------------------------ the CLI's calls
+    def failed(self, message: str) -> None:
+        """The run failed or was interrupted (the CLI's one-line error)."""
+        self.status = "failed"
+        self.event("failed", message)
+
+    def ended(self) -> None:
+        """The run is over, whatever became of it (the launcher returned)."""
+        if self.status == "running":
+            self.status = "finished"
+        self._changed()
+
+    def load_directory(self, run_dir: Path) -> None:
+        """Take summary.json, config.yaml and metrics.csv from a finished run's directory."""
+        summary, config, history = read_run_directory(run_dir)
+        self.info.setdefault("config", config)
+        self.info["run_dir"] = str(run_dir)
+        self.summary = summary
+        self._take_history(history)
+        self._changed()
+
+    def _take_history(self, history: list[dict[str, Any]]) -> None:
+        mean, val = Series("train loss (mean of nodes)"), Series("val loss (global model)")
+        self.projected = []
+        measured = []
+        for row in history:
+            step = _number(row.get("step"))
+            if step is None:
+                continue
+            sent, seconds = _number(row.get("total_bytes_sent")), _number(row.get("seconds"))
+            if step > 0 and _number(row.get("train_loss")) is not None:
+                mean.add(step, _number(row.get("train_loss")), sent, seconds)
+            if _number(row.get("val_loss")) is not None:
+                val.add(step, _number(row.get("val_loss")), sent, seconds)
+            projected = _number(row.get("projected_seconds"))
+            if projected is not None:
+                self.projected.append([step, projected])
+            if seconds is not None and step > 0:
+                measured.append([step, seconds])
+        self.mean_series = mean if mean.points else None
+        self.val_series = val if val.points else None
+        if measured:
+            self.measured = measured[:: max(1, len(measured) // MAX_POINTS)]
+        self.projected = self.projected[:: max(1, len(self.projected) // MAX_POINTS)]
+
+    def to_json(self, now: float) -> dict[str, Any]:
+        summary = self.summary or {}
+        projected = summary.get("projected") or {}
+        return {
+            "id": self.run_id,
+            "kind": self.kind,
+            "status": self.status,
+            "started_at": self.started_at,
+            "info": self.info,
+            "nodes": [{**asdict(row), "silent_for": None if row.last_heard is None
+                       else max(0.0, now - row.last_heard)} for row in self.nodes],
+            "node_series": [asdict(s) for s in self.node_series if s.points],
+            "mean_series": asdict(self.mean_series) if self.mean_series else None,
+            "val_series": asdict(self.val_series) if self.val_series else None,
+            "measured": self.measured,
+            "projected": self.projected,
+            "projected_total": projected.get("total_seconds"),
+            "projected_cluster": projected.get("cluster"),
+            "summary": summary,
+            "events": self.events,
+        }
+
+
+class DashboardState:
+    """Every run the dashboard shows; thread-safe (observers call from training threads,
+    the server reads from its own). ``version`` grows with every change."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self.runs: dict[str, RunState] = {}
+        self.version = 0
+        self._lock = threading.RLock()
+
+    def _changed(self) -> None:
+        self.version += 1
+
+    def live_run(self, run_id: str, names: list[str], kind: str,
+                 info: Mapping[str, Any] | None = None) -> LiveRun:
+        """A run starting now, with one row per node name; feed it by registering the
+        returned :class:`LiveRun` with :func:`meshtrain.observers.watching`."""
+        with self._lock:
+            run = RunState(run_id, names, kind=kind, clock=self.clock, changed=self._changed, info=info)
+            self.runs[run_id] = run
+            self._changed()
+        return LiveRun(run, self._lock)
+
+    def add_run_directory(self, run_dir: Path) -> RunState:
+        """A finished run from its directory (raises :class:`RunDirError`)."""
+        summary, _, _ = read_run_directory(run_dir)
+        nodes = min(summary["nodes"], MAX_NODES) if isinstance(summary.get("nodes"), int) else 0
+        steps = summary.get("steps") if isinstance(summary.get("steps"), int) else None
+        with self._lock:
+            run_id = str(summary.get("run_id") or run_dir.name)
+            while run_id in self.runs:  # two folders holding runs of one id
+                run_id += "'"
+            run = RunState(run_id, [f"node {r}" for r in range(nodes)], kind="finished", clock=self.clock,
+                           changed=self._changed)
+            run.load_directory(run_dir)
+            for row in run.nodes:
+                row.state = DONE
+                row.step = row.steps = steps
+            self.runs[run_id] = run
+            return run
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything, as JSON-ready data (non-finite numbers as None)."""
+        with self._lock:
+            now = self.clock()
+            return _finite({"version": self.version, "now": now,
+                            "runs": [run.to_json(now) for run in self.runs.values()]})
+
+
+class LiveRun:
+    """The :class:`~meshtrain.observers.RunObserver` of one live run: every call takes the
+    dashboard's lock, then updates its :class:`RunState`."""
+
+    def __init__(self, run: RunState, lock: threading.RLock) -> None:
+        self.run = run
+        self._lock = lock
+
+    def node_started(self, node: int) -> None:
+        with self._lock:
+            self.run.node_started(node)
+
+    def node_update(self, update: NodeUpdate) -> None:
+        with self._lock:
+            self.run.node_update(update)
+
+    def node_heard(self, node: int) -> None:
+        with self._lock:
+            self.run.node_heard(node)
+
+    def node_ended(self, node: int, state: str, reason: str | None) -> None:
+        with self._lock:
+            self.run.node_ended(node, state, reason)
+
+    def event(self, kind: str, text: str, node: int | None = None) -> None:
+        with self._lock:
+            self.run.event(kind, text, node)
+
+    def run_finished(self, summary: Mapping[str, Any], history: list[dict[str, Any]]) -> None:
+        with self._lock:
+            self.run.run_finished(summary, history)
+
+    def failed(self, message: str) -> None:
+        with self._lock:
+            self.run.failed(message)
+
+    def ended(self) -> None:
+        with self._lock:
+            self.run.ended()
+
+    def load_directory(self, run_dir: Path) -> bool:
+        """Take the finished run's directory in; False (nothing changed) if it cannot be read:
+        the run went well, only the dashboard shows less."""
+        with self._lock:
+            try:
+                self.run.load_directory(run_dir)
+            except RunDirError:
+                return False
+        return True
+
+
+def read_run_directory(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+    """summary.json, config.yaml and metrics.csv of ``run_dir`` (config may be missing)."""
+    if not run_dir.is_dir():
+        raise RunDirError(f"{run_dir}: no such run directory")
+    summary_file, metrics_file = run_dir / "summary.json", run_dir / "metrics.csv"
+    try:
+        summary = json.loads(summary_file.read_text())
+    except FileNotFoundError:
+        raise RunDirError(f"{summary_file}: missing (not a finished run directory)") from None
+    except (OSError, ValueError) as exc:
+        raise RunDirError(f"{summary_file}: unreadable ({exc})") from None
+    if not isinstance(summary, dict):
+        raise RunDirError(f"{summary_file}: expected a JSON object")
+    config: dict[str, Any] = {}
+    try:
+        loaded = yaml.safe_load((run_dir / "config.yaml").read_text())
+        config = loaded if isinstance(loaded, dict) else {}
+    except FileNotFoundError:
+        pass
+    except (OSError, yaml.YAMLError) as exc:
+        raise RunDirError(f"{run_dir / 'config.yaml'}: unreadable ({exc})") from None
+    try:
+        with open(metrics_file, newline="") as f:
+            history = [dict(row) for row in csv.DictReader(f)]
+    except FileNotFoundError:
+        raise RunDirError(f"{metrics_file}: missing (not a finished run directory)") from None
+    except (OSError, csv.Error, UnicodeDecodeError) as exc:
+        raise RunDirError(f"{metrics_file}: unreadable ({exc})") from None
+    return summary, config, history
+
+
+def find_run_directories(path: Path) -> list[Path]:
+    """``path`` itself if it is a run directory, else the run directories inside it."""
+    if (path / "summary.json").is_file():
+        return [path]
+    if not path.is_dir():
+        raise RunDirError(f"{path}: no such run directory")
+    found = sorted(p for p in path.iterdir() if p.is_dir() and (p / "summary.json").is_file())
+    if not found:
+        raise RunDirError(f"{path}: holds no run directory (a folder with summary.json and metrics.csv)")
+    return found
+
+
+def _number(value: Any) -> float | None:
+    if value is None or value == "" or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)

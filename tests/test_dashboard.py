@@ -1,0 +1,389 @@
+"""The dashboard without a browser: the observer interface, the state model it feeds,
+run directories, and the server's token check on 127.0.0.1 (tests/test_dashboard_browser.py
+drives the page in a real browser)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from helpers import MLP, regression_data
+
+from meshtrain import Trainer, observers
+from meshtrain.heartbeat import RankStatus
+from meshtrain.launch.output import STOPPED, RankOutput
+from meshtrain.observers import NodeUpdate
+
+pytest.importorskip("aiohttp", reason="the dashboard extra is not installed: "
+                               "pip install 'meshtrain[dashboard]'")
+
+from meshtrain.dashboard.server import TOKEN_HEADER, DashboardServer, token_matches  # noqa: E402
+from meshtrain.dashboard.state import (  # noqa: E402
+    MAX_POINTS,
+    DashboardState,
+    RunDirError,
+    find_run_directories,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Recorder:
+    """An observer that keeps every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple]] = []
+
+    def __getattr__(self, name: str):
+        return lambda *args: self.calls.append((name, args))
+
+
+# --------------------------------------------------------------------------- the state model
+def test_state_folds_updates_endings_and_events_of_a_launch() -> None:
+    clock = Clock()
+    state = DashboardState(clock)
+    live = state.live_run("r1", ["alpha", "beta"], "launch")
+    live.node_started(0)
+    live.node_started(1)
+    clock.now += 1
+    live.node_update(NodeUpdate(0, 5, 20, 0.9, 8.0, 1000, 2_000_000, None, 5))
+    live.node_update(NodeUpdate(1, 5, 20, 1.1, 7.5, 1000, 2_100_000))
+    clock.now += 1
+    # A field an update leaves out keeps its value.
+    live.node_update(NodeUpdate(0, 10, steps=None, loss=None, bytes_sent=2000))
+    live.node_heard(1)
+    clock.now += 0.5
+    live.node_ended(1, "lost", "lost connection (host unreachable)")
+    live.node_update(NodeUpdate(1, 12, 20, 0.5))  # late: a lost host does not come back
+    live.event("note", "restart 1 of 2: starting every rank again from the newest checkpoint")
+    snap = state.snapshot()
+    run = snap["runs"][0]
+    alpha, beta = run["nodes"]
+    assert (alpha["state"], alpha["step"], alpha["steps"], alpha["loss"], alpha["bytes_sent"]) == \
+        ("training", 10, 20, 0.9, 2000)
+    assert alpha["silent_for"] == 0.5 and alpha["rss_bytes"] == 2_000_000 and alpha["last_sync"] == 5
+    assert (beta["state"], beta["step"], beta["reason"]) == ("lost", 5, "lost connection (host unreachable)")
+    assert beta["silent_for"] == 0.5  # heard at 1002, lost at 1002.5
+    assert [e["kind"] for e in run["events"]] == ["lost", "restart"]
+    assert run["events"][0]["text"].startswith("beta lost: ")
+    # Curves: one per node, [step, loss, bytes, seconds since the run started].
+    assert run["node_series"][0] == {"name": "alpha", "points": [[5, 0.9, 1000, 1.0]]}
+    assert run["measured"] == [[5, 1.0], [10, 2.0]]
+    json.dumps(snap, allow_nan=False)
+
+    live.node_started(0)  # a restart: the row begins afresh, counting restarts
+    row = state.snapshot()["runs"][0]["nodes"][0]
+    assert (row["state"], row["step"], row["restarts"]) == ("starting", None, 1)
+
+
+def test_finished_run_marks_nodes_done_and_takes_the_history() -> None:
+    state = DashboardState(Clock())
+    live = state.live_run("sim", ["node 0", "node 1"], "simulate")
+    live.node_update(NodeUpdate(0, 1, 2, float("nan")))  # NaN never reaches the JSON
+    history = [{"step": 1, "train_loss": 2.0, "val_loss": None, "total_bytes_sent": 10, "seconds": 0.5,
+                "projected_seconds": 0.1},
+               {"step": 2, "train_loss": 1.0, "val_loss": 1.5, "total_bytes_sent": 20, "seconds": 1.0,
+                "projected_seconds": 0.2}]
+    live.run_finished({"strategy": "ddp", "projected": {"total_seconds": 0.2, "cluster": "wifi"},
+                       "final_train_loss": float("inf")}, history)
+    run = state.snapshot()["runs"][0]
+    assert run["status"] == "finished" and [n["state"] for n in run["nodes"]] == ["done", "done"]
+    assert run["mean_series"]["points"] == [[1, 2.0, 10, 0.5], [2, 1.0, 20, 1.0]]
+    assert run["val_series"]["points"] == [[2, 1.5, 20, 1.0]]
+    assert run["projected"] == [[1, 0.1], [2, 0.2]] and run["measured"] == [[1, 0.5], [2, 1.0]]
+    assert (run["projected_total"], run["projected_cluster"]) == (0.2, "wifi")
+    assert run["summary"]["final_train_loss"] is None
+    json.dumps(state.snapshot(), allow_nan=False)
+
+
+def test_a_long_run_is_thinned_to_a_bounded_number_of_points() -> None:
+    state = DashboardState(Clock())
+    live = state.live_run("long", ["a"], "simulate")
+    for step in range(1, 10 * MAX_POINTS):
+        live.node_update(NodeUpdate(0, step, None, 1.0 / step))
+    points = state.snapshot()["runs"][0]["node_series"][0]["points"]
+    assert MAX_POINTS // 2 <= len(points) <= MAX_POINTS
+    assert points[0][0] == 1 and points[-1][0] == 10 * MAX_POINTS - 1  # the ends stay
+    assert [p[0] for p in points] == sorted(p[0] for p in points)
+
+
+def test_finished_run_directories_and_bad_ones(tmp_path: Path) -> None:
+    result = Trainer(MLP(), regression_data()).fit(nodes=2, max_steps=6, batch_size=8, out_dir=str(tmp_path),
+                                                   run_id="small", progress=False, val_interval=3)
+    state = DashboardState(Clock())
+    assert find_run_directories(tmp_path) == [result.run_dir]
+    run = state.add_run_directory(result.run_dir)
+    snap = state.snapshot()["runs"][0]
+    assert snap["id"] == "small" and snap["status"] == "finished" and len(snap["nodes"]) == 2
+    assert [p[0] for p in snap["mean_series"]["points"]] == [1, 2, 3, 4, 5, 6]
+    assert [p[0] for p in snap["projected"]] == [1, 2, 3, 4, 5, 6]
+    assert snap["projected_total"] == pytest.approx(result.summary["projected"]["total_seconds"])
+    assert run.info["config"]["train"]["nodes"] == 2
+    state.add_run_directory(result.run_dir)  # the same run twice (compared with itself) gets its own id
+    assert [r["id"] for r in state.snapshot()["runs"]] == ["small", "small'"]
+
+    with pytest.raises(RunDirError, match=r"nothing-here: no such run directory"):
+        find_run_directories(tmp_path / "nothing-here")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RunDirError, match=r"empty: holds no run directory"):
+        find_run_directories(tmp_path / "empty")
+    (result.run_dir / "metrics.csv").unlink()
+    with pytest.raises(RunDirError, match=r"metrics.csv: missing"):
+        state.add_run_directory(result.run_dir)
+    (result.run_dir / "summary.json").write_text("{not json")
+    with pytest.raises(RunDirError, match=r"summary.json: unreadable"):
+        state.add_run_directory(result.run_dir)
+
+
+# --------------------------------------------------------------------------- what feeds it
+def test_a_failing_observer_is_dropped_and_the_run_goes_on() -> None:
+    class Broken:
+        def node_heard(self, node: int) -> None:
+            raise RuntimeError("broken")
+
+    kept = Recorder()
+    with observers.watching(Broken()), observers.watching(kept):
+        observers.notify("node_heard", 3)
+        observers.notify("node_heard", 4)
+    assert kept.calls == [("node_heard", (3,)), ("node_heard", (4,))]
+    assert not observers.active()
+
+
+@pytest.mark.parametrize("runtime", ["threads", pytest.param("processes", marks=pytest.mark.slow)])
+def test_simulated_nodes_feed_every_node_skips_and_the_summary(runtime: str, tmp_path: Path) -> None:
+    from helpers import ranked_factory
+    from test_check_sync import SpikesOnNode1
+
+    from meshtrain.strategies import DDP
+
+    seen = Recorder()
+    with observers.watching(seen):
+        Trainer(SpikesOnNode1(), ranked_factory).fit(DDP("sgd", 0.1), nodes=2, max_steps=5, batch_size=4,
+                                                     out_dir=tmp_path, progress=False, skip_nonfinite=True,
+                                                     runtime=runtime)
+    updates = [args[0] for name, args in seen.calls if name == "node_update"]
+    assert {u.node for u in updates} == {0, 1}
+    for node in (0, 1):
+        mine = [u for u in updates if u.node == node]
+        assert mine[0].step == 1 and mine[-1].step == 5 and mine[-1].steps == 5  # first and last always
+        assert all(u.rss_bytes > 0 and u.bytes_sent > 0 for u in mine) and mine[0].loss > 0
+    assert sorted(args[0] for name, args in seen.calls if name == "node_started") == [0, 1]
+    finished = [args for name, args in seen.calls if name == "run_finished"]
+    assert len(finished) == 1 and finished[0][0]["steps"] == 5 and len(finished[0][1]) == 5
+    skips = [args for name, args in seen.calls if name == "event" and args[0] == "nonfinite"]
+    assert [args[1].split(" skipped")[0] for args in skips] == ["step 3", "step 5"]  # node 1's NaN batches
+
+
+def test_a_node_leaving_a_simulation_is_lost_with_an_event(tmp_path: Path) -> None:
+    seen = Recorder()
+    state = DashboardState()
+    live = state.live_run("faults", ["node 0", "node 1", "node 2"], "simulate")
+    with observers.watching(seen), observers.watching(live):
+        Trainer(MLP(), regression_data()).fit(nodes=3, max_steps=6, batch_size=8, out_dir=tmp_path,
+                                              progress=False, fail=["node=2,step=3"])
+    assert ("node_ended", (2, "lost", "left at step 3 (--fail)")) in seen.calls
+    assert ("event", ("left", "step 3: node 2 left (--fail); 2 go on")) in seen.calls
+    run = state.snapshot()["runs"][0]
+    assert [(n["state"], n["step"]) for n in run["nodes"]] == [("done", 6), ("done", 6), ("lost", 3)]
+    assert [e["kind"] for e in run["events"]] == ["lost", "left"]
+
+
+def test_the_launchers_output_feeds_statuses_endings_and_notes() -> None:
+    import io
+
+    seen = Recorder()
+    output = RankOutput(["alpha", "beta"], stream=io.StringIO())
+    frame = RankStatus(7, 20, 0.25, 3.0, 4096, 1 << 20, 5).encode().decode().rstrip("\n")
+    with observers.watching(seen):
+        output.watch(1, source=None)  # type: ignore[arg-type]
+        output.line(1, f"hello{frame}")
+        output.ended(0, "lost connection (timed out)")
+        output.ended(1, STOPPED)
+        output.note("restart 1 of 1: starting every rank again")
+    assert seen.calls[0] == ("node_started", (1,))
+    assert ("node_update", (NodeUpdate(1, 7, 20, 0.25, 3.0, 4096, 1 << 20, None, 5),)) in seen.calls
+    assert ("node_heard", (1,)) in seen.calls
+    assert ("node_ended", (0, "lost", "lost connection (timed out)")) in seen.calls
+    assert ("node_ended", (1, "stopped", None)) in seen.calls
+    assert seen.calls[-1] == ("event", ("note", "restart 1 of 1: starting every rank again"))
+
+
+# --------------------------------------------------------------------------- the server
+def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], str]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=10) as r:
+            return r.status, dict(r.headers), r.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, dict(err.headers), err.read().decode()
+
+
+@pytest.fixture()
+def server() -> DashboardServer:
+    state = DashboardState()
+    live = state.live_run("r", ["alpha"], "launch")
+    live.node_update(NodeUpdate(0, 3, 10, 0.5))
+    with DashboardServer(state) as running:
+        yield running
+
+
+def test_server_listens_on_loopback_and_refuses_a_wrong_or_missing_token(server: DashboardServer) -> None:
+    assert server.host == "127.0.0.1" and server.url.startswith(f"http://127.0.0.1:{server.port}/?token=")
+    base = f"http://127.0.0.1:{server.port}"
+    wrong = server.token[:-1] + ("A" if server.token[-1] != "A" else "B")
+    for path in ("/", "/api/state", "/nothing"):
+        for suffix in ("", "?token=", f"?token={wrong}", f"?token={server.token}x"):
+            status, _, body = _get(base + path + suffix)
+            assert status == 403, (path, suffix)
+            assert "alpha" not in body
+    assert _get(base + "/api/state", {TOKEN_HEADER: wrong})[0] == 403
+
+    status, headers, body = _get(f"{base}/api/state?token={server.token}")
+    assert status == 200 and headers["Cache-Control"] == "no-store"
+    assert json.loads(body)["runs"][0]["nodes"][0]["name"] == "alpha"
+    assert _get(base + "/api/state", {TOKEN_HEADER: server.token})[0] == 200
+
+
+def test_the_page_is_self_contained(server: DashboardServer) -> None:
+    status, headers, page = _get(server.url)
+    assert status == 200 and headers["Content-Type"].startswith("text/html")
+    csp = headers["Content-Security-Policy"]
+    assert "default-src 'none'" in csp and "connect-src 'self'" in csp
+    assert headers["Referrer-Policy"] == "no-referrer"
+    # Nothing is loaded from anywhere else: no external script, style, font or image.
+    assert "<script src" not in page and "<link rel=\"stylesheet\"" not in page and "@import" not in page
+    assert "https://" not in page and page.count("http://") == page.count("http://www.w3.org/2000/svg")
+    assert "api/state" in page and "function plot(" in page
+
+
+def test_token_comparison() -> None:
+    assert token_matches("abc", "abc")
+    assert not token_matches("abd", "abc") and not token_matches("", "abc") and not token_matches(None, "abc")
+
+
+def test_dashboard_command_names_a_bad_run_directory(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "meshtrain", "dashboard", str(tmp_path / "missing")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: {tmp_path / 'missing'}: no such run directory"
+
+
+def _url_from(proc: subprocess.Popen[str], prefix: str) -> tuple[str, str]:
+    """The dashboard URL ``proc`` printed, and everything it printed up to it."""
+    assert proc.stdout is not None
+    seen = ""
+    for line in proc.stdout:  # the URL is among the first lines printed
+        seen += line
+        if prefix in line:
+            return re.search(r"(http://127\.0\.0\.[12]:\d+/\?token=[\w-]+)", line).group(1), seen
+    raise AssertionError(f"no dashboard URL in:\n{seen}")
+
+
+def _wait_for(read: Callable[[], bool], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not read():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+class Terminal:
+    """A command on a pseudo-terminal (stdin and stdout), its output read as it comes."""
+
+    def __init__(self, args: list[str]) -> None:
+        import pty
+
+        self.master, slave = pty.openpty()
+        self.proc = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=slave,
+                                     env={**os.environ, "COLUMNS": "200", "TERM": "xterm"})
+        os.close(slave)
+        self.shown = ""
+
+    def read_until(self, pattern: str, timeout: float) -> re.Match[str]:
+        import select
+
+        deadline = time.monotonic() + timeout
+        while not (found := re.search(pattern, self.shown)):
+            assert time.monotonic() < deadline, f"no {pattern!r} in:\n{self.shown}"
+            if select.select([self.master], [], [], 0.2)[0]:
+                try:
+                    self.shown += os.read(self.master, 65536).decode(errors="replace")
+                except OSError:  # EIO: the command has exited
+                    time.sleep(0.1)
+        return found
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        os.close(self.master)
+
+
+@pytest.mark.slow
+def test_simulate_dashboard_is_live_while_it_trains_and_stays_until_enter(tmp_path: Path) -> None:
+    term = Terminal([sys.executable, "-m", "meshtrain", "simulate", "--dashboard", "--nodes", "2",
+                     "--steps", "1000", "--no-progress", "--out", str(tmp_path), "--run-id", "seen"])
+    try:
+        url = term.read_until(r"dashboard: .*?(http://127\.0\.0\.1:\d+/\?token=[\w-]+)", 60).group(1)
+        api = url.replace("/?token=", "/api/state?token=")
+        assert _get(api.replace("token=", "token=x"))[0] == 403
+
+        def nodes() -> list[dict]:
+            return json.loads(_get(api)[2])["runs"][0]["nodes"]
+        _wait_for(lambda: all(n["state"] == "training" and n["step"] > 0 and n["cpu_percent"] is not None
+                              for n in nodes()), 60)
+        run = json.loads(_get(api)[2])["runs"][0]
+        assert run["id"] == "seen" and run["kind"] == "simulate" and run["status"] == "running"
+        assert [n["name"] for n in run["nodes"]] == ["node 0", "node 1"]
+        # The run ends; on a terminal the page stays up, showing it finished, until Enter.
+        term.read_until(r"press Enter to close it", 120)
+        run = json.loads(_get(api)[2])["runs"][0]
+        assert run["status"] == "finished" and [n["state"] for n in run["nodes"]] == ["done", "done"]
+        assert run["mean_series"]["points"][-1][0] == 1000 and run["projected_total"] > 0
+        os.write(term.master, b"\n")
+        assert term.proc.wait(timeout=30) == 0
+    finally:
+        term.close()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(api, timeout=5)
+
+
+def test_dashboard_command_warns_when_listening_beyond_127_0_0_1(tmp_path: Path) -> None:
+    # 127.0.0.2 is still this machine's loopback: the warning is shown without opening a port
+    # to the network.
+    proc = subprocess.Popen([sys.executable, "-m", "meshtrain", "dashboard", "--host", "127.0.0.2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url, shown = _url_from(proc, "dashboard of 0 runs: http://127.0.0.2:")
+        assert _get(url)[0] == 200 and _get(url.split("?")[0])[0] == 403
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+    warning = " ".join(shown.split())
+    assert "warning: the dashboard listens on 127.0.0.2: anyone who can reach this machine there" in warning
+
+
+def test_dashboard_without_its_extra_is_one_line_naming_it(tmp_path: Path) -> None:
+    def without_aiohttp(*args: str) -> subprocess.CompletedProcess[str]:
+        code = ("import sys; sys.modules['aiohttp'] = None; from meshtrain.cli.main import app; "
+                f"app({list(args)!r})")
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+
+    hint = "the aiohttp package is not installed; pip install 'meshtrain[dashboard]'"
+    result = without_aiohttp("dashboard")
+    assert (result.returncode, result.stderr.strip()) == (2, f"error: meshtrain dashboard: {hint}")
+    result = without_aiohttp("simulate", "--dashboard", "--steps", "2", "--out", str(tmp_path / "runs"))
+    assert (result.returncode, result.stderr.strip()) == (2, f"error: --dashboard: {hint}")
+    assert not (tmp_path / "runs").exists()  # nothing was prepared

@@ -1,0 +1,153 @@
+"""The live dashboard in a real headless browser (Debian's chromium, driven by selenium)
+while `meshtrain launch --dashboard` trains two ranks over the loopback sshd: the page
+lists both hosts and their loss curves grow; a wrong token is refused.
+
+Skipped, with the reason, where chromium, its driver, selenium or sshd are missing
+(CI installs them: .ci/run). With MESHTRAIN_DASHBOARD_SCREENSHOT=PATH the test also
+saves the page, mid-run, as a PNG there (how docs/dashboard.png was made).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from ssh_fixtures import SshWorld, loopback_world, read_until, start_meshtrain
+
+pytestmark = pytest.mark.slow
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+HOSTS = ["alpha", "beta"]
+SCREENSHOT = os.environ.get("MESHTRAIN_DASHBOARD_SCREENSHOT")
+# DiLoCo on digits: enough steps that the curves grow for a few seconds with the page open
+# (more for the screenshot, taken when the curves have some length).
+TRAINING = ["--task", "digits", "--strategy", "diloco", "--steps", "8000" if SCREENSHOT else "1200",
+            "--set", "H=20", "--batch-size", "16", "--threads", "1", "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (the test extra)")
+    for path in (CHROMIUM, CHROMEDRIVER):
+        if not os.path.exists(path):
+            pytest.skip(f"{path} is missing: apt-get install chromium chromium-driver")
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="meshtrain-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 f"--user-data-dir={profile}", "--window-size=1400,1250"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def loopback_ssh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshWorld]:
+    yield from loopback_world(tmp_path_factory)
+
+
+def _points(driver, chart: str, series: str) -> int:  # noqa: ANN001 - a selenium WebDriver
+    """How many points the curve ``series`` of ``chart`` has on the page now (0: none)."""
+    return int(driver.execute_script(
+        "const p = [...document.querySelectorAll(`#${arguments[0]} path.line`)]"
+        ".find(e => e.dataset.series === arguments[1]); return p ? Number(p.dataset.n) : 0;", chart, series))
+
+
+def _hosts(driver) -> list[str]:  # noqa: ANN001
+    return driver.execute_script(
+        "return [...document.querySelectorAll('#nodes tbody tr')].map(r => r.dataset.host)")
+
+
+def test_the_page_shows_every_host_and_growing_curves_while_a_launch_trains(
+        browser, loopback_ssh: SshWorld, tmp_path: Path) -> None:  # noqa: ANN001
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    port = loopback_ssh.servers[0].port
+    inv = loopback_ssh.inventory(tmp_path / "inv.yaml", [{"name": n, "host": "127.0.0.1", "port": port}
+                                                        for n in HOSTS], workdir=str(tmp_path / "remote"))
+    proc = start_meshtrain(loopback_ssh, "launch", str(inv), "--dashboard", "--out", str(tmp_path / "runs"),
+                           "--run-id", "watched", *TRAINING, cwd=tmp_path)
+    try:
+        shown = read_until(proc, ["dashboard: http://127.0.0.1:"], timeout=60)
+        url = re.search(r"dashboard: (http://127\.0\.0\.1:\d+/\?token=[\w-]+)", shown).group(1)
+        base, token = url.split("?token=")
+
+        # A wrong or missing token is refused, to a program and in the browser.
+        for wrong in (base, f"{base}?token={token[:-2]}", f"{base}api/state?token=x{token}"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(wrong, timeout=10)
+            assert refused.value.code == 403
+        browser.get(f"{base}?token={token[::-1]}")
+        assert "403" in browser.find_element("tag name", "body").text
+        assert not browser.find_elements("id", "nodes")
+
+        browser.get(url)
+        wait = WebDriverWait(browser, 90, poll_frequency=0.2)
+        wait.until(lambda d: _hosts(d) == HOSTS)
+        # Each host's loss curve appears, then grows while the ranks train.
+        wait.until(lambda d: all(_points(d, "chart-step", h) >= 2 for h in HOSTS))
+        before = {h: _points(browser, "chart-step", h) for h in HOSTS}
+        wait.until(lambda d: all(_points(d, "chart-step", h) > before[h] + 2 for h in HOSTS))
+        for chart in ("chart-bytes", "chart-time"):
+            assert all(_points(browser, chart, h) > 0 for h in HOSTS), chart
+        states = browser.execute_script(
+            "return [...document.querySelectorAll('#nodes tbody tr')].map(r => r.dataset.state)")
+        assert set(states) <= {"training", "finishing", "done"}, states
+        if SCREENSHOT:
+            wait.until(lambda d: all(_points(d, "chart-step", h) > 40 for h in HOSTS))
+            time.sleep(1.2)  # one more poll, so the heard column is fresh in the picture
+            browser.save_screenshot(SCREENSHOT)
+        assert proc.wait(timeout=180) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = proc.stdout.read() if proc.stdout else ""
+    assert "all 2 ranks finished" in shown + out
+    assert (tmp_path / "runs" / "watched" / "metrics.csv").is_file()
+    with pytest.raises(urllib.error.URLError):  # the dashboard closed with the launch (not a terminal)
+        urllib.request.urlopen(url, timeout=5)
+
+
+def test_a_finished_run_opens_in_the_dashboard_command(browser, tmp_path: Path) -> None:  # noqa: ANN001
+    import sys
+
+    from helpers import MLP, regression_data
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from meshtrain import Trainer
+
+    for seed, name in enumerate(("first", "second")):
+        Trainer(MLP(seed), regression_data()).fit(nodes=2, max_steps=40, batch_size=8, seed=seed,
+                                                  cluster="gbe", out_dir=str(tmp_path / "runs"), run_id=name,
+                                                  progress=False)
+    proc = subprocess.Popen([sys.executable, "-m", "meshtrain", "dashboard", str(tmp_path / "runs")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        shown = read_until(proc, ["dashboard of 2 runs: http://127.0.0.1:"], timeout=60)
+        url = re.search(r"(http://127\.0\.0\.1:\d+/\?token=[\w-]+)", shown).group(1)
+        browser.get(url)
+        wait = WebDriverWait(browser, 30, poll_frequency=0.2)
+        wait.until(lambda d: _points(d, "chart-step", "mean of nodes") == 40)
+        assert _points(browser, "chart-projected", "projected on gbe") == 40
+        # Tick the second run: both runs' curves are drawn, one each.
+        browser.execute_script("document.querySelector('#runs li[data-run=\"second\"] input').click()")
+        wait.until(lambda d: [_points(d, "chart-step", run) for run in ("first", "second")] == [40, 40])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
