@@ -414,6 +414,9 @@ launch_cli.register(app)
 from meshtrain.cli import research  # noqa: E402
 
 research.register(app)
+from meshtrain.cli import plan as plan_cli  # noqa: E402
+
+plan_cli.register(app)
 
 
 def main() -> None:  # pragma: no cover - console entry point
