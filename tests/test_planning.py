@@ -89,3 +89,33 @@ def test_compute_probe_times_real_steps_of_the_task_model() -> None:
     assert trainable_parameters(bundle.model) == sum(p.numel() for p in before)
     # it really stepped the optimizer (the probe trains a throwaway copy of the model)
     assert any(not p.equal(b) for p, b in zip(bundle.model.parameters(), before, strict=True))
+
+
+def test_plan_command_prints_the_winner_first_and_why() -> None:
+    from typer.testing import CliRunner
+
+    from meshtrain.cli.main import app
+
+    result = CliRunner().invoke(app, ["plan", "--hosts", "2", "--cluster", "wifi", "--step-seconds", "0.01"],
+                                env={"COLUMNS": "160"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    first_row = next(line for line in lines if line.strip().startswith(("ddp", "diloco")))
+    assert first_row.strip().startswith("diloco (H=")  # digits' model on Wi-Fi: DDP costs too much
+    assert "DDP would spend" in result.output and "[1] DiLoCo" in result.output
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--hosts", "0"], "--hosts must be >= 1"),
+    (["--cluster", "nosuch"], "unknown cluster 'nosuch'"),
+    (["--budget", "1.5"], "--budget must be between 0 and 1"),
+    (["--step-seconds", "-1"], "--step-seconds must be > 0"),
+])
+def test_plan_command_refuses_bad_input_in_one_line(args: list[str], message: str) -> None:
+    from typer.testing import CliRunner
+
+    from meshtrain.cli.main import app
+
+    result = CliRunner().invoke(app, ["plan", *args])
+    assert result.exit_code == 2
+    assert message in result.output
