@@ -417,6 +417,9 @@ research.register(app)
 from meshtrain.cli import plan as plan_cli  # noqa: E402
 
 plan_cli.register(app)
+from meshtrain.cli import transcribe as transcribe_cli  # noqa: E402
+
+transcribe_cli.register(app)
 
 
 def main() -> None:  # pragma: no cover - console entry point
