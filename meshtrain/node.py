@@ -62,6 +62,17 @@ def node_seed(seed: int, rank: int) -> int:
     return mix_seed(seed, rank, 0xD20)
 
 
+def node_replica(model: nn.Module) -> nn.Module:
+    """A node's own copy of ``model`` that shares its frozen parameters.
+
+    Frozen weights never change, so the nodes of one process (and rank 0's evaluator)
+    hold one copy of them: under LoRA that is nearly the whole model. Everything that
+    trains, and every buffer, is the node's own.
+    """
+    frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
+    return copy.deepcopy(model, memo=dict(frozen))
+
+
 def train_node(
     job: NodeJob,
     comm: Communicator,
@@ -77,7 +88,7 @@ def train_node(
     """
     cfg, rank = job.config, comm.rank
     device = resolve_device(cfg.device)
-    model = copy.deepcopy(job.model).to(device)
+    model = node_replica(job.model).to(device)
     model.train()
     train_set, shard = resolve_dataset(job.train_data, rank, cfg.nodes, "train")
     batches = NodeBatches(train_set, rank=rank, nodes=cfg.nodes, batch_size=cfg.batch_size,
@@ -432,7 +443,7 @@ class _GlobalEvaluator:
     """Rank 0's scratch copy of the model, loaded with global parameters to evaluate."""
 
     def __init__(self, model: nn.Module, batches: list[Any]) -> None:
-        self.model = copy.deepcopy(model)
+        self.model = node_replica(model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.batches = batches
 

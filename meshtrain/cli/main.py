@@ -18,6 +18,8 @@ from meshtrain import checkpoint
 from meshtrain.build import build_run
 from meshtrain.cli import dashboard as dashboard_cli
 from meshtrain.cli import launch, research
+from meshtrain.cli import plan as plan_cli
+from meshtrain.cli import transcribe as transcribe_cli
 from meshtrain.cli.console import console, errors, fail, fail_on
 from meshtrain.cli.flags import TRAINING_FLAGS, flag
 from meshtrain.cluster import CLUSTERS
@@ -333,6 +335,8 @@ def list_profile_files() -> None:
 launch.register(app)
 research.register(app)
 dashboard_cli.register(app)
+plan_cli.register(app)
+transcribe_cli.register(app)
 
 
 def main() -> None:  # pragma: no cover - console entry point

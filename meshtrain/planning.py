@@ -1,0 +1,218 @@
+"""Which strategy to run on a cluster: the projected cost of each, and why one wins.
+
+Given what one optimizer step costs on one host (compute seconds, trainable bytes) and a
+cluster (bandwidth, latency; a named one or a ``hosts bench`` file), every candidate's
+communication per step comes from the same alpha-beta model as the run projection
+(:func:`meshtrain.cluster.collective_seconds`, no overlap of compute and communication,
+as the runtimes do it):
+
+    DDP            one all-reduce of the gradients every step
+    DiLoCo(H)      one all-reduce of the outer gradient every H steps
+    SPARTA(p)      one all-reduce of a fraction p of the parameters every step
+    DeMo           one all-gather of top-k DCT coefficients (fp32 value + int16 index)
+
+Each host processes its own batch, so the throughput on n hosts over one host is
+``n * compute / (compute + communication)``. The rule:
+
+1. DDP when it spends at most ``budget`` (10%) of its step communicating: it computes
+   exactly what one host with an n-times larger batch would, so it costs no quality.
+2. Otherwise DiLoCo with the smallest H (from :data:`DILOCO_H`) that keeps communication
+   within the budget: fewer inner steps between syncs stay closer to DDP.
+3. If even the largest H does not, that largest H, and the table shows the share.
+
+The ``quality`` column summarises what the papers report; it is advice, not a measurement.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from meshtrain.cluster import Cluster, collective_seconds
+from meshtrain.comm import CommRecord, ring_all_reduce_bytes
+from meshtrain.data import Collate, DataFactory, fetch, resolve_dataset
+
+#: Share of a step that may go to communication before a cheaper strategy is chosen.
+COMM_BUDGET = 0.10
+#: Inner steps between DiLoCo syncs that the planner considers (the paper uses 500).
+DILOCO_H = (5, 10, 20, 50, 100, 200, 500)
+SPARTA_P = 0.005
+DEMO_TOPK, DEMO_CHUNK = 32, 64
+FLOAT_BYTES, INDEX_BYTES = 4, 2
+
+#: What the papers report about each strategy's effect on quality (short; sources below).
+QUALITY = {
+    "ddp": "exact: one n-times larger batch",
+    "diloco": "near DDP up to H=500 [1]",
+    "sparta": "near DDP at p=0.005 [2]",
+    "demo": "matched AdamW at 1B params [3]",
+}
+SOURCES = ("[1] DiLoCo, arXiv 2311.08105: 8 workers, H=500, C4 perplexity of DDP at 500x less traffic; "
+           "larger H needs more steps for the same loss. [2] SPARTA (exo labs): p=0.005 close to DDP on "
+           "small models; replicas drift more as p shrinks. [3] DeMo, arXiv 2411.19870: top-32 of 64x64 "
+           "DCT chunks, sign updates with their own learning rate.")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One optimizer step on one host: what it computes and what a sync would move."""
+
+    trainable_parameters: int
+    step_seconds: float  # compute of one step on one host of the cluster
+    hosts: int
+
+    @property
+    def trainable_bytes(self) -> int:
+        return self.trainable_parameters * FLOAT_BYTES
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: str
+    options: dict[str, Any]
+    comm_seconds: float  # per optimizer step, averaged over a sync period
+    step_seconds: float  # compute + communication, per step
+    speedup: float  # samples per second on the cluster over one host
+    quality: str
+
+    @property
+    def comm_share(self) -> float:
+        return self.comm_seconds / self.step_seconds if self.step_seconds > 0 else 0.0
+
+    @property
+    def label(self) -> str:
+        short = {"compression_topk": "topk", "compression_chunk": "chunk"}
+        opts = ", ".join(f"{short.get(k, k)}={v:g}" for k, v in self.options.items())
+        return f"{self.strategy} ({opts})" if opts else self.strategy
+
+
+@dataclass(frozen=True)
+class Plan:
+    workload: Workload
+    cluster: Cluster
+    choice: Candidate
+    candidates: list[Candidate]
+    reasons: list[str] = field(default_factory=list)
+
+    def as_config(self) -> dict[str, Any]:
+        """What ``--strategy auto`` records in config.yaml."""
+        return {
+            "strategy": self.choice.strategy,
+            "strategy_options": dict(self.choice.options),
+            "cluster": self.cluster.name,
+            "hosts": self.workload.hosts,
+            "trainable_parameters": self.workload.trainable_parameters,
+            "step_seconds": self.workload.step_seconds,
+            "projected_speedup": round(self.choice.speedup, 3),
+            "communication_share": round(self.choice.comm_share, 4),
+            "reasons": list(self.reasons),
+        }
+
+
+def all_reduce_seconds(payload_bytes: float, hosts: int, cluster: Cluster) -> float:
+    """One ring all-reduce of ``payload_bytes`` among ``hosts`` on ``cluster``."""
+    numel = max(1, math.ceil(payload_bytes / FLOAT_BYTES))
+    sent, received = ring_all_reduce_bytes(numel, FLOAT_BYTES, 0, hosts)
+    return collective_seconds(CommRecord(0, "all_reduce", sent, received, hosts), cluster)
+
+
+def all_gather_seconds(per_host_bytes: float, hosts: int, cluster: Cluster) -> float:
+    """One all-gather where every host contributes ``per_host_bytes``."""
+    moved = int(per_host_bytes) * (hosts - 1)
+    return collective_seconds(CommRecord(0, "all_gather", moved, moved, hosts), cluster)
+
+
+def demo_bytes_per_step(parameters: int) -> float:
+    """What DeMo sends per host per step: top-k of every chunk^2 block, value and index."""
+    return parameters * DEMO_TOPK / DEMO_CHUNK**2 * (FLOAT_BYTES + INDEX_BYTES)
+
+
+def _candidate(strategy: str, options: dict[str, Any], comm: float, work: Workload) -> Candidate:
+    step = work.step_seconds + comm
+    speedup = work.hosts * work.step_seconds / step if step > 0 else float(work.hosts)
+    return Candidate(strategy, options, comm, step, speedup, QUALITY[strategy])
+
+
+def candidates(work: Workload, cluster: Cluster) -> list[Candidate]:
+    """Every strategy the planner weighs, with its projected cost per step."""
+    n, size = work.hosts, work.trainable_bytes
+    full_sync = all_reduce_seconds(size, n, cluster)
+    found = [_candidate("ddp", {}, full_sync, work)]
+    found += [_candidate("diloco", {"H": h}, full_sync / h, work) for h in DILOCO_H]
+    found.append(_candidate("sparta", {"p": SPARTA_P}, all_reduce_seconds(size * SPARTA_P, n, cluster), work))
+    demo = all_gather_seconds(demo_bytes_per_step(work.trainable_parameters), n, cluster)
+    found.append(_candidate("demo", {"compression_topk": DEMO_TOPK, "compression_chunk": DEMO_CHUNK},
+                            demo, work))
+    return found
+
+
+def recommend(work: Workload, cluster: Cluster, budget: float = COMM_BUDGET) -> Plan:
+    """The strategy to run on ``cluster`` and the reasons, by the rule in the module text."""
+    if work.hosts < 1 or work.trainable_parameters < 1 or not work.step_seconds > 0:
+        raise ValueError("a plan needs hosts >= 1, trainable parameters >= 1 and step seconds > 0")
+    found = candidates(work, cluster)
+    ddp = found[0]
+    diloco = [c for c in found if c.strategy == "diloco"]
+    if work.hosts == 1:
+        return Plan(work, cluster, ddp, found, ["one host: nothing to communicate, plain training"])
+    share = f"{ddp.comm_share:.0%}"
+    if ddp.comm_share <= budget:
+        reasons = [f"DDP spends {share} of each step communicating on {cluster.name} "
+                   f"(budget {budget:.0%}), and it is exact: no quality cost",
+                   f"projected {ddp.speedup:.2f}x the samples per second of one host"]
+        return Plan(work, cluster, ddp, found, reasons)
+    fitting = [c for c in diloco if c.comm_share <= budget]
+    choice = fitting[0] if fitting else diloco[-1]
+    reasons = [f"DDP would spend {share} of each step communicating on {cluster.name} "
+               f"({ddp.speedup:.2f}x one host)"]
+    if fitting:
+        reasons.append(f"DiLoCo H={choice.options['H']} is the smallest H that keeps communication "
+                       f"within {budget:.0%} ({choice.comm_share:.1%}): {choice.speedup:.2f}x one host")
+    else:
+        reasons.append(f"even DiLoCo H={choice.options['H']} spends {choice.comm_share:.0%} "
+                       f"communicating: {choice.speedup:.2f}x one host; a faster link would pay off")
+    return Plan(work, cluster, choice, found, reasons)
+
+
+def trainable_parameters(model: nn.Module) -> int:
+    """Parameters a sync moves (frozen base weights under LoRA move nothing)."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def measure_step_seconds(model: nn.Module, data: Dataset | DataFactory, batch_size: int,
+                         collate_fn: Collate | None = None, *, warmup: int = 3, min_steps: int = 5,
+                         max_steps: int = 50, seconds: float = 2.0) -> float:
+    """Median seconds of one forward, backward and AdamW step of ``model`` here.
+
+    This is the compute probe: what one host spends per step before any communication.
+    It times at least ``min_steps`` steps and keeps going up to ``max_steps`` for about
+    ``seconds`` (a median over more steps shrugs off a busy moment). A cluster file's
+    ``speed`` scales the result to other machines.
+    """
+    dataset, _ = resolve_dataset(data, 0, 1, "train")
+    size = len(dataset)  # type: ignore[arg-type]
+    if size < 1:
+        raise ValueError("the training data is empty: nothing to time")
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    model.train()
+    times: list[float] = []
+    step = 0
+    deadline = None
+    while len(times) < min_steps or (len(times) < max_steps and time.perf_counter() < (deadline or 0)):
+        batch = fetch(dataset, [(step * batch_size + j) % size for j in range(batch_size)], collate_fn)
+        started = time.perf_counter()
+        model(batch).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step >= warmup:
+            times.append(time.perf_counter() - started)
+            deadline = deadline or started + seconds
+        step += 1
+    return statistics.median(times)

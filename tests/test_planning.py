@@ -1,0 +1,121 @@
+"""The strategy planner: its costs against the alpha-beta formula written out by hand, and
+the choices the rule makes on fast and slow links."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshtrain.cluster import CLUSTERS, Cluster
+from meshtrain.planning import COMM_BUDGET, Workload, candidates, recommend
+
+GPT_PARAMETERS = 420_000  # the gpt task's model, about 1.68 MB of fp32
+SLOW = Cluster("slow", "~50 Mbit/s", bandwidth=50e6 / 8, latency=1e-3)
+
+
+def ring_seconds(payload: float, n: int, bandwidth: float, latency: float) -> float:
+    """Ring all-reduce by the textbook: 2(n-1) latencies, 2(n-1)/n of the payload per link."""
+    return 2 * (n - 1) * latency + 2 * (n - 1) / n * payload / bandwidth
+
+
+def test_costs_follow_the_alpha_beta_model() -> None:
+    work = Workload(GPT_PARAMETERS, step_seconds=0.05, hosts=4)
+    gbe = CLUSTERS["gbe"]
+    by_label = {c.label: c for c in candidates(work, gbe)}
+    full = ring_seconds(GPT_PARAMETERS * 4, 4, gbe.bandwidth, gbe.latency)
+    assert by_label["ddp"].comm_seconds == pytest.approx(full, rel=1e-6)
+    assert by_label["diloco (H=50)"].comm_seconds == pytest.approx(full / 50, rel=1e-6)
+    assert by_label["sparta (p=0.005)"].comm_seconds == pytest.approx(
+        ring_seconds(GPT_PARAMETERS * 4 * 0.005, 4, gbe.bandwidth, gbe.latency), rel=1e-3)
+    demo_per_host = GPT_PARAMETERS * 32 / 64**2 * 6  # fp32 value + int16 index per coefficient
+    assert by_label["demo (topk=32, chunk=64)"].comm_seconds == pytest.approx(
+        3 * gbe.latency + 3 * demo_per_host / gbe.bandwidth, rel=1e-3)
+    ddp = by_label["ddp"]
+    assert ddp.speedup == pytest.approx(4 * 0.05 / (0.05 + full))
+
+
+def test_small_model_on_a_fast_link_gets_ddp() -> None:
+    plan = recommend(Workload(GPT_PARAMETERS, 0.05, 2), CLUSTERS["10gbe"])
+    assert plan.choice.strategy == "ddp"
+    assert plan.choice.comm_share <= COMM_BUDGET
+    assert "exact" in plan.reasons[0]
+
+
+def test_same_model_on_a_slow_link_gets_diloco_within_the_budget() -> None:
+    plan = recommend(Workload(GPT_PARAMETERS, 0.05, 2), SLOW)
+    assert plan.choice.strategy == "diloco"
+    full = ring_seconds(GPT_PARAMETERS * 4, 2, SLOW.bandwidth, SLOW.latency)
+    # the smallest H with full/H <= budget/(1-budget) * step
+    smallest = min(h for h in (5, 10, 20, 50, 100, 200, 500) if full / h / (0.05 + full / h) <= COMM_BUDGET)
+    assert plan.choice.options == {"H": smallest} == {"H": 50}
+    assert plan.choice.comm_share <= COMM_BUDGET
+    config = plan.as_config()
+    assert config["strategy"] == "diloco" and config["strategy_options"] == {"H": 50}
+    assert "DDP would spend" in config["reasons"][0]
+
+
+def test_large_model_on_gigabit_gets_diloco() -> None:
+    plan = recommend(Workload(242_000_000, 2.0, 4), CLUSTERS["gbe"])
+    assert plan.choice.strategy == "diloco"
+    assert plan.choice.comm_share <= COMM_BUDGET
+
+
+def test_hopeless_link_takes_the_largest_h_and_says_so() -> None:
+    plan = recommend(Workload(242_000_000, 0.01, 2), CLUSTERS["internet"])
+    assert plan.choice.options == {"H": 500}
+    assert "even DiLoCo H=500" in plan.reasons[1]
+
+
+def test_one_host_needs_no_communication() -> None:
+    plan = recommend(Workload(GPT_PARAMETERS, 0.05, 1), SLOW)
+    assert plan.choice.strategy == "ddp" and plan.choice.comm_seconds == 0
+
+
+@pytest.mark.parametrize("work", [Workload(0, 0.1, 2), Workload(10, 0.0, 2), Workload(10, 0.1, 0)])
+def test_nonsense_workloads_are_refused(work: Workload) -> None:
+    with pytest.raises(ValueError, match="a plan needs"):
+        recommend(work, SLOW)
+
+
+def test_compute_probe_times_real_steps_of_the_task_model() -> None:
+    from meshtrain.planning import measure_step_seconds, trainable_parameters
+    from meshtrain.tasks import TaskOptions, check_options, get_task
+
+    task = get_task("digits")
+    bundle = task.build(TaskOptions(options=check_options(task, {})))
+    before = [p.detach().clone() for p in bundle.model.parameters()]
+    seconds = measure_step_seconds(bundle.model, bundle.train_data, 32, bundle.collate_fn,
+                                   min_steps=3, max_steps=3)
+    assert 0 < seconds < 5
+    assert trainable_parameters(bundle.model) == sum(p.numel() for p in before)
+    # it really stepped the optimizer (the probe trains a throwaway copy of the model)
+    assert any(not p.equal(b) for p, b in zip(bundle.model.parameters(), before, strict=True))
+
+
+def test_plan_command_prints_the_winner_first_and_why() -> None:
+    from typer.testing import CliRunner
+
+    from meshtrain.cli.main import app
+
+    result = CliRunner().invoke(app, ["plan", "--hosts", "2", "--cluster", "wifi", "--step-seconds", "0.01"],
+                                env={"COLUMNS": "160"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    first_row = next(line for line in lines if line.strip().startswith(("ddp", "diloco")))
+    assert first_row.strip().startswith("diloco (H=")  # digits' model on Wi-Fi: DDP costs too much
+    assert "DDP would spend" in result.output and "[1] DiLoCo" in result.output
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--hosts", "0"], "--hosts must be >= 1"),
+    (["--cluster", "nosuch"], "unknown cluster 'nosuch'"),
+    (["--budget", "1.5"], "--budget must be between 0 and 1"),
+    (["--step-seconds", "-1"], "--step-seconds must be > 0"),
+])
+def test_plan_command_refuses_bad_input_in_one_line(args: list[str], message: str) -> None:
+    from typer.testing import CliRunner
+
+    from meshtrain.cli.main import app
+
+    result = CliRunner().invoke(app, ["plan", *args])
+    assert result.exit_code == 2
+    assert message in result.output

@@ -1,0 +1,69 @@
+"""`meshtrain transcribe` against a plain transformers + peft decode of the same recordings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from speech_fixtures import SpeechAssets, speech_fixture  # noqa: F401 (the fixture)
+from typer.testing import CliRunner
+
+from meshtrain.cli.main import app
+from meshtrain.hf import HFModel, LoRA, feature_extractor_for, load_tokenizer
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def tuned(speech: SpeechAssets, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A LoRA run's model/ folder: adapter (B made non-zero, as training would), tokenizer,
+    feature extractor."""
+    base = str(speech.model)
+    model = HFModel.from_pretrained(base, lora=LoRA(r=4), seed=3, tokenizer=load_tokenizer(base))
+    model.feature_extractor = feature_extractor_for(model.config, base)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.05)
+    out = tmp_path_factory.mktemp("tuned") / "model"
+    model.save_pretrained(str(out))
+    return out
+
+
+def reference_texts(base: Path, adapter: Path, clips: list[Path]) -> list[str]:
+    """Greedy decoding with transformers and peft directly (no meshtrain in the model path)."""
+    from peft import PeftModel
+    from transformers import AutoTokenizer, WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    from meshtrain.hf.audio import read_audio  # WAV reading and resampling to 16 kHz
+
+    model = PeftModel.from_pretrained(WhisperForConditionalGeneration.from_pretrained(base), adapter).eval()
+    extractor = WhisperFeatureExtractor.from_pretrained(adapter)
+    tokenizer = AutoTokenizer.from_pretrained(adapter)
+    features = extractor([read_audio(c) for c in clips], sampling_rate=16_000, return_tensors="pt")
+    limit = model.config.max_target_positions - 8  # what meshtrain leaves for the prefix
+    with torch.no_grad():
+        ids = model.generate(input_features=features.input_features, max_new_tokens=limit)
+    return [t.strip() for t in tokenizer.batch_decode(ids, skip_special_tokens=True)]
+
+
+def test_transcribe_prints_what_peft_decodes(speech: SpeechAssets, tuned: Path) -> None:
+    clips = sorted((speech.data / "clips").glob("*.wav"))[:3]
+    result = runner.invoke(app, ["transcribe", str(tuned), *map(str, clips), "--batch-size", "2"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.strip().splitlines()[-3:]
+    expected = reference_texts(speech.model, tuned, clips)
+    assert lines == [f"{c}: {t}" for c, t in zip(clips, expected, strict=True)]
+
+
+def test_transcribe_refuses_what_it_cannot_read(speech: SpeechAssets, tuned: Path, tmp_path: Path) -> None:
+    clip = next((speech.data / "clips").glob("*.wav"))
+    missing = runner.invoke(app, ["transcribe", str(tmp_path / "nope"), str(clip)])
+    assert missing.exit_code == 2 and "no such model folder" in missing.output
+    folder = runner.invoke(app, ["transcribe", str(tuned), str(tmp_path)])
+    assert folder.exit_code == 2 and "it is a folder" in folder.output
+    broken = tmp_path / "broken.wav"
+    broken.write_bytes(b"RIFF0000WAVEjunk")
+    bad = runner.invoke(app, ["transcribe", str(tuned), str(broken)])
+    assert bad.exit_code == 2 and "broken.wav" in bad.output
