@@ -91,7 +91,7 @@ def test_frames_are_taken_out_of_the_programs_lines_wherever_they_land() -> None
     out.line(1, "")  # the program's own empty line stays
     assert stream.getvalue().splitlines() == [
         "box0 r0 | loss so far: 0.25",
-        "box1 r1 | see \x02{not a frame\x03 here",
+        "box1 r1 | see \\x02{not a frame\\x03 here",  # shown, its control characters made visible
         "box1 r1 | ",
     ]
     assert seen == [(0, a), (1, b)]

@@ -31,6 +31,7 @@ from meshtrain.launch.launcher import (
     training_argv,
 )
 from meshtrain.launch.live import rank_output
+from meshtrain.launch.safe_copy import DEFAULT_MAX_FILES, CopyLimits
 from meshtrain.launch.shipping import ShipError, Shipment, hash_path
 
 # Piped output (CI logs, tests) gets room for the whole table rather than 80 columns.
@@ -400,6 +401,19 @@ def _apply_overrides(inv: Inventory, threads: int | None, heartbeat_timeout: flo
     return inv
 
 
+def _copy_limits(size: str, files: int) -> CopyLimits:
+    """The caps on the copy-back from --copy-back-limit and --copy-back-files."""
+    from meshtrain.launch.bench import BenchError, parse_size
+
+    try:
+        max_bytes = parse_size(size)
+    except BenchError:
+        raise fail(f"--copy-back-limit {size!r}: expected a size such as 64GiB or 500MB") from None
+    if files < 1:
+        raise fail(f"--copy-back-files: expected a whole number >= 1, got {files}")
+    return CopyLimits(max_bytes=max_bytes, max_files=files)
+
+
 def register(app: typer.Typer) -> None:
     """Add ``hosts check``, ``hosts bench`` and ``launch`` to the ``meshtrain`` app."""
     from meshtrain.cli.main import TRAINING_FLAGS as F
@@ -469,6 +483,12 @@ def register(app: typer.Typer) -> None:
             False, "--allow-shrink", rich_help_panel="Long runs",
             help="A host still unreachable after --restart-wait is left out: the others continue "
                  "without it from the last checkpoint (ddp, diloco, sparta-diloco, fedavg)."),
+        copy_back_limit: str = typer.Option(
+            "64GiB", "--copy-back-limit", help="Most bytes rank 0's host may send back as the run "
+                                               "directory (e.g. 200GiB); more stops the copy."),
+        copy_back_files: int = typer.Option(
+            DEFAULT_MAX_FILES, "--copy-back-files", help="Most files and folders rank 0's host may "
+                                                         "send back as the run directory."),
         no_ship: bool = typer.Option(
             False, "--no-ship", help="Do not send --data (and a local task_options.model) into every "
                                      "workdir: every host already holds it at the same path."),
@@ -480,6 +500,7 @@ def register(app: typer.Typer) -> None:
         every rank streams here; rank 0's run directory is copied back under --out.
         """
         inv = _inventory(inventory)
+        limits = _copy_limits(copy_back_limit, copy_back_files)
         flags = dict(profile=profile, strategy=strategy, task=task, data=data, steps=steps,
                      batch_size=batch_size, microbatch_size=microbatch_size, lr=lr, seed=seed,
                      val_interval=val_interval, checkpoint_every=checkpoint_every, keep_checkpoints=keep)
@@ -522,7 +543,7 @@ def register(app: typer.Typer) -> None:
                                 out_dir=out, accept_new_host_keys=accept_new_host_keys,
                                 uploads=list(upload), resume=bool(resume), max_restarts=max_restarts,
                                 restart_wait=restart_wait, allow_shrink=allow_shrink,
-                                shipments=shipments, required_paths=required)
+                                shipments=shipments, required_paths=required, copy_limits=limits)
         output = rank_output([h.name for h in inv.hosts], plain=plain, title=options.run_id,
                              log_dir=out / f"{options.run_id}.ranks")  # moved into the run directory
         try:

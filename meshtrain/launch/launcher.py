@@ -19,9 +19,7 @@ is left out and the others continue without it, renumbered in inventory order.
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import shutil
 import signal
 import threading
 import time
@@ -37,8 +35,18 @@ from meshtrain.comm.rendezvous import SECRET_FILE_ENV, new_secret
 from meshtrain.launch.heartbeat import HEARTBEAT_FD, heartbeat_interval
 from meshtrain.launch.inventory import Host, Inventory
 from meshtrain.launch.output import STOPPED, RankOutput
+from meshtrain.launch.safe_copy import CopyLimits, UnsafeRunDirectory
 from meshtrain.launch.shipping import ShipError, Shipment, ship_to_hosts
-from meshtrain.launch.ssh import Heartbeat, RemoteProcess, SSHError, connect, remote_path, run, sh
+from meshtrain.launch.ssh import (
+    UNREPORTED,
+    Heartbeat,
+    RemoteProcess,
+    SSHError,
+    connect,
+    remote_path,
+    run,
+    sh,
+)
 from meshtrain.launch.transfer import (
     TransferError,
     fetch_tree,
@@ -73,6 +81,7 @@ class LaunchOptions:
     shipments: list[Shipment] = field(default_factory=list)  # local data sent into every workdir first
     # (what, path) every host must already hold, relative to its workdir (launch --no-ship)
     required_paths: list[tuple[str, str]] = field(default_factory=list)
+    copy_limits: CopyLimits = field(default_factory=CopyLimits)  # what rank 0's host may send back
 
 
 @dataclass
@@ -484,6 +493,8 @@ def _outcome(r: _Rank, options: LaunchOptions, heartbeat_timeout: float) -> str 
         status = r.process.exit_status()
         if status is None:
             return "lost connection (host down, asleep, or off the network)"
+        if status == UNREPORTED:
+            return "ended without reporting its exit status (its remote shell was killed)"
         return "ok" if status == 0 else f"exited with status {status}"
     silent = r.heartbeat.silent_for()
     if silent > options.host_timeout:
@@ -584,14 +595,15 @@ class CopyInterrupted(BaseException):  # noqa: N818 - a signal, not an error
 def _copy_back(rank0: _Rank, options: LaunchOptions, output: RankOutput, stop: _Signal) -> LaunchResult:
     """Copy ``<workdir>/runs/<run_id>/`` from rank 0's host to ``<out_dir>/<run_id>/``.
 
-    Written to a hidden folder first and renamed, so a failed copy leaves nothing half
-    done. A failed or interrupted copy says where the run directory still is and the
-    command that fetches it; a signal stops the copy at once (exit 128+N).
+    Written to a fresh hidden folder first and renamed, so a failed copy leaves nothing
+    half done; what the host sends is unpacked by :mod:`~meshtrain.launch.safe_copy`, and
+    an entry it refuses (a link, ``..``, over the caps) ends the launch with exit 1. A
+    failed or interrupted copy says where the run directory still is and the command that
+    fetches it; a signal stops the copy at once (exit 128+N).
     """
     host = rank0.host
     remote = f"{host.workdir}/{REMOTE_RUNS}/{options.run_id}"
     final = options.out_dir / options.run_id
-    partial = options.out_dir / f".{options.run_id}.copying"
     use_sftp = False  # the tar command in messages works whether or not the host has sftp
     try:
         stop.raise_now()  # from here on a signal interrupts the copy where it is
@@ -606,18 +618,18 @@ def _copy_back(rank0: _Rank, options: LaunchOptions, output: RankOutput, stop: _
             raise TransferError(f"{host.name} has neither tar nor an sftp server")
         output.note(f"copying {host.name}:{sftp_path(remote)} to {final}")
         options.out_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
-        fetch_tree(rank0.client, remote, partial, use_sftp=use_sftp)
-        os.replace(partial, final)
+        fetch_tree(rank0.client, remote, final, use_sftp=use_sftp, limits=options.copy_limits)
     except CopyInterrupted as exc:
         stop.raising = False
-        shutil.rmtree(partial, ignore_errors=True)
         output.note(f"{signal.Signals(exc.signum).name} received during the copy-back; "
                     + _still_there(host, remote, options.out_dir, use_sftp), style="bold yellow")
         return LaunchResult(128 + exc.signum, [], None, 0.0)
+    except UnsafeRunDirectory as exc:
+        stop.raising = False  # nothing to fetch by hand: a plain `tar -x` of it is what this refuses
+        output.note(f"{host.name} sent an unsafe run directory: {exc}", style="bold red")
+        return LaunchResult(1, [], None, 0.0, copy_failed=True)
     except (OSError, EOFError, paramiko.SSHException, TransferError) as exc:
         stop.raising = False
-        shutil.rmtree(partial, ignore_errors=True)
         reason = f"{exc.strerror} ({exc.filename})" if isinstance(exc, OSError) and exc.strerror else exc
         output.note(f"could not copy the run directory to {final}: {reason or type(exc).__name__}; "
                     + _still_there(host, remote, options.out_dir, use_sftp), style="bold red")

@@ -13,6 +13,7 @@ from a second channel if a process ignores the hang-up.
 from __future__ import annotations
 
 import os
+import secrets
 import shlex
 import socket
 import threading
@@ -24,13 +25,14 @@ from pathlib import Path
 import paramiko
 
 from meshtrain.launch.heartbeat import BEAT, HEARTBEAT_FD
+from meshtrain.launch.host_output import EXIT_PRINTF, LineSplitter, take_exit_status, visible
 from meshtrain.launch.inventory import Host
 from meshtrain.launch.known_hosts import KnownHosts, append_known_host, load_known_hosts
 
 CONNECT_TIMEOUT = 10.0
 KEEPALIVE_SECONDS = 5
 PID_MARKER = "__MESHTRAIN_PID__"
-EXIT_MARKER = "__MESHTRAIN_EXIT__"
+UNREPORTED = -1  # RemoteProcess.exit_status(): the session ended without the command's status
 BLOCKED_PRINT = 1.0  # seconds printing a chunk of output may take before we count it as blocked
 
 
@@ -230,9 +232,12 @@ class RemoteProcess:
     """A command running on a host under a pty, its output delivered line by line.
 
     The command's own stdout is a pipe, not the pty, so it prints plain lines rather
-    than redrawing progress bars; its exit status comes back as a marker line. Its
-    descriptor 3 is the same pipe: a launched rank writes its heartbeat bytes there
-    (see heartbeat.py); they are taken out of the output and timed in ``last_beat``.
+    than redrawing progress bars. Its descriptor 3 is the same pipe: a launched rank
+    writes its heartbeat bytes there (see heartbeat.py); they are taken out of the output
+    and timed in ``last_beat``. Its exit status comes back in a frame keyed with a random
+    key that only the wrapping shell knows (see host_output.py): whatever the program
+    prints cannot end it. Lines are bounded (:class:`LineSplitter`); no line, however
+    malformed, stops the reader.
     """
 
     def __init__(self, client: paramiko.SSHClient, command: str, on_line: Callable[[str], None]) -> None:
@@ -241,8 +246,11 @@ class RemoteProcess:
         self.pgid: int | None = None  # the remote process group, killed on teardown
         self.status: int | None = None  # the command's exit status, once known
         self.last_beat: float | None = None  # monotonic time of the last heartbeat; None: none yet
+        self.reader_error: str | None = None  # the first line the reader could not handle
         self._delivering = False
         self._pid_seen = threading.Event()
+        self._key = secrets.token_hex(16)  # authenticates the exit frame
+        self.lines = LineSplitter()
         transport = client.get_transport()
         if transport is None or not transport.is_active():
             raise ConnectionError("SSH connection is closed")
@@ -250,15 +258,18 @@ class RemoteProcess:
         self.channel = transport.open_session(timeout=CONNECT_TIMEOUT)
         self.channel.get_pty(term="dumb", width=200, height=50)
         # sshd makes the pty's shell a session leader; ask ps in case a login shell forked.
-        # No echo: the Ctrl-C sent on teardown would come back as a "^C" line.
+        # No echo: the key arrives on the pty, and the Ctrl-C sent on teardown would come
+        # back as a "^C" line. The key is read before the command starts, whose stdin is
+        # /dev/null: it never sees it.
         script = (f"stty -echo 2>/dev/null; echo {PID_MARKER} $(ps -o pgid= -p $$ 2>/dev/null || echo $$); "
-                  f"{{ {command} ; echo {EXIT_MARKER} $? ; }} 2>&1 {HEARTBEAT_FD}>&1 < /dev/null | cat")
+                  f"IFS= read -r key || exit 1; "
+                  f"{{ {command} ; printf {shlex.quote(EXIT_PRINTF)} \"$key\" $? ; }} "
+                  f"2>&1 {HEARTBEAT_FD}>&1 < /dev/null | cat")
         self.channel.exec_command(sh(script))
         self._reader = threading.Thread(target=self._read, name="meshtrain-ssh-reader", daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
-        buffer = b""
         try:
             while True:
                 data = self.channel.recv(65536)
@@ -267,20 +278,33 @@ class RemoteProcess:
                 if BEAT in data:
                     self.last_beat = time.monotonic()
                     data = data.replace(BEAT, b"")
-                buffer += data
-                *lines, buffer = buffer.split(b"\n")
+                lines = self.lines.feed(data)
                 self._delivering, started = True, time.monotonic()  # see beat_silence()
                 try:
                     for raw in lines:
-                        self._line(raw.decode(errors="replace").rstrip("\r"))
+                        self._safely(raw)
                 finally:
                     self._delivering = False
                     if self.last_beat is not None and time.monotonic() - started > BLOCKED_PRINT:
                         self.last_beat = time.monotonic()  # its beats waited unread: a fresh window
         except (OSError, EOFError, paramiko.SSHException):
             pass  # connection lost: the caller sees it through finished()/connected
-        if buffer:
-            self._line(buffer.decode(errors="replace").rstrip("\r"))
+        rest = self.lines.flush()
+        if rest is not None:
+            self._safely(rest)
+
+    def _safely(self, raw: bytes) -> None:
+        """Handle one line; a failure is reported once and the reader goes on."""
+        try:
+            self._line(raw.decode(errors="replace").rstrip("\r"))
+        except Exception as exc:  # noqa: BLE001 - hostile or broken input must not end the reader
+            if self.reader_error is None:
+                self.reader_error = f"{type(exc).__name__}: {exc}"
+                try:
+                    self.on_line(visible(f"[meshtrain: could not handle a line of this rank's output: "
+                                         f"{self.reader_error}]"))
+                except Exception:  # noqa: BLE001 - the output itself is broken: nothing else to tell
+                    pass
 
     def beat_silence(self) -> float | None:
         """Seconds since the rank's last heartbeat; None before its first. Time this side
@@ -291,13 +315,21 @@ class RemoteProcess:
         return time.monotonic() - self.last_beat
 
     def _line(self, line: str) -> None:
-        if line.startswith(PID_MARKER) and self.pgid is None:
-            self.pgid = int(line.split()[1])
+        if self.pgid is None and line.startswith(PID_MARKER):  # the shell's first line, before the command
+            words = line.split()
+            if len(words) != 2 or not words[1].isascii() or not words[1].isdigit():
+                raise ValueError(f"bad process group line {line[:80]!r}")
+            self.pgid = int(words[1])
+            self.channel.sendall(f"{self._key}\n".encode())  # echo is off by now
             self._pid_seen.set()
-        elif line.startswith(EXIT_MARKER):
-            self.status = int(line.split()[1])
-        else:
-            self.on_line(line)
+            return
+        if self.status is None:
+            line, status = take_exit_status(line, self._key)
+            if status is not None:
+                self.status = status
+                if not line:
+                    return
+        self.on_line(line)
 
     def wait_started(self, timeout: float) -> bool:
         """Whether the remote shell reported its process group within ``timeout`` seconds."""
@@ -311,7 +343,9 @@ class RemoteProcess:
                 or not self.transport.is_active())
 
     def exit_status(self) -> int | None:
-        """The command's exit status; None while it runs or if the connection was lost."""
+        """The command's exit status; None while it runs or if the connection was lost;
+        :data:`UNREPORTED` if the session ended cleanly without the keyed exit frame (the
+        wrapping shell was killed: a clean end of the session alone proves nothing)."""
         if self.status is not None:
             return self.status
         if not self.finished:
@@ -321,7 +355,9 @@ class RemoteProcess:
             return self.status
         if self.channel.exit_status_ready():
             status = self.channel.recv_exit_status()
-            return status if status >= 0 else 128 + 1  # -1: killed by a signal (hang-up)
+            if status == 0:
+                return UNREPORTED
+            return status if status > 0 else 128 + 1  # -1: killed by a signal (hang-up)
         return None
 
     def interrupt(self) -> None:
