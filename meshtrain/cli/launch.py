@@ -33,6 +33,7 @@ from meshtrain.launch.launcher import (
 from meshtrain.launch.live import rank_output
 from meshtrain.launch.safe_copy import DEFAULT_MAX_FILES, CopyLimits
 from meshtrain.launch.shipping import ShipError, Shipment, hash_path
+from meshtrain.settings import SettingError, check_run_id
 
 # Piped output (CI logs, tests) gets room for the whole table rather than 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -499,6 +500,12 @@ def register(app: typer.Typer) -> None:
         script calling Trainer.fit (or any torchrun script) joins the group. The output of
         every rank streams here; rank 0's run directory is copied back under --out.
         """
+        for flag, value in (("--run-id", run_id), ("--resume", resume)):
+            if value is not None:
+                try:
+                    check_run_id(value, flag)
+                except SettingError as exc:
+                    raise fail(str(exc)) from None
         inv = _inventory(inventory)
         limits = _copy_limits(copy_back_limit, copy_back_files)
         flags = dict(profile=profile, strategy=strategy, task=task, data=data, steps=steps,

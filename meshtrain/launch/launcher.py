@@ -19,7 +19,7 @@ is left out and the others continue without it, renumbered in inventory order.
 from __future__ import annotations
 
 import json
-import shlex
+import re
 import signal
 import threading
 import time
@@ -39,13 +39,18 @@ from meshtrain.launch.safe_copy import CopyLimits, UnsafeRunDirectory
 from meshtrain.launch.shipping import ShipError, Shipment, ship_to_hosts
 from meshtrain.launch.ssh import (
     UNREPORTED,
+    EnvAssignment,
     Heartbeat,
+    HostPath,
+    OutputTooLarge,
     RemoteProcess,
+    Shell,
     SSHError,
     connect,
     remote_path,
     run,
     sh,
+    shell_line,
 )
 from meshtrain.launch.transfer import (
     TransferError,
@@ -57,6 +62,7 @@ from meshtrain.launch.transfer import (
     sftp_path,
 )
 from meshtrain.run_dir import atomic_write_text
+from meshtrain.settings import check_run_id
 
 POLL_SECONDS = 0.1
 RESTART_WAIT_S = 120.0  # before a restart: how long a cut-off host may take to come back
@@ -82,6 +88,9 @@ class LaunchOptions:
     # (what, path) every host must already hold, relative to its workdir (launch --no-ship)
     required_paths: list[tuple[str, str]] = field(default_factory=list)
     copy_limits: CopyLimits = field(default_factory=CopyLimits)  # what rank 0's host may send back
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)  # a folder name on every host, in remote commands: never shell text
 
 
 @dataclass
@@ -200,7 +209,7 @@ def rank_command(inventory: Inventory, host: Host, run_id: str, argv: list[str],
     script command a leading ``python`` or ``python3`` means the host's interpreter
     from the inventory.
     """
-    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in rank_env(inventory, host, run_id).items())
+    env = [EnvAssignment(k, v) for k, v in rank_env(inventory, host, run_id).items()]
     args = list(argv)
     if training:
         args += ["--device", host.device, "--out", REMOTE_RUNS, "--run-id", run_id]
@@ -209,8 +218,7 @@ def rank_command(inventory: Inventory, host: Host, run_id: str, argv: list[str],
         program, args = [host.python], args[1:]
     else:
         program = []
-    words = [remote_path(p) for p in program] + [shlex.quote(a) for a in args]
-    return f"cd {remote_path(host.workdir)} && {env} {' '.join(words)}"
+    return shell_line("cd", HostPath(host.workdir), Shell("&&"), *env, *map(HostPath, program), *args)
 
 
 # --------------------------------------------------------------------------- preflight
@@ -223,10 +231,10 @@ def preflight(inventory: Inventory, options: LaunchOptions) -> list[paramiko.SSH
         client = connect(host, accept_new_host_keys=options.accept_new_host_keys,
                          timeout=options.connect_timeout)
         try:
-            check = run(client, sh(
-                f"test -x {remote_path(host.python)} || exit 41; "
-                f"mkdir -p {remote_path(host.workdir)}/{REMOTE_RUNS} || exit 42"
-            ), timeout=options.connect_timeout)
+            check = run(client, sh(shell_line(
+                "test", "-x", HostPath(host.python), Shell("|| exit 41;"),
+                "mkdir", "-p", HostPath(f"{host.workdir}/{REMOTE_RUNS}"), Shell("|| exit 42"),
+            )), timeout=options.connect_timeout)
         except Exception:
             client.close()
             raise
@@ -267,10 +275,10 @@ def _check_required_paths(client: paramiko.SSHClient, host: Host, options: Launc
     """With ``--no-ship`` the data must already be on every host, where the rank looks."""
     if not options.required_paths:
         return
-    tests = "; ".join(f"test -e {remote_path(path)} || echo {shlex.quote(f'{what} {path}')}"
-                      for what, path in options.required_paths)
-    found = run(client, sh(f"cd {remote_path(host.workdir)} && {{ {tests}; }}"),
-                timeout=options.connect_timeout)
+    tests = [shell_line("test", "-e", HostPath(path), Shell("||"), "echo", f"{what} {path}")
+             for what, path in options.required_paths]
+    found = run(client, sh(shell_line("cd", HostPath(host.workdir), Shell("&& {"), Shell("; ".join(tests)),
+                                      Shell("; }"))), timeout=options.connect_timeout)
     absent = found.stdout.strip().splitlines()
     if absent:
         raise SSHError(host, f"{absent[0]} does not exist there (relative paths start at workdir "
@@ -406,16 +414,25 @@ def _checkpoints(options: LaunchOptions) -> str:
     return f"{REMOTE_RUNS}/{options.run_id}.checkpoints"
 
 
+STEP_NUMBER = re.compile(r"^[0-9]{1,12}$")  # a checkpoint step a host lists
+LISTING_MAX_BYTES = 1 << 20  # a host's checkpoint listing: far more than any real one
+
+
 def common_checkpoint(ranks: list[_Rank], options: LaunchOptions) -> int | None:
     """The newest checkpoint step that every host holds complete (its meta.json written
     last), or None. Each host keeps only its own rank's state, so all must have it."""
     common: set[int] | None = None
     for r in ranks:
-        found = run(r.client, sh(f"cd {remote_path(r.host.workdir)} 2>/dev/null || exit 0; "
-                                 f"for d in {_checkpoints(options)}/step-*; do "
-                                 '[ -f "$d/meta.json" ] && echo "${d##*/step-}"; done; exit 0'),
-                    timeout=options.connect_timeout)
-        steps = {int(word) for word in found.stdout.split() if word.isdigit()}
+        try:
+            found = run(r.client, sh(shell_line(
+                "cd", HostPath(r.host.workdir), Shell("2>/dev/null || exit 0;"),
+                "cd", _checkpoints(options), Shell("2>/dev/null || exit 0;"),
+                Shell('for d in step-*; do [ -f "$d/meta.json" ] && echo "${d#step-}"; done; exit 0'),
+            )), timeout=options.connect_timeout, max_output=LISTING_MAX_BYTES)
+        except OutputTooLarge:
+            return None  # a host that floods its answer offers no checkpoint to trust
+        # The host's answer is hostile input: only plain step numbers count.
+        steps = {int(word) for word in found.stdout.split() if STEP_NUMBER.match(word)}
         common = steps if common is None else common & steps
     return max(common) if common else None
 
@@ -423,8 +440,8 @@ def common_checkpoint(ranks: list[_Rank], options: LaunchOptions) -> int | None:
 def _forget_unfinished_run(rank0: _Rank, options: LaunchOptions) -> None:
     """Remove the hidden run directory a stopped rank 0 left, so the run id can be used
     again (every rank was confirmed stopped before a restart or a resume)."""
-    run(rank0.client, sh(f"rm -rf {remote_path(rank0.host.workdir)}/{REMOTE_RUNS}/.{options.run_id}.partial"),
-        timeout=options.connect_timeout)
+    partial = HostPath(f"{rank0.host.workdir}/{REMOTE_RUNS}/.{options.run_id}.partial")
+    run(rank0.client, sh(shell_line("rm", "-rf", partial)), timeout=options.connect_timeout)
 
 
 def _record_restarts(run_dir: Path, restarts: list[dict[str, object]]) -> None:
@@ -560,7 +577,7 @@ def _kill_from_new_connection(r: _Rank, options: LaunchOptions) -> str | None:
     try:
         client = connect(r.host, timeout=min(3.0, options.connect_timeout))
         try:
-            run(client, f"kill -KILL -{pgid} 2>/dev/null; true", timeout=3.0)
+            run(client, sh(shell_line("kill", "-KILL", f"-{pgid}", Shell("2>/dev/null; true"))), timeout=3.0)
         finally:
             client.close()
         return None
@@ -658,14 +675,15 @@ def _report_incomplete(rank0: _Rank, options: LaunchOptions, output: RankOutput)
 def _still_there(host: Host, remote: str, out_dir: Path, use_sftp: bool) -> str:
     """Where the run directory still is, and the command that fetches it into ``out_dir``."""
     path = sftp_path(remote)  # scp and ssh start at the home folder, like SFTP
-    key = f" -i {shlex.quote(host.identity_file)}" if host.identity_file else ""
+    key = ["-i", host.identity_file] if host.identity_file else []
     target = f"{host.user}@{host.hostname}"
     if use_sftp:
-        fetch = f"scp -r -P {host.port}{key} {target}:{shlex.quote(path)} {shlex.quote(str(out_dir))}/"
+        fetch = shell_line("scp", "-r", "-P", str(host.port), *key, f"{target}:{path}", f"{out_dir}/")
     else:  # what the launcher does, and it works where sftp is off (scp now speaks SFTP)
-        local = shlex.quote(str(out_dir / Path(path).name))
-        fetch = (f"mkdir -p {local} && ssh -p {host.port}{key} {target} "
-                 f"{shlex.quote('tar -C ' + shlex.quote(path) + ' -cf - .')} | tar -C {local} -xf -")
+        local = str(out_dir / Path(path).name)
+        fetch = shell_line("mkdir", "-p", local, Shell("&&"), "ssh", "-p", str(host.port), *key, target,
+                           shell_line("tar", "-C", path, "-cf", "-", "."), Shell("|"), "tar", "-C", local,
+                           "-xf", "-")
     return f"the run directory is still on {host.name}: {path} (fetch it with: {fetch})"
 
 

@@ -25,7 +25,6 @@ import inspect
 import json
 import os
 import secrets
-import shlex
 import tarfile
 import time
 from collections.abc import Callable
@@ -38,7 +37,7 @@ import paramiko
 
 from meshtrain.launch import blobstore
 from meshtrain.launch.inventory import Host
-from meshtrain.launch.ssh import remote_path, run, sh
+from meshtrain.launch.ssh import HostPath, Shell, run, sh, shell_line
 from meshtrain.launch.transfer import has_sftp, has_tar, sftp_path
 from meshtrain.progress import human_bytes
 
@@ -208,7 +207,7 @@ def _host_source() -> str:
 def _host_call(host: Host, client: paramiko.SSHClient, op: str, request: dict, timeout: float) -> dict:
     """Run :mod:`blobstore` on the host with ``request``; its answer."""
     request = {**request, "workdir": host.workdir}
-    command = f"{remote_path(host.python)} -c {shlex.quote(_host_source())} {op}"
+    command = shell_line(HostPath(host.python), "-c", _host_source(), op)
     done = run(client, sh(command), timeout=timeout, stdin=json.dumps(request).encode())
     if done.status != 0:
         last = (done.stderr.strip().splitlines() or ["no message"])[-1]
@@ -287,7 +286,8 @@ def _put_tar(client: paramiko.SSHClient, incoming: str, files: list[ShipFile]) -
     channel = transport.open_session(timeout=QUERY_TIMEOUT)
     try:
         channel.settimeout(STALL_TIMEOUT)
-        channel.exec_command(sh(f"mkdir {remote_path(incoming)} && tar -C {remote_path(incoming)} -xf -"))
+        folder = HostPath(incoming)
+        channel.exec_command(sh(shell_line("mkdir", folder, Shell("&&"), "tar", "-C", folder, "-xf", "-")))
         with channel.makefile("wb") as stream, tarfile.open(fileobj=stream, mode="w|") as archive:
             for f in files:
                 archive.add(str(f.local), arcname=f.sha256, recursive=False)

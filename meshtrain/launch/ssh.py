@@ -13,6 +13,7 @@ from a second channel if a process ignores the hang-up.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shlex
 import socket
@@ -190,12 +191,18 @@ class Result:
     stderr: str
 
 
+class OutputTooLarge(ConnectionError):
+    """A host answered a question with more output than it may send."""
+
+
 def run(client: paramiko.SSHClient, command: str, *, timeout: float = 60.0,
-        stdin: bytes | None = None) -> Result:
+        stdin: bytes | None = None, max_output: int | None = None) -> Result:
     """Run ``command`` (a POSIX shell line) and wait for it; no pty, separate stderr.
 
     ``stdin`` is written to the command's standard input, then closed (no pty: nothing
-    is echoed, and nothing appears on any command line).
+    is echoed, and nothing appears on any command line). With ``max_output``, more than
+    that many bytes on stdout or stderr raises :class:`OutputTooLarge` (a hostile host's
+    answer is read in bounded memory).
     """
     transport = client.get_transport()
     if transport is None or not transport.is_active():
@@ -207,25 +214,75 @@ def run(client: paramiko.SSHClient, command: str, *, timeout: float = 60.0,
         if stdin is not None:
             channel.sendall(stdin)
             channel.shutdown_write()
-        stdout = channel.makefile("rb").read().decode(errors="replace")
-        stderr = channel.makefile_stderr("rb").read().decode(errors="replace")
-        return Result(channel.recv_exit_status(), stdout, stderr)
+        limit = -1 if max_output is None else max_output + 1
+        out, err = channel.makefile("rb").read(limit), channel.makefile_stderr("rb").read(limit)
+        if max_output is not None and max(len(out), len(err)) > max_output:
+            raise OutputTooLarge(f"more than {max_output} bytes of output from {command[:60]!r}")
+        return Result(channel.recv_exit_status(), out.decode(errors="replace"), err.decode(errors="replace"))
     finally:
         channel.close()
 
 
-def sh(script: str) -> str:
-    """``script`` run by /bin/sh, whatever the login shell of the account is."""
-    return f"/bin/sh -c {shlex.quote(script)}"
+# --------------------------------------------------------------------------- quoting
+class Shell(str):
+    """Shell syntax the launcher itself wrote (``&&``, ``|| exit 41``, ``2>/dev/null``), or
+    a line :func:`shell_line` built: joined as it is. Never made from a value that came
+    from the user, the inventory or a host."""
 
 
-def remote_path(path: str) -> str:
-    """A host path quoted for sh, letting a leading ``~`` expand to the home folder."""
+class HostPath(str):
+    """A path on the host: quoted whole, except that a leading ``~/`` (or a lone ``~``)
+    stays outside the quotes so the host's shell expands it to the home folder."""
+
+
+class EnvAssignment(str):
+    """``NAME=value`` before a program: the name must be a shell identifier, the value is quoted."""
+
+    def __new__(cls, name: str, value: str) -> EnvAssignment:
+        if not _IDENTIFIER.match(name):
+            raise ValueError(f"{name!r} is not a valid environment variable name")
+        return super().__new__(cls, f"{name}={shlex.quote(value)}")
+
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def shell_line(*words: str) -> str:
+    """THE way every remote command is built: a POSIX shell line from ``words``.
+
+    A plain ``str`` is one word, quoted (whatever it holds: ``;``, ``$()``, backticks,
+    quotes, newlines, spaces stay text); a :class:`HostPath` is quoted but keeps a
+    leading ``~/`` expandable; an :class:`EnvAssignment` is ``NAME='value'``; a
+    :class:`Shell` is the launcher's own syntax, joined as is.
+    """
+    out = []
+    for word in words:
+        if isinstance(word, (Shell, EnvAssignment)):
+            out.append(str(word))
+        elif isinstance(word, HostPath):
+            out.append(_quoted_path(word))
+        else:
+            out.append(shlex.quote(word))
+    return " ".join(out)
+
+
+def _quoted_path(path: str) -> str:
     if path == "~":
         return "~"
     if path.startswith("~/"):
         return "~/" + shlex.quote(path[2:])
     return shlex.quote(path)
+
+
+def sh(line: str) -> str:
+    """``line`` (built by :func:`shell_line`) run by /bin/sh, whatever the login shell of
+    the account is."""
+    return shell_line("/bin/sh", "-c", line)
+
+
+def remote_path(path: str) -> str:
+    """A host path quoted for sh, a leading ``~`` left to expand: ``shell_line(HostPath(path))``."""
+    return shell_line(HostPath(path))
 
 
 class RemoteProcess:
@@ -241,6 +298,7 @@ class RemoteProcess:
     """
 
     def __init__(self, client: paramiko.SSHClient, command: str, on_line: Callable[[str], None]) -> None:
+        """Start ``command`` (a line built by :func:`shell_line`); ``on_line`` gets its output."""
         self.client = client
         self.on_line = on_line
         self.pgid: int | None = None  # the remote process group, killed on teardown
@@ -261,9 +319,10 @@ class RemoteProcess:
         # No echo: the key arrives on the pty, and the Ctrl-C sent on teardown would come
         # back as a "^C" line. The key is read before the command starts, whose stdin is
         # /dev/null: it never sees it.
+        report = shell_line("printf", EXIT_PRINTF, Shell('"$key" $?'))
         script = (f"stty -echo 2>/dev/null; echo {PID_MARKER} $(ps -o pgid= -p $$ 2>/dev/null || echo $$); "
                   f"IFS= read -r key || exit 1; "
-                  f"{{ {command} ; printf {shlex.quote(EXIT_PRINTF)} \"$key\" $? ; }} "
+                  f"{{ {command} ; {report} ; }} "
                   f"2>&1 {HEARTBEAT_FD}>&1 < /dev/null | cat")
         self.channel.exec_command(sh(script))
         self._reader = threading.Thread(target=self._read, name="meshtrain-ssh-reader", daemon=True)

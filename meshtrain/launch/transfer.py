@@ -11,7 +11,6 @@ at once. SFTP is the fallback for a host without tar.
 
 from __future__ import annotations
 
-import shlex
 import shutil
 import tarfile
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import paramiko
 
 from meshtrain.launch.safe_copy import CopyLimits, unpack_sftp, unpack_tar
-from meshtrain.launch.ssh import remote_path, run, sh
+from meshtrain.launch.ssh import HostPath, Shell, run, sh, shell_line
 
 CHUNK = 1 << 16
 QUESTION_TIMEOUT = 10.0  # seconds for a yes/no question to a host (one that vanished never answers)
@@ -58,9 +57,10 @@ def put_files(client: paramiko.SSHClient, folder: str, files: list[Path], *, use
                 sftp.chmod(target, f.stat().st_mode & 0o777)
         return
     for f in files:
-        target = f"{remote_path(folder)}/{shlex.quote(f.name)}"
+        target = HostPath(f"{folder}/{f.name}")
         mode = f.stat().st_mode & 0o777
-        channel = _exec(client, sh(f"cat > {target} && chmod {mode:o} {target}"))
+        channel = _exec(client, sh(shell_line("cat", Shell(">"), target, Shell("&&"), "chmod", f"{mode:o}",
+                                              target)))
         try:
             with open(f, "rb") as source:
                 while block := source.read(CHUNK):
@@ -73,12 +73,13 @@ def put_files(client: paramiko.SSHClient, folder: str, files: list[Path], *, use
 
 def remote_dir_exists(client: paramiko.SSHClient, path: str) -> bool:
     """Whether ``path`` is a folder on the host."""
-    return run(client, sh(f"test -d {remote_path(path)}"), timeout=QUESTION_TIMEOUT).status == 0
+    return run(client, sh(shell_line("test", "-d", HostPath(path))), timeout=QUESTION_TIMEOUT).status == 0
 
 
 def has_tar(client: paramiko.SSHClient) -> bool:
     """Whether ``tar`` can be run on the host."""
-    return run(client, sh("command -v tar >/dev/null 2>&1"), timeout=QUESTION_TIMEOUT).status == 0
+    command = shell_line("command", "-v", "tar", Shell(">/dev/null 2>&1"))
+    return run(client, sh(command), timeout=QUESTION_TIMEOUT).status == 0
 
 
 def fetch_tree(client: paramiko.SSHClient, remote: str, local: Path, *, use_sftp: bool,
@@ -92,7 +93,7 @@ def fetch_tree(client: paramiko.SSHClient, remote: str, local: Path, *, use_sftp
             sftp.get_channel().settimeout(STALL_TIMEOUT)
             unpack_sftp(sftp, sftp_path(remote), local, limits)
         return
-    channel = _exec(client, sh(f"tar -C {remote_path(remote)} -cf - ."))
+    channel = _exec(client, sh(shell_line("tar", "-C", HostPath(remote), "-cf", "-", ".")))
     try:
         with channel.makefile("rb") as stream:
             unpack_tar(stream, local, limits)
