@@ -142,3 +142,50 @@ def test_an_existing_destination_is_never_replaced(world: tuple[Path, Path]) -> 
         unpack_tar(io.BytesIO(tar_bytes(entry("x", data=b"1"))), out / "run")
     assert (out / "run" / "keep").read_text() == "mine"
     assert sorted(p.name for p in out.iterdir()) == ["run"]
+
+
+class ListingServer:
+    """What a hostile SFTP server could answer: a real OpenSSH sftp-server never lists such
+    names, so the listing is given here, as paramiko's own SFTPAttributes."""
+
+    def __init__(self, names: list[tuple[str, int]]) -> None:
+        self.names = names
+
+    def listdir_attr(self, path: str) -> list[object]:
+        import paramiko
+
+        listing = []
+        for name, mode in self.names:
+            attr = paramiko.SFTPAttributes()
+            attr.filename, attr.st_mode, attr.st_size = name, mode, 1
+            listing.append(attr)
+        return listing
+
+    def open(self, path: str, mode: str) -> io.BytesIO:
+        class File(io.BytesIO):
+            def prefetch(self, size: int) -> None:
+                pass
+        return File(b"x")
+
+    def readlink(self, path: str) -> str:
+        return "/etc"
+
+
+@pytest.mark.parametrize(("name", "mode", "message"), [
+    ("..", stat.S_IFDIR | 0o755, "goes up a directory"),
+    ("/etc", stat.S_IFREG | 0o644, "not a plain file name"),
+    ("a/../../x", stat.S_IFREG | 0o644, "not a plain file name"),
+    ("a\x00b", stat.S_IFREG | 0o644, "not a plain file name"),
+    ("a", stat.S_IFLNK | 0o777, "link 'a' -> '/etc'"),
+    ("a", stat.S_IFCHR | 0o644, "device 'a'"),
+    ("a", stat.S_IFIFO | 0o644, "fifo 'a'"),
+    ("a", stat.S_IFSOCK | 0o644, "entry 'a' of mode"),
+])
+def test_the_sftp_path_refuses_what_the_tar_path_refuses(
+        world: tuple[Path, Path], name: str, mode: int, message: str) -> None:
+    from meshtrain.launch.safe_copy import unpack_sftp
+
+    out, _ = world
+    with pytest.raises(UnsafeRunDirectory, match=message.replace("(", "\\(")):
+        unpack_sftp(ListingServer([("ok", stat.S_IFREG | 0o644), (name, mode)]), "run", out / "run")
+    assert list(out.iterdir()) == []

@@ -81,7 +81,7 @@ class LineSplitter:
     def _take(self) -> bytes:
         line = bytes(self._head)
         if self._dropped:
-            line += f" … [cut {human_size(self._dropped)}] …".encode() + bytes(self._tail)
+            line += f" … [cut {human_size(self._dropped)}] … ".encode() + bytes(self._tail)
         else:
             line += bytes(self._tail)
         self._head, self._tail, self._dropped = bytearray(), bytearray(), 0

@@ -57,7 +57,10 @@ class UnsafeRunDirectory(Exception):  # noqa: N818 - a refusal, named for what w
 
 
 def shown(name: str) -> str:
-    """``name`` quoted for a message, with control characters made visible (``\\x1b``)."""
+    """``name`` quoted for a message, without the ``./`` that ``tar -cf - .`` puts first,
+    control characters made visible (``\\x1b``)."""
+    while name.startswith("./") and len(name) > 2:
+        name = name[2:]
     return "'" + "".join(f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc" else c
                          for c in name) + "'"
 
