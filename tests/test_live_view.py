@@ -72,6 +72,13 @@ def test_status_frame_round_trip_is_small_versioned_json() -> None:
     '{"v":1,"step":3,"loss":"low"}',
     '[1,2]',
     '{"v":1,"step":3',  # cut off
+    # What a hostile host could send: NaN, infinities, absurd or negative counts, a huge frame.
+    '{"v":1,"step":3,"loss":NaN}',
+    '{"v":1,"step":3,"sps":Infinity}',
+    '{"v":1,"step":1e400}',
+    '{"v":1,"step":99999999999999999999999}',
+    '{"v":1,"step":-1}',
+    '{"v":1,"step":3,"pad":"' + "x" * 600 + '"}',
 ])
 def test_a_message_that_is_not_a_version_1_status_is_ignored(payload: str) -> None:
     assert decode_status(payload) is None

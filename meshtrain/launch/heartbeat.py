@@ -115,9 +115,13 @@ class RankStatus:
 
 def decode_status(payload: str) -> RankStatus | None:
     """The status in one frame's JSON ``payload``; None if it is not a version-1 status
-    with well-typed fields (a newer rank's message, or damage): it is then ignored."""
+    with well-typed fields (a newer rank's message, damage, or a hostile host's): it is
+    then ignored. A frame longer than :data:`STATUS_MAX_BYTES`, NaN or Infinity, and
+    numbers that no rank could send (beyond 2**63, negative counts) are refused."""
+    if len(payload) > STATUS_MAX_BYTES:
+        return None
     try:
-        fields = json.loads(payload)
+        fields = json.loads(payload, parse_constant=_no_constant)
     except ValueError:
         return None
     if not isinstance(fields, dict) or fields.get("v") != STATUS_VERSION:
@@ -129,7 +133,9 @@ def decode_status(payload: str) -> RankStatus | None:
             return None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(key)
-        if kind is int and not float(value).is_integer():
+        if not abs(value) < 2**63:
+            raise ValueError(key)
+        if kind is int and (not float(value).is_integer() or value < 0):
             raise TypeError(key)
         return kind(value)
 
@@ -141,6 +147,10 @@ def decode_status(payload: str) -> RankStatus | None:
                           number("sent", int), number("rss", int), number("sync", int))
     except (TypeError, OverflowError, ValueError):
         return None
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} in a status frame")
 
 
 def split_status(line: str) -> tuple[str, list[RankStatus], bool]:
