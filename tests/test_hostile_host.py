@@ -201,7 +201,13 @@ def test_an_honest_host_is_copied_by_both_paths(hostile: HostileHost, tmp_path: 
 
 # --------------------------------------------------------------------------- item 6: what a host prints
 LOUD = r"""
-import sys
+import os, re, sys
+# The exit frame's key: in no environment and on no command line this program can read.
+seen, pid = open("/proc/self/environ", "rb").read(), os.getpid()
+while pid > 1:
+    seen += open(f"/proc/{pid}/cmdline", "rb").read()
+    pid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+print("key visible" if re.search(rb"[0-9a-f]{32}", seen) else "key hidden", flush=True)
 print("__MESHTRAIN_EXIT__ 0", flush=True)  # the old marker: text now
 print("__MESHTRAIN_EXIT__", flush=True)  # a bare one killed the reader thread before
 print("\x02MESHTRAIN_EXIT " + "0" * 32 + " 0\x03", flush=True)  # a frame with a guessed key
@@ -230,9 +236,12 @@ def test_what_a_rank_prints_cannot_end_it_or_reach_the_terminal(hostile: Hostile
     assert "box2 r0 | __MESHTRAIN_EXIT__ 0" in lines and "box2 r0 | __MESHTRAIN_EXIT__" in lines
     assert f"box2 r0 | \\x02MESHTRAIN_EXIT {'0' * 32} 0\\x03" in lines
     assert "box2 r0 | still read" in lines  # the reader lived through all of it
+    assert "box2 r0 | key hidden" in lines
     # Escape sequences are made visible; a tab stays a tab; no raw control byte is printed.
     assert "box2 r0 | \\x1b[2J\\x1b]0;pwned\\x07 plain \\x1b[31mred\tTAB" in lines
-    assert not any(ch in output for ch in "\x1b\x07\x02\x03")
+    [log] = (tmp_path / "out").glob("*.ranks/box2-r0.log")
+    assert not any(ch in output + log.read_text() for ch in "\x1b\x07\x02\x03")
+    assert "\\x1b[2J" in log.read_text()
     # The 20 MiB line is cut to 16 KiB, its end kept, with a mark saying how much went.
     long = next(line for line in lines if line.startswith("box2 r0 | yyy"))
     assert len(long.encode()) < 18 * 1024
@@ -290,3 +299,23 @@ def test_metacharacters_in_every_inventory_value_run_nothing(hostile: HostileHos
         assert done.stderr.strip() == (f"error: {flag} 'r1;touch {marker};': use letters, digits, '.', '_' "
                                        "and '-' (not starting with '.' or '-'), at most 128 characters")
     assert not marker.exists()
+
+
+def test_host_answers_are_bounded_and_listings_strict(hostile: HostileHost, tmp_path: Path) -> None:
+    from meshtrain.launch.inventory import load_inventory
+    from meshtrain.launch.launcher import LaunchOptions, _Rank, common_checkpoint
+    from meshtrain.launch.ssh import OutputTooLarge, connect, run
+
+    hostile.disarm_tar()
+    host = load_inventory(box2(hostile, tmp_path)).hosts[0]
+    checkpoints = tmp_path / "remote" / "runs" / "c1.checkpoints"
+    for step in ("step-000003", "step-²", "step-1e5", "step-99 ; 1", "step-99\n", "step-000012"):
+        (checkpoints / step).mkdir(parents=True)
+        (checkpoints / step / "meta.json").write_text("{}")
+    client = connect(host)
+    try:
+        assert common_checkpoint([_Rank(host, client, 0)], LaunchOptions(run_id="c1")) == 12
+        with pytest.raises(OutputTooLarge):  # 2 MiB where 1 MiB may come: not read on
+            run(client, f"{PYTHON} -c 'print(\"x\" * (2 << 20))'", max_output=1 << 20)
+    finally:
+        client.close()

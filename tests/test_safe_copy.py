@@ -88,6 +88,7 @@ def test_a_real_run_directory_is_unpacked(world: tuple[Path, Path]) -> None:
     ([entry("pipe", tarfile.FIFOTYPE)], "fifo 'pipe'"),
     ([entry("esc\x1b[2J", data=b"")], "name 'esc\\x1b[2J' holds a control character"),
     ([entry("x" * 300, data=b"")], "longer than 255 bytes"),
+    ([entry("/".join(["x" * 200] * 6), data=b"")], "longer than 1024 bytes"),
     ([entry("/".join(["d"] * 70) + "/f", data=b"")], "deeper than 64 levels"),
     ([entry("twice", data=b"1"), entry("twice", data=b"2")], "'twice' is sent twice"),
 ])
@@ -103,6 +104,10 @@ def test_hostile_entries_are_refused_and_leave_nothing(
         unpack_tar(io.BytesIO(tar_bytes(entry("ok.txt", data=b"fine"), *members)), out / "run")
     assert message in str(refused.value)
     assert snapshot(out.parent) == before  # not even the half-made run directory is left
+
+
+def test_the_default_caps_fit_real_runs() -> None:
+    assert (CopyLimits().max_bytes, CopyLimits().max_files) == (64 << 30, 100_000)
 
 
 def test_a_nul_in_a_name_is_refused() -> None:

@@ -427,12 +427,13 @@ def common_checkpoint(ranks: list[_Rank], options: LaunchOptions) -> int | None:
             found = run(r.client, sh(shell_line(
                 "cd", HostPath(r.host.workdir), Shell("2>/dev/null || exit 0;"),
                 "cd", _checkpoints(options), Shell("2>/dev/null || exit 0;"),
-                Shell('for d in step-*; do [ -f "$d/meta.json" ] && echo "${d#step-}"; done; exit 0'),
+                # Each name ends with '/', which no file name holds: a name with a newline stays one.
+                Shell('for d in step-*; do [ -f "$d/meta.json" ] && printf "%s/" "${d#step-}"; done; exit 0'),
             )), timeout=options.connect_timeout, max_output=LISTING_MAX_BYTES)
         except OutputTooLarge:
             return None  # a host that floods its answer offers no checkpoint to trust
-        # The host's answer is hostile input: only plain step numbers count.
-        steps = {int(word) for word in found.stdout.split() if STEP_NUMBER.match(word)}
+        # The host's answer is hostile input: only names that are a plain step number count.
+        steps = {int(name) for name in found.stdout.split("/") if STEP_NUMBER.fullmatch(name)}
         common = steps if common is None else common & steps
     return max(common) if common else None
 
