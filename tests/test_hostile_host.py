@@ -319,3 +319,22 @@ def test_host_answers_are_bounded_and_listings_strict(hostile: HostileHost, tmp_
             run(client, f"{PYTHON} -c 'print(\"x\" * (2 << 20))'", max_output=1 << 20)
     finally:
         client.close()
+
+
+def test_a_malformed_shipping_answer_is_one_line(hostile: HostileHost, tmp_path: Path) -> None:
+    """The host's blobstore answers with files it was never asked about: refused, named."""
+    from meshtrain.launch.inventory import load_inventory
+    from meshtrain.launch.shipping import ShipError, _host_call
+    from meshtrain.launch.ssh import connect
+
+    fake = tmp_path / "py"  # the host's "python" prints whatever it likes
+    fake.write_text('#!/bin/sh\necho \'{"missing": ["/etc/passwd"], "free": 1, "trees_ok": true}\'\n')
+    fake.chmod(0o755)
+    host = load_inventory(box2(hostile, tmp_path, python=str(fake))).hosts[0]
+    client = connect(host)
+    try:
+        with pytest.raises(ShipError, match="the host's answer is malformed .'missing' names files that "
+                                            "were not asked about"):
+            _host_call(host, client, "query", {"blobs": {"ab": 1}, "trees": {}}, 10, {"ab"})
+    finally:
+        client.close()

@@ -150,6 +150,8 @@ def _probe_host(client: paramiko.SSHClient, report: HostReport, timeout: float) 
         return
     try:
         info = json.loads(result.stdout.strip().splitlines()[-1])
+        if not isinstance(info, dict) or not isinstance(info.get("python"), str):
+            raise ValueError("not the probe's answer")  # a host's answer is checked before it is used
     except (ValueError, IndexError):
         error = (result.stderr.strip().splitlines() or ["no output"])[-1]
         report.checks["python"] = Check(False, "broken", f"{host.python} failed: {error}")

@@ -414,6 +414,7 @@ def _checkpoints(options: LaunchOptions) -> str:
     return f"{REMOTE_RUNS}/{options.run_id}.checkpoints"
 
 
+SUMMARY_MAX_BYTES = 16 << 20  # a copied-back summary.json the launcher adds its restarts to
 STEP_NUMBER = re.compile(r"^[0-9]{1,12}$")  # a checkpoint step a host lists
 LISTING_MAX_BYTES = 1 << 20  # a host's checkpoint listing: far more than any real one
 
@@ -448,10 +449,14 @@ def _forget_unfinished_run(rank0: _Rank, options: LaunchOptions) -> None:
 def _record_restarts(run_dir: Path, restarts: list[dict[str, object]]) -> None:
     """Add the restarts to the copied-back run's summary.json (``"restarts"``)."""
     summary_file = run_dir / "summary.json"
-    if summary_file.is_file():
-        summary = json.loads(summary_file.read_text())
-        summary["restarts"] = restarts
-        atomic_write_text(summary_file, json.dumps(summary, indent=2) + "\n")
+    if summary_file.is_file() and summary_file.stat().st_size < SUMMARY_MAX_BYTES:
+        try:  # written by rank 0's host: a summary that is not a JSON object is left as it came
+            summary = json.loads(summary_file.read_text())
+        except (ValueError, UnicodeDecodeError):
+            return
+        if isinstance(summary, dict):
+            summary["restarts"] = restarts
+            atomic_write_text(summary_file, json.dumps(summary, indent=2) + "\n")
 
 
 def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], options: LaunchOptions,
