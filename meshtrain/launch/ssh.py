@@ -396,7 +396,7 @@ class RemoteProcess:
 
     @property
     def finished(self) -> bool:
-        """The command ended (its exit marker came, even if children it left hold the
+        """The command ended (its keyed exit frame came, even if children it left hold the
         output pipe open), or the session or connection closed."""
         return (self.status is not None or self.channel.exit_status_ready() or self.channel.closed
                 or not self.transport.is_active())
@@ -409,7 +409,7 @@ class RemoteProcess:
             return self.status
         if not self.finished:
             return None
-        self._reader.join(timeout=2.0)  # the exit marker may still be in flight
+        self._reader.join(timeout=2.0)  # the exit frame may still be in flight
         if self.status is not None:
             return self.status
         if self.channel.exit_status_ready():
