@@ -235,6 +235,7 @@ def test_what_a_rank_prints_cannot_end_it_or_reach_the_terminal(hostile: Hostile
     assert f"rank 0 on box2 (root@127.0.0.1:{port}) exited with status 3" in output, output[-3000:]
     assert "box2 r0 | __MESHTRAIN_EXIT__ 0" in lines and "box2 r0 | __MESHTRAIN_EXIT__" in lines
     assert f"box2 r0 | \\x02MESHTRAIN_EXIT {'0' * 32} 0\\x03" in lines
+    assert "box2 r0 | __MESHTRAIN_PID__ 1" in lines  # never taken for the process group to kill
     assert "box2 r0 | still read" in lines  # the reader lived through all of it
     assert "box2 r0 | key hidden" in lines
     # Escape sequences are made visible; a tab stays a tab; no raw control byte is printed.

@@ -374,13 +374,13 @@ class RemoteProcess:
         return time.monotonic() - self.last_beat
 
     def _line(self, line: str) -> None:
-        if self.pgid is None and line.startswith(PID_MARKER):  # the shell's first line, before the command
-            words = line.split()
-            if len(words) != 2 or not words[1].isascii() or not words[1].isdigit():
-                raise ValueError(f"bad process group line {line[:80]!r}")
-            self.pgid = int(words[1])
-            self.channel.sendall(f"{self._key}\n".encode())  # echo is off by now
+        if not self._pid_seen.is_set() and line.startswith(PID_MARKER):
+            # The shell's line before the command starts; taken once, so no later print counts.
             self._pid_seen.set()
+            words = line.split()
+            if len(words) == 2 and words[1].isascii() and words[1].isdigit() and int(words[1]) > 1:
+                self.pgid = int(words[1])  # else none: teardown relies on the hang-up alone
+            self.channel.sendall(f"{self._key}\n".encode())  # echo is off by now
             return
         if self.status is None:
             line, status = take_exit_status(line, self._key)
