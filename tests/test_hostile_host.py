@@ -293,10 +293,14 @@ def test_metacharacters_in_every_inventory_value_run_nothing(hostile: HostileHos
     assert not marker.exists()
 
     # A hostile run id is refused before any host is contacted: one line, exit 2.
+    from typer.testing import CliRunner
+
+    from meshtrain.cli.main import app
+
     for flag in ("--run-id", "--resume"):
-        done = meshtrain(hostile.world, "launch", str(inv), flag, f"r1;touch {marker};", "--steps", "1",
-                         cwd=tmp_path)
-        assert done.returncode == 2, done.stdout + done.stderr
+        done = CliRunner().invoke(app, ["launch", str(inv), flag, f"r1;touch {marker};",
+                                         "--steps", "1"])
+        assert done.exit_code == 2, done.stdout + done.stderr
         assert done.stderr.strip() == (f"error: {flag} 'r1;touch {marker};': use letters, digits, '.', '_' "
                                        "and '-' (not starting with '.' or '-'), at most 128 characters")
     assert not marker.exists()
