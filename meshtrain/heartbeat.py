@@ -118,9 +118,13 @@ class RankStatus:
 
 def decode_status(payload: str) -> RankStatus | None:
     """The status in one frame's JSON ``payload``; None if it is not a version-1 status
-    with well-typed fields (a newer rank's message, or damage): it is then ignored."""
+    with well-typed fields (a newer rank's message, damage, or a hostile host's): it is
+    then ignored. A frame longer than :data:`STATUS_MAX_BYTES`, NaN or Infinity, and
+    numbers that no rank could send (beyond 2**63, negative counts) are refused."""
+    if len(payload) > STATUS_MAX_BYTES:
+        return None
     try:
-        fields = json.loads(payload)
+        fields = json.loads(payload, parse_constant=_no_constant)
     except ValueError:
         return None
     if not isinstance(fields, dict) or fields.get("v") != STATUS_VERSION:
@@ -132,7 +136,9 @@ def decode_status(payload: str) -> RankStatus | None:
             return None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(key)
-        if kind is int and not float(value).is_integer():
+        if not abs(value) < 2**63:
+            raise ValueError(key)
+        if kind is int and (not float(value).is_integer() or value < 0):
             raise TypeError(key)
         return kind(value)
 
@@ -144,6 +150,10 @@ def decode_status(payload: str) -> RankStatus | None:
                           number("sent", int), number("rss", int), number("sync", int))
     except (TypeError, OverflowError, ValueError):
         return None
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} in a status frame")
 
 
 def split_status(line: str) -> tuple[str, list[RankStatus], bool]:
@@ -174,7 +184,9 @@ class StatusReporter:
     the program's writes; it is delimited by control characters (STX, ETX) that text
     output never holds, so the launcher finds it wherever it lands and never parses
     the program's text. It is JSON with a version field: never pickle, and a launcher
-    ignores a version it does not know.
+    ignores a version it does not know. The program could still write a frame itself:
+    statuses only feed the live view, and the exit status travels in its own keyed frame
+    (see :mod:`~meshtrain.launch.host_output`).
 
     Statuses go out at most every ``interval`` seconds (each step when steps are slower),
     plus the announcement, the first step and the last, so they cost nothing next to a training step.

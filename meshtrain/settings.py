@@ -24,6 +24,16 @@ RUNTIMES = ("threads", "processes", "launched")
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
+def check_run_id(run_id: str, where: str = "run id") -> str:
+    """``run_id`` if it is a safe name (letters, digits, ``.``, ``_``, ``-``; not starting
+    with ``.`` or ``-``; at most 128 characters): it becomes a folder name here and on
+    every host. Raises :class:`SettingError` naming ``where``."""
+    if not isinstance(run_id, str) or not RUN_ID.match(run_id):
+        raise SettingError(f"{where} {run_id!r}: use letters, digits, '.', '_' and '-' "
+                           "(not starting with '.' or '-'), at most 128 characters")
+    return run_id
+
+
 def _setting(default: Any, help: str, *, minimum: float | None = None, above: float | None = None,
              choices: tuple[str, ...] | None = None, factory: Any = None) -> Any:
     """A dataclass field carrying the setting's help text and limits."""
@@ -103,9 +113,8 @@ class TrainConfig:
         if self.microbatch_size is not None and self.microbatch_size > self.batch_size:
             raise SettingError(f"microbatch_size ({self.microbatch_size}) must not exceed "
                                f"batch_size ({self.batch_size})")
-        if self.run_id is not None and not RUN_ID.match(self.run_id):
-            raise SettingError(f"run id {self.run_id!r}: use letters, digits, '.', '_' and '-' "
-                               "(not starting with '.' or '-'), at most 128 characters")
+        if self.run_id is not None:
+            check_run_id(self.run_id)
         get_cluster(self.cluster)
         self.fault_plan()
 

@@ -26,7 +26,7 @@ from meshtrain.data import Collate, DataFactory
 from meshtrain.devices import resolve_device
 from meshtrain.job import FitResult, NodeJob
 from meshtrain.run_dir import RunDirectory
-from meshtrain.settings import TrainConfig
+from meshtrain.settings import TrainConfig, check_run_id
 from meshtrain.strategies import DiLoCo, Strategy
 
 
@@ -144,6 +144,8 @@ class Trainer:
         if writes:
             loggers.require_installed(config)  # a missing wandb/tensorboard: one line, nothing trains
         run_id = config.run_id or (resume.run_id if resume else None) or os.environ.get("MESHTRAIN_RUN_ID")
+        if run_id is not None:  # from a checkpoint or the environment: a folder name, checked like --run-id
+            check_run_id(run_id)
         run_dir = RunDirectory.reserve(Path(config.out_dir), run_id, strategy.name, config.nodes) \
             if writes else None
         run_id = run_dir.run_id if run_dir else (run_id or "rank")

@@ -90,10 +90,11 @@ def _alive(pid: int) -> bool:
 
 
 def start_sshd(folder: Path, authorized_key: Path, *, address: str = "127.0.0.1", port: int | None = None,
-               netns: str | None = None, wrap: tuple[str, ...] = ()) -> Sshd:
+               netns: str | None = None, wrap: tuple[str, ...] = (), extra_config: str = "") -> Sshd:
     """Start sshd on ``address:port`` (inside ``netns`` if given) and wait until it listens.
 
-    ``wrap`` goes before the command (e.g. ``unshare -m ...``: a mount only it sees)."""
+    ``wrap`` goes before the command (e.g. ``unshare -m ...``: a mount only it sees);
+    ``extra_config`` is appended to its sshd_config."""
     _need(SSHD)
     folder.mkdir(parents=True, exist_ok=True)
     Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # its privilege-separation folder
@@ -110,7 +111,7 @@ def start_sshd(folder: Path, authorized_key: Path, *, address: str = "127.0.0.1"
         "PasswordAuthentication no\nKbdInteractiveAuthentication no\nPubkeyAuthentication yes\n"
         "PermitRootLogin prohibit-password\nStrictModes no\nUsePAM no\nUseDNS no\n"
         "ClientAliveInterval 5\nClientAliveCountMax 3\nMaxSessions 32\nMaxStartups 64\n"
-        "Subsystem sftp internal-sftp\nLogLevel VERBOSE\n"
+        "Subsystem sftp internal-sftp\nLogLevel VERBOSE\n" + extra_config
     )
     command = [SSHD, "-f", str(config), "-E", str(log)]
     if netns:

@@ -94,6 +94,15 @@ def test_sizes_and_timings_json() -> None:
     assert samples_from_json(samples_to_json(samples), "x") == samples
     with pytest.raises(BenchError, match="^box0:bench.json: not a benchmark result"):
         samples_from_json("{}", "box0:bench.json")
+    # The file comes from rank 0's host: parsed strictly.
+    row = '{"payload_bytes": 4096, "group_size": 2, "seconds": %s}'
+    for bad in [row % "NaN", row % "Infinity", row % "-1", row % "true",
+                row.replace("4096", "4096.5") % "0.1", row.replace("4096", "1e400") % "0.1",
+                ",".join([row % "0.1"] * 1001)]:
+        with pytest.raises(BenchError, match="not a benchmark result"):
+            samples_from_json('{"samples": [' + bad + "]}", "box0:bench.json")
+    with pytest.raises(BenchError, match="larger than 1048576 bytes"):
+        samples_from_json(" " * (2 << 20), "box0:bench.json")
 
 
 # --------------------------------------------------------------------------- cluster files

@@ -72,6 +72,13 @@ def test_status_frame_round_trip_is_small_versioned_json() -> None:
     '{"v":1,"step":3,"loss":"low"}',
     '[1,2]',
     '{"v":1,"step":3',  # cut off
+    # What a hostile host could send: NaN, infinities, absurd or negative counts, a huge frame.
+    '{"v":1,"step":3,"loss":NaN}',
+    '{"v":1,"step":3,"sps":Infinity}',
+    '{"v":1,"step":1e400}',
+    '{"v":1,"step":99999999999999999999999}',
+    '{"v":1,"step":-1}',
+    '{"v":1,"step":3,"pad":"' + "x" * 600 + '"}',
 ])
 def test_a_message_that_is_not_a_version_1_status_is_ignored(payload: str) -> None:
     assert decode_status(payload) is None
@@ -91,7 +98,7 @@ def test_frames_are_taken_out_of_the_programs_lines_wherever_they_land() -> None
     out.line(1, "")  # the program's own empty line stays
     assert stream.getvalue().splitlines() == [
         "box0 r0 | loss so far: 0.25",
-        "box1 r1 | see \x02{not a frame\x03 here",
+        "box1 r1 | see \\x02{not a frame\\x03 here",  # shown, its control characters made visible
         "box1 r1 | ",
     ]
     assert seen == [(0, a), (1, b)]

@@ -58,9 +58,11 @@ from meshtrain.launch.launcher import (
     training_argv,
 )
 from meshtrain.launch.live import rank_output
+from meshtrain.launch.safe_copy import DEFAULT_MAX_FILES, CopyLimits
 from meshtrain.launch.shipping import ShipError, Shipment, hash_path
 from meshtrain.progress import human_bytes
 from meshtrain.run_dir import atomic_write_text
+from meshtrain.settings import SettingError, check_run_id
 from meshtrain.tasks import TaskError, get_task
 
 # simulate's flag name for each training option the launcher forwards.
@@ -394,6 +396,17 @@ def _apply_overrides(inv: Inventory, threads: int | None, heartbeat_timeout: flo
     return inv
 
 
+def _copy_limits(size: str, files: int) -> CopyLimits:
+    """The caps on the copy-back from --copy-back-limit and --copy-back-files."""
+    try:
+        max_bytes = parse_size(size)
+    except BenchError:
+        raise fail(f"--copy-back-limit {size!r}: expected a size such as 64GiB or 500MB") from None
+    if files < 1:
+        raise fail(f"--copy-back-files: expected a whole number >= 1, got {files}")
+    return CopyLimits(max_bytes=max_bytes, max_files=files)
+
+
 def register(app: typer.Typer) -> None:
     """Add ``hosts check``, ``hosts bench`` and ``launch`` to the ``meshtrain`` app."""
     hosts_app = typer.Typer(help="Find, set up, check and measure the machines of an inventory.",
@@ -460,6 +473,12 @@ def register(app: typer.Typer) -> None:
             False, "--allow-shrink", rich_help_panel="Long runs",
             help="A host still unreachable after --restart-wait is left out: the others continue "
                  "without it from the last checkpoint (ddp, diloco, sparta-diloco, fedavg)."),
+        copy_back_limit: str = typer.Option(
+            "64GiB", "--copy-back-limit", help="Most bytes rank 0's host may send back as the run "
+                                               "directory (e.g. 200GiB); more stops the copy."),
+        copy_back_files: int = typer.Option(
+            DEFAULT_MAX_FILES, "--copy-back-files", help="Most files and folders rank 0's host may "
+                                                         "send back as the run directory."),
         no_ship: bool = typer.Option(
             False, "--no-ship", help="Do not send --data (and a local task_options.model) into every "
                                      "workdir: every host already holds it at the same path."),
@@ -471,7 +490,14 @@ def register(app: typer.Typer) -> None:
         script calling Trainer.fit (or any torchrun script) joins the group. The output of
         every rank streams here; rank 0's run directory is copied back under --out.
         """
+        for flag, value in (("--run-id", run_id), ("--resume", resume)):
+            if value is not None:
+                try:
+                    check_run_id(value, flag)
+                except SettingError as exc:
+                    raise fail(str(exc)) from None
         inv = _inventory(inventory)
+        limits = _copy_limits(copy_back_limit, copy_back_files)
         flags = dict(profile=profile, strategy=strategy, task=task, data=data, steps=steps,
                      batch_size=batch_size, microbatch_size=microbatch_size, lr=lr, seed=seed,
                      val_interval=val_interval, checkpoint_every=checkpoint_every, keep_checkpoints=keep)
@@ -514,7 +540,7 @@ def register(app: typer.Typer) -> None:
                                 out_dir=out, accept_new_host_keys=accept_new_host_keys,
                                 uploads=list(upload), resume=bool(resume), max_restarts=max_restarts,
                                 restart_wait=restart_wait, allow_shrink=allow_shrink,
-                                shipments=shipments, required_paths=required)
+                                shipments=shipments, required_paths=required, copy_limits=limits)
         output = rank_output([h.name for h in inv.hosts], plain=plain, title=options.run_id,
                              log_dir=out / f"{options.run_id}.ranks")  # moved into the run directory
         try:

@@ -202,11 +202,39 @@ def samples_to_json(samples: Sequence[Sample]) -> str:
                                     "seconds": s.seconds} for s in samples]}, indent=1)
 
 
+MAX_RESULT_BYTES = 1 << 20  # bench.json as rank 0's host sends it back: a few KiB when honest
+MAX_SAMPLES = 1000
+
+
 def samples_from_json(text: str, source: str) -> list[Sample]:
-    """Read what :func:`samples_to_json` wrote; raises :class:`BenchError` naming ``source``."""
+    """Read what :func:`samples_to_json` wrote; raises :class:`BenchError` naming ``source``.
+
+    The file comes from rank 0's host, so it is parsed strictly: bounded size and count,
+    whole positive numbers for sizes and group, a finite positive time, no NaN/Infinity.
+    """
+    if len(text) > MAX_RESULT_BYTES:
+        raise BenchError(f"{source}: not a benchmark result (larger than {MAX_RESULT_BYTES} bytes)")
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not a number")
+
+    def whole(row: dict[str, Any], key: str) -> int:
+        value = row[key]
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**53:
+            raise ValueError(f"{key} {value!r} is not a whole number > 0")
+        return value
+
     try:
-        rows = json.loads(text)["samples"]
-        return [Sample(int(r["payload_bytes"]), int(r["group_size"]), float(r["seconds"])) for r in rows]
+        rows = json.loads(text, parse_constant=refuse)["samples"]
+        if not isinstance(rows, list) or len(rows) > MAX_SAMPLES:
+            raise ValueError(f"'samples' must be a list of at most {MAX_SAMPLES}")
+        samples = []
+        for r in rows:
+            seconds = r["seconds"]
+            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 1e6:
+                raise ValueError(f"seconds {seconds!r} is not a time > 0")
+            samples.append(Sample(whole(r, "payload_bytes"), whole(r, "group_size"), float(seconds)))
+        return samples
     except (ValueError, KeyError, TypeError) as exc:
         raise BenchError(f"{source}: not a benchmark result ({type(exc).__name__}: {exc})") from None
 

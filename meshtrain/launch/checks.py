@@ -10,7 +10,6 @@ subsystem is off); and the rendezvous port on rank 0 can be reached from every h
 from __future__ import annotations
 
 import json
-import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,12 +19,13 @@ import torch
 
 import meshtrain
 from meshtrain.launch.inventory import Host, Inventory
-from meshtrain.launch.ssh import RemoteProcess, SSHError, connect, remote_path, run, sh
+from meshtrain.launch.ssh import HostPath, RemoteProcess, Shell, SSHError, connect, run, sh, shell_line
 from meshtrain.launch.transfer import has_sftp, has_tar
 
 CHECKS = ("ssh", "python", "meshtrain", "torch", "device", "workdir", "sftp", "rendezvous")
 
 # Run on each host by its interpreter: versions, device and workdir, as one JSON line.
+PROBE_MAX_BYTES = 1 << 20  # a host's answer to a check: a few lines of JSON
 PROBE = r"""
 import json, os, sys, tempfile
 out = {"python": sys.version.split()[0]}
@@ -140,16 +140,18 @@ def check_hosts(inventory: Inventory, *, accept_new_host_keys: bool = False,
 
 def _probe_host(client: paramiko.SSHClient, report: HostReport, timeout: float) -> None:
     host = report.host
-    py = remote_path(host.python)
-    result = run(client, sh(f"test -x {py} || exit 41; exec {py} -c {shlex.quote(PROBE)} "
-                            f"{shlex.quote(host.device)} {shlex.quote(host.workdir)}"),
-                 timeout=max(60.0, timeout))
+    py = HostPath(host.python)
+    result = run(client, sh(shell_line("test", "-x", py, Shell("|| exit 41;"), "exec", py, "-c", PROBE,
+                                       host.device, host.workdir)),
+                 timeout=max(60.0, timeout), max_output=PROBE_MAX_BYTES)
     if result.status == 41:
         report.checks["python"] = Check(False, "not found", f"{host.python} is not an executable on "
                                         "the host: set 'python' to the absolute path (`which python3` there)")
         return
     try:
         info = json.loads(result.stdout.strip().splitlines()[-1])
+        if not isinstance(info, dict) or not isinstance(info.get("python"), str):
+            raise ValueError("not the probe's answer")  # a host's answer is checked before it is used
     except (ValueError, IndexError):
         error = (result.stderr.strip().splitlines() or ["no output"])[-1]
         report.checks["python"] = Check(False, "broken", f"{host.python} failed: {error}")
@@ -201,7 +203,7 @@ def _check_rendezvous(inventory: Inventory, reports: list[HostReport],
     if rank0 is None or reports[0].checks["python"].ok is not True:
         return  # nothing can listen there: the earlier failure says why
     lines: list[str] = []
-    listener = RemoteProcess(rank0, f"{remote_path(master.python)} -c {shlex.quote(LISTENER)} {port}",
+    listener = RemoteProcess(rank0, shell_line(HostPath(master.python), "-c", LISTENER, str(port)),
                              lines.append)
     try:
         deadline = time.monotonic() + timeout + 30.0
@@ -220,9 +222,9 @@ def _check_rendezvous(inventory: Inventory, reports: list[HostReport],
             client = clients[report.host.rank]
             if client is None or report.checks["python"].ok is not True:
                 return
-            py = remote_path(report.host.python)
-            out = run(client, f"{py} -c {shlex.quote(CONNECTOR)} {shlex.quote(master.advertise)} {port} 5",
-                      timeout=30.0).stdout.strip()
+            connector = shell_line(HostPath(report.host.python), "-c", CONNECTOR, master.advertise,
+                                   str(port), "5")
+            out = run(client, sh(connector), timeout=30.0, max_output=PROBE_MAX_BYTES).stdout.strip()
             if out.startswith("CONNECTED"):
                 report.checks["rendezvous"] = Check(True, "reached")
             else:

@@ -19,9 +19,7 @@ is left out and the others continue without it, renumbered in inventory order.
 from __future__ import annotations
 
 import json
-import os
-import shlex
-import shutil
+import re
 import signal
 import threading
 import time
@@ -38,8 +36,23 @@ from meshtrain.errors import InputError
 from meshtrain.heartbeat import HEARTBEAT_FD, heartbeat_interval
 from meshtrain.launch.inventory import Host, Inventory
 from meshtrain.launch.output import STOPPED, RankOutput
+from meshtrain.launch.safe_copy import CopyLimits, UnsafeRunDirectory
 from meshtrain.launch.shipping import ShipError, Shipment, ship_to_hosts
-from meshtrain.launch.ssh import Heartbeat, RemoteProcess, SSHError, connect, remote_path, run, sh
+from meshtrain.launch.ssh import (
+    UNREPORTED,
+    EnvAssignment,
+    Heartbeat,
+    HostPath,
+    OutputTooLarge,
+    RemoteProcess,
+    Shell,
+    SSHError,
+    connect,
+    remote_path,
+    run,
+    sh,
+    shell_line,
+)
 from meshtrain.launch.transfer import (
     TransferError,
     fetch_tree,
@@ -50,6 +63,7 @@ from meshtrain.launch.transfer import (
     sftp_path,
 )
 from meshtrain.run_dir import atomic_write_text
+from meshtrain.settings import check_run_id
 
 POLL_SECONDS = 0.1
 RESTART_WAIT_S = 120.0  # before a restart: how long a cut-off host may take to come back
@@ -74,6 +88,10 @@ class LaunchOptions:
     shipments: list[Shipment] = field(default_factory=list)  # local data sent into every workdir first
     # (what, path) every host must already hold, relative to its workdir (launch --no-ship)
     required_paths: list[tuple[str, str]] = field(default_factory=list)
+    copy_limits: CopyLimits = field(default_factory=CopyLimits)  # what rank 0's host may send back
+
+    def __post_init__(self) -> None:
+        check_run_id(self.run_id)  # a folder name on every host, in remote commands: never shell text
 
 
 @dataclass
@@ -192,7 +210,7 @@ def rank_command(inventory: Inventory, host: Host, run_id: str, argv: list[str],
     script command a leading ``python`` or ``python3`` means the host's interpreter
     from the inventory.
     """
-    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in rank_env(inventory, host, run_id).items())
+    env = [EnvAssignment(k, v) for k, v in rank_env(inventory, host, run_id).items()]
     args = list(argv)
     if training:
         args += ["--device", host.device, "--out", REMOTE_RUNS, "--run-id", run_id]
@@ -201,8 +219,7 @@ def rank_command(inventory: Inventory, host: Host, run_id: str, argv: list[str],
         program, args = [host.python], args[1:]
     else:
         program = []
-    words = [remote_path(p) for p in program] + [shlex.quote(a) for a in args]
-    return f"cd {remote_path(host.workdir)} && {env} {' '.join(words)}"
+    return shell_line("cd", HostPath(host.workdir), Shell("&&"), *env, *map(HostPath, program), *args)
 
 
 # --------------------------------------------------------------------------- preflight
@@ -215,10 +232,10 @@ def preflight(inventory: Inventory, options: LaunchOptions) -> list[paramiko.SSH
         client = connect(host, accept_new_host_keys=options.accept_new_host_keys,
                          timeout=options.connect_timeout)
         try:
-            check = run(client, sh(
-                f"test -x {remote_path(host.python)} || exit 41; "
-                f"mkdir -p {remote_path(host.workdir)}/{REMOTE_RUNS} || exit 42"
-            ), timeout=options.connect_timeout)
+            check = run(client, sh(shell_line(
+                "test", "-x", HostPath(host.python), Shell("|| exit 41;"),
+                "mkdir", "-p", HostPath(f"{host.workdir}/{REMOTE_RUNS}"), Shell("|| exit 42"),
+            )), timeout=options.connect_timeout)
         except Exception:
             client.close()
             raise
@@ -259,10 +276,10 @@ def _check_required_paths(client: paramiko.SSHClient, host: Host, options: Launc
     """With ``--no-ship`` the data must already be on every host, where the rank looks."""
     if not options.required_paths:
         return
-    tests = "; ".join(f"test -e {remote_path(path)} || echo {shlex.quote(f'{what} {path}')}"
-                      for what, path in options.required_paths)
-    found = run(client, sh(f"cd {remote_path(host.workdir)} && {{ {tests}; }}"),
-                timeout=options.connect_timeout)
+    tests = [shell_line("test", "-e", HostPath(path), Shell("||"), "echo", f"{what} {path}")
+             for what, path in options.required_paths]
+    found = run(client, sh(shell_line("cd", HostPath(host.workdir), Shell("&& {"), Shell("; ".join(tests)),
+                                      Shell("; }"))), timeout=options.connect_timeout)
     absent = found.stdout.strip().splitlines()
     if absent:
         raise SSHError(host, f"{absent[0]} does not exist there (relative paths start at workdir "
@@ -398,16 +415,27 @@ def _checkpoints(options: LaunchOptions) -> str:
     return f"{REMOTE_RUNS}/{options.run_id}.checkpoints"
 
 
+SUMMARY_MAX_BYTES = 16 << 20  # a copied-back summary.json the launcher adds its restarts to
+STEP_NUMBER = re.compile(r"^[0-9]{1,12}$")  # a checkpoint step a host lists
+LISTING_MAX_BYTES = 1 << 20  # a host's checkpoint listing: far more than any real one
+
+
 def common_checkpoint(ranks: list[_Rank], options: LaunchOptions) -> int | None:
     """The newest checkpoint step that every host holds complete (its meta.json written
     last), or None. Each host keeps only its own rank's state, so all must have it."""
     common: set[int] | None = None
     for r in ranks:
-        found = run(r.client, sh(f"cd {remote_path(r.host.workdir)} 2>/dev/null || exit 0; "
-                                 f"for d in {_checkpoints(options)}/step-*; do "
-                                 '[ -f "$d/meta.json" ] && echo "${d##*/step-}"; done; exit 0'),
-                    timeout=options.connect_timeout)
-        steps = {int(word) for word in found.stdout.split() if word.isdigit()}
+        try:
+            found = run(r.client, sh(shell_line(
+                "cd", HostPath(r.host.workdir), Shell("2>/dev/null || exit 0;"),
+                "cd", _checkpoints(options), Shell("2>/dev/null || exit 0;"),
+                # Each name ends with '/', which no file name holds: a name with a newline stays one.
+                Shell('for d in step-*; do [ -f "$d/meta.json" ] && printf "%s/" "${d#step-}"; done; exit 0'),
+            )), timeout=options.connect_timeout, max_output=LISTING_MAX_BYTES)
+        except OutputTooLarge:
+            return None  # a host that floods its answer offers no checkpoint to trust
+        # The host's answer is hostile input: only names that are a plain step number count.
+        steps = {int(name) for name in found.stdout.split("/") if STEP_NUMBER.fullmatch(name)}
         common = steps if common is None else common & steps
     return max(common) if common else None
 
@@ -415,17 +443,21 @@ def common_checkpoint(ranks: list[_Rank], options: LaunchOptions) -> int | None:
 def _forget_unfinished_run(rank0: _Rank, options: LaunchOptions) -> None:
     """Remove the hidden run directory a stopped rank 0 left, so the run id can be used
     again (every rank was confirmed stopped before a restart or a resume)."""
-    run(rank0.client, sh(f"rm -rf {remote_path(rank0.host.workdir)}/{REMOTE_RUNS}/.{options.run_id}.partial"),
-        timeout=options.connect_timeout)
+    partial = HostPath(f"{rank0.host.workdir}/{REMOTE_RUNS}/.{options.run_id}.partial")
+    run(rank0.client, sh(shell_line("rm", "-rf", partial)), timeout=options.connect_timeout)
 
 
 def _record_restarts(run_dir: Path, restarts: list[dict[str, object]]) -> None:
     """Add the restarts to the copied-back run's summary.json (``"restarts"``)."""
     summary_file = run_dir / "summary.json"
-    if summary_file.is_file():
-        summary = json.loads(summary_file.read_text())
-        summary["restarts"] = restarts
-        atomic_write_text(summary_file, json.dumps(summary, indent=2) + "\n")
+    if summary_file.is_file() and summary_file.stat().st_size < SUMMARY_MAX_BYTES:
+        try:  # written by rank 0's host: a summary that is not a JSON object is left as it came
+            summary = json.loads(summary_file.read_text())
+        except (ValueError, UnicodeDecodeError):
+            return
+        if isinstance(summary, dict):
+            summary["restarts"] = restarts
+            atomic_write_text(summary_file, json.dumps(summary, indent=2) + "\n")
 
 
 def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], options: LaunchOptions,
@@ -485,6 +517,8 @@ def _outcome(r: _Rank, options: LaunchOptions, heartbeat_timeout: float) -> str 
         status = r.process.exit_status()
         if status is None:
             return "lost connection (host down, asleep, or off the network)"
+        if status == UNREPORTED:
+            return "ended without reporting its exit status (its remote shell was killed)"
         return "ok" if status == 0 else f"exited with status {status}"
     silent = r.heartbeat.silent_for()
     if silent > options.host_timeout:
@@ -550,7 +584,7 @@ def _kill_from_new_connection(r: _Rank, options: LaunchOptions) -> str | None:
     try:
         client = connect(r.host, timeout=min(3.0, options.connect_timeout))
         try:
-            run(client, f"kill -KILL -{pgid} 2>/dev/null; true", timeout=3.0)
+            run(client, sh(shell_line("kill", "-KILL", f"-{pgid}", Shell("2>/dev/null; true"))), timeout=3.0)
         finally:
             client.close()
         return None
@@ -585,14 +619,15 @@ class CopyInterrupted(BaseException):  # noqa: N818 - a signal, not an error
 def _copy_back(rank0: _Rank, options: LaunchOptions, output: RankOutput, stop: _Signal) -> LaunchResult:
     """Copy ``<workdir>/runs/<run_id>/`` from rank 0's host to ``<out_dir>/<run_id>/``.
 
-    Written to a hidden folder first and renamed, so a failed copy leaves nothing half
-    done. A failed or interrupted copy says where the run directory still is and the
-    command that fetches it; a signal stops the copy at once (exit 128+N).
+    Written to a fresh hidden folder first and renamed, so a failed copy leaves nothing
+    half done; what the host sends is unpacked by :mod:`~meshtrain.launch.safe_copy`, and
+    an entry it refuses (a link, ``..``, over the caps) ends the launch with exit 1. A
+    failed or interrupted copy says where the run directory still is and the command that
+    fetches it; a signal stops the copy at once (exit 128+N).
     """
     host = rank0.host
     remote = f"{host.workdir}/{REMOTE_RUNS}/{options.run_id}"
     final = options.out_dir / options.run_id
-    partial = options.out_dir / f".{options.run_id}.copying"
     use_sftp = False  # the tar command in messages works whether or not the host has sftp
     try:
         stop.raise_now()  # from here on a signal interrupts the copy where it is
@@ -607,18 +642,18 @@ def _copy_back(rank0: _Rank, options: LaunchOptions, output: RankOutput, stop: _
             raise TransferError(f"{host.name} has neither tar nor an sftp server")
         output.note(f"copying {host.name}:{sftp_path(remote)} to {final}")
         options.out_dir.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
-        fetch_tree(rank0.client, remote, partial, use_sftp=use_sftp)
-        os.replace(partial, final)
+        fetch_tree(rank0.client, remote, final, use_sftp=use_sftp, limits=options.copy_limits)
     except CopyInterrupted as exc:
         stop.raising = False
-        shutil.rmtree(partial, ignore_errors=True)
         output.note(f"{signal.Signals(exc.signum).name} received during the copy-back; "
                     + _still_there(host, remote, options.out_dir, use_sftp), style="bold yellow")
         return LaunchResult(128 + exc.signum, [], None, 0.0)
+    except UnsafeRunDirectory as exc:
+        stop.raising = False  # nothing to fetch by hand: a plain `tar -x` of it is what this refuses
+        output.note(f"{host.name} sent an unsafe run directory: {exc}", style="bold red")
+        return LaunchResult(1, [], None, 0.0, copy_failed=True)
     except (OSError, EOFError, paramiko.SSHException, TransferError) as exc:
         stop.raising = False
-        shutil.rmtree(partial, ignore_errors=True)
         reason = f"{exc.strerror} ({exc.filename})" if isinstance(exc, OSError) and exc.strerror else exc
         output.note(f"could not copy the run directory to {final}: {reason or type(exc).__name__}; "
                     + _still_there(host, remote, options.out_dir, use_sftp), style="bold red")
@@ -647,14 +682,15 @@ def _report_incomplete(rank0: _Rank, options: LaunchOptions, output: RankOutput)
 def _still_there(host: Host, remote: str, out_dir: Path, use_sftp: bool) -> str:
     """Where the run directory still is, and the command that fetches it into ``out_dir``."""
     path = sftp_path(remote)  # scp and ssh start at the home folder, like SFTP
-    key = f" -i {shlex.quote(host.identity_file)}" if host.identity_file else ""
+    key = ["-i", host.identity_file] if host.identity_file else []
     target = f"{host.user}@{host.hostname}"
     if use_sftp:
-        fetch = f"scp -r -P {host.port}{key} {target}:{shlex.quote(path)} {shlex.quote(str(out_dir))}/"
+        fetch = shell_line("scp", "-r", "-P", str(host.port), *key, f"{target}:{path}", f"{out_dir}/")
     else:  # what the launcher does, and it works where sftp is off (scp now speaks SFTP)
-        local = shlex.quote(str(out_dir / Path(path).name))
-        fetch = (f"mkdir -p {local} && ssh -p {host.port}{key} {target} "
-                 f"{shlex.quote('tar -C ' + shlex.quote(path) + ' -cf - .')} | tar -C {local} -xf -")
+        local = str(out_dir / Path(path).name)
+        fetch = shell_line("mkdir", "-p", local, Shell("&&"), "ssh", "-p", str(host.port), *key, target,
+                           shell_line("tar", "-C", path, "-cf", "-", "."), Shell("|"), "tar", "-C", local,
+                           "-xf", "-")
     return f"the run directory is still on {host.name}: {path} (fetch it with: {fetch})"
 
 

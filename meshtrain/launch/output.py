@@ -3,7 +3,8 @@
 On a terminal the prefixes are coloured per rank (rich); piped, they are plain text, so
 logs stay greppable: ``studio-1 r0 | step 10/100  loss 1.2345``. The ranks' status
 frames (see :class:`~meshtrain.heartbeat.StatusReporter`) are taken out of the
-lines here and handed to :meth:`RankOutput.status`; this plain output ignores them, the
+lines here and handed to :meth:`RankOutput.status`; control characters left in a line
+(escape sequences) are shown as ``\x1b`` and the like; this plain output ignores them, the
 live panel (:class:`~meshtrain.launch.live.LiveOutput`) shows them.
 
 With ``log_dir`` every rank's lines are also written to ``<log_dir>/<host>-r<rank>.log``
@@ -25,6 +26,7 @@ from rich.text import Text
 
 from meshtrain import observers
 from meshtrain.heartbeat import RankStatus, split_status
+from meshtrain.launch.host_output import visible
 
 COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
 TAIL_LINES = 20
@@ -168,6 +170,7 @@ class RankOutput:
         """``rank`` stopped (the lock is held)."""
 
     def _emit(self, rank: int, text: str) -> None:
+        text = visible(text)  # a host's escape sequences never reach the terminal or the logs
         self.tails[rank].append(text)
         self._log(rank, text)
         self._show(rank, text)

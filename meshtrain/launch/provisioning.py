@@ -17,7 +17,6 @@ Hosts sharing a machine and workdir share one environment: it is set up once.
 from __future__ import annotations
 
 import json
-import shlex
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +28,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from meshtrain.errors import RunFailure
 from meshtrain.launch.inventory import Host, Inventory
 from meshtrain.launch.local_install import LocalInstall, public_version
-from meshtrain.launch.ssh import SSHError, connect, remote_path, run, sh
+from meshtrain.launch.ssh import HostPath, Shell, SSHError, connect, run, sh, shell_line
 from meshtrain.launch.transfer import TransferError, has_sftp, put_files
 
 VENV = ".venv"
@@ -196,29 +195,31 @@ def _provision(host: Host, local: LocalInstall, options: SetupOptions,
             if state != "ok" else str(status["python"])
         if state != "ok":
             stage("creating venv")
-            clear = " --clear" if state == "broken" else ""
-            _must(client, f"{_quote(options.base_python)} -m venv{clear} {remote_path(_venv(host))}",
+            clear = ["--clear"] if state == "broken" else []
+            _must(client, shell_line(_program(options.base_python), "-m", "venv", *clear,
+                                     HostPath(_venv(host))),
                   f"creating {_venv(host)} with {options.base_python}")
-        py = remote_path(venv_python(host))
-        pip = f"{py} -m pip install --disable-pip-version-check --no-input --progress-bar off -q"
-        extra = " ".join(shlex.quote(a) for a in options.pip_args)
+        py = HostPath(venv_python(host))
+        pip = [py, "-m", "pip", "install", "--disable-pip-version-check", "--no-input", "--progress-bar",
+               "off", "-q", *options.pip_args]
         names = [p.split("==")[0] for p in local.pins]
         shown = ", ".join(p.replace("==", " ") for p in local.pins[:3])
         more = f" + {len(local.pins) - 3} more" if len(local.pins) > 3 else ""
         stage(f"installing {shown}{more}")
-        _must(client, f"{pip} {extra} {' '.join(shlex.quote(p) for p in local.pins)}",
+        _must(client, shell_line(*pip, *local.pins),
               f"pip install of {', '.join(names)}", timeout=PIP_STALL_TIMEOUT)
         stage(f"shipping meshtrain {local.version} (wheel)")
         folder = f"{_venv(host)}/{WHEELS}"
-        _must(client, f"rm -rf {remote_path(folder)} && mkdir -p {remote_path(folder)}", f"creating {folder}")
+        _must(client, shell_line("rm", "-rf", HostPath(folder), Shell("&&"), "mkdir", "-p", HostPath(folder)),
+              f"creating {folder}")
         put_files(client, folder, [local.wheel], use_sftp=has_sftp(client))
         stage(f"installing meshtrain {local.version}")
-        _must(client, f"{pip} {extra} --no-deps --force-reinstall "
-                      f"{remote_path(folder + '/' + local.wheel.name)}",
+        _must(client, shell_line(*pip, "--no-deps", "--force-reinstall",
+                                 HostPath(folder + "/" + local.wheel.name)),
               "pip install of the meshtrain wheel", timeout=PIP_STALL_TIMEOUT)
         stage("recording what was installed")
         text = json.dumps(manifest(local, python), indent=2) + "\n"
-        _must(client, f"{py} -c {shlex.quote(WRITE_MANIFEST)} {remote_path(_venv(host) + '/' + MANIFEST)}",
+        _must(client, shell_line(py, "-c", WRITE_MANIFEST, HostPath(_venv(host) + "/" + MANIFEST)),
               "writing the manifest", stdin=text.encode())
         state, status = _status(client, host, local)
         reason = up_to_date(status, local) if state == "ok" else "the venv's python does not run"
@@ -234,18 +235,18 @@ def _venv(host: Host) -> str:
     return f"{host.workdir.rstrip('/')}/{VENV}"
 
 
-def _quote(program: str) -> str:
-    """A base interpreter for sh: a path (``~`` expanded) or a bare name looked up in PATH."""
-    return remote_path(program) if program.startswith(("/", "~")) else shlex.quote(program)
+def _program(program: str) -> str:
+    """A base interpreter: a path (``~`` expanded) or a bare name looked up in PATH."""
+    return HostPath(program) if program.startswith(("/", "~")) else program
 
 
 def _status(client: paramiko.SSHClient, host: Host, local: LocalInstall) -> tuple[str, dict[str, object]]:
     """("missing" | "broken" | "ok", what the venv's interpreter reports)."""
-    venv, py = remote_path(_venv(host)), remote_path(venv_python(host))
-    names = " ".join(shlex.quote(n) for n in ["meshtrain", *(p.split("==")[0] for p in local.pins)])
-    manifest_path = remote_path(_venv(host) + "/" + MANIFEST)
-    script = (f"if [ -x {py} ]; then exec {py} -c {shlex.quote(STATUS)} {manifest_path} {names}; "
-              f"elif [ -e {venv} ]; then exit 43; else exit 42; fi")
+    venv, py = HostPath(_venv(host)), HostPath(venv_python(host))
+    names = ["meshtrain", *(p.split("==")[0] for p in local.pins)]
+    script = shell_line(Shell("if ["), "-x", py, Shell("]; then exec"), py, "-c", STATUS,
+                        HostPath(_venv(host) + "/" + MANIFEST), *names,
+                        Shell("; elif ["), "-e", venv, Shell("]; then exit 43; else exit 42; fi"))
     result = run(client, sh(script), timeout=QUESTION_TIMEOUT)
     if result.status == 42:
         return "missing", {}
@@ -259,8 +260,8 @@ def _status(client: paramiko.SSHClient, host: Host, local: LocalInstall) -> tupl
 def _check_base_python(client: paramiko.SSHClient, host: Host, local: LocalInstall, base: str,
                        stage: Callable[[str], None]) -> str:
     stage(f"checking {base}")
-    result = run(client, sh(f"command -v {_quote(base)} >/dev/null 2>&1 || exit 41; "
-                            f"exec {_quote(base)} -c {shlex.quote(BASE_PROBE)}"), timeout=QUESTION_TIMEOUT)
+    result = run(client, sh(shell_line("command", "-v", _program(base), Shell(">/dev/null 2>&1 || exit 41;"),
+                                       "exec", _program(base), "-c", BASE_PROBE)), timeout=QUESTION_TIMEOUT)
     if result.status == 41:
         raise SetupFailed(f"--base-python {base}: not found on the host (give its absolute path, "
                           "e.g. /opt/homebrew/bin/python3)")

@@ -25,7 +25,6 @@ import inspect
 import json
 import os
 import secrets
-import shlex
 import tarfile
 import time
 from collections.abc import Callable
@@ -39,7 +38,7 @@ import paramiko
 from meshtrain.errors import InputError
 from meshtrain.launch import blobstore
 from meshtrain.launch.inventory import Host
-from meshtrain.launch.ssh import remote_path, run, sh
+from meshtrain.launch.ssh import HostPath, OutputTooLarge, Shell, run, sh, shell_line
 from meshtrain.launch.transfer import has_sftp, has_tar, sftp_path
 from meshtrain.progress import human_bytes
 
@@ -48,6 +47,8 @@ PER_FILE_BYTES = 4096  # a file's share of directory entries and partly filled b
 QUERY_TIMEOUT = 60.0  # seconds a host may take to answer, plus time to hash what it holds:
 HASH_RATE = 50e6  # bytes per second a slow host's disk and sha256 manage
 STALL_TIMEOUT = 60.0  # seconds an upload may go without progress
+ANSWER_MAX_BYTES = 64 << 20  # a host's answer to a query: its list of missing files, ~70 bytes each
+ANSWER_KEYS = {"query": ("missing", "free", "trees_ok"), "finish": ("bad", "absent")}
 
 T = TypeVar("T")
 _Destination = tuple[Host, paramiko.SSHClient, list[str]]  # a workdir: one host, the names sharing it
@@ -206,15 +207,37 @@ def _host_source() -> str:
     return inspect.getsource(blobstore)
 
 
-def _host_call(host: Host, client: paramiko.SSHClient, op: str, request: dict, timeout: float) -> dict:
-    """Run :mod:`blobstore` on the host with ``request``; its answer."""
+def _host_call(host: Host, client: paramiko.SSHClient, op: str, request: dict, timeout: float,
+               known: set[str]) -> dict:
+    """Run :mod:`blobstore` on the host with ``request``; its answer, whose file lists
+    may name only the files in ``known``."""
     request = {**request, "workdir": host.workdir}
-    command = f"{remote_path(host.python)} -c {shlex.quote(_host_source())} {op}"
-    done = run(client, sh(command), timeout=timeout, stdin=json.dumps(request).encode())
+    command = shell_line(HostPath(host.python), "-c", _host_source(), op)
+    where = f"{host.name} ({host.label}): shipping into {host.workdir}"
+    try:
+        done = run(client, sh(command), timeout=timeout, stdin=json.dumps(request).encode(),
+                   max_output=ANSWER_MAX_BYTES)
+    except OutputTooLarge:
+        raise ShipError([f"{where}: the host's answer is larger than {ANSWER_MAX_BYTES} bytes"]) from None
     if done.status != 0:
         last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-        raise ShipError([f"{host.name} ({host.label}): shipping into {host.workdir} failed: {last}"])
-    return json.loads(done.stdout)
+        raise ShipError([f"{where} failed: {last}"])
+    try:  # the host's answer is hostile input: its shape is checked before any of it is used
+        answer = json.loads(done.stdout)
+        if not isinstance(answer, dict):
+            raise ValueError("not an object")
+        absent = [key for key in ANSWER_KEYS.get(op, ()) if key not in answer]
+        if absent:
+            raise ValueError(f"no {absent[0]!r}")
+        for key in ("missing", "bad", "absent"):
+            names = answer.get(key, [])
+            if not isinstance(names, list) or not set(names) <= known:
+                raise ValueError(f"{key!r} names files that were not asked about")
+        if "free" in answer and (isinstance(answer["free"], bool) or not isinstance(answer["free"], int)):
+            raise ValueError("'free' is not a whole number")
+    except (ValueError, TypeError) as exc:
+        raise ShipError([f"{where}: the host's answer is malformed ({exc})"]) from None
+    return answer
 
 
 def _trees(shipments: list[Shipment]) -> dict[str, list[list[str]]]:
@@ -227,7 +250,7 @@ def _ask(host: Host, client: paramiko.SSHClient, blobs: dict[str, ShipFile], shi
     started = time.monotonic()
     request = {"blobs": {d: f.size for d, f in blobs.items()}, "trees": _trees(shipments)}
     answer = _host_call(host, client, "query", request,
-                        QUERY_TIMEOUT + sum(f.size for f in blobs.values()) / HASH_RATE)
+                        QUERY_TIMEOUT + sum(f.size for f in blobs.values()) / HASH_RATE, set(blobs))
     return _Plan(secrets.token_hex(8), list(answer["missing"]), int(answer["free"]),
                  bool(answer["trees_ok"]), started)
 
@@ -261,7 +284,7 @@ def _send(host: Host, client: paramiko.SSHClient, names: list[str], blobs: dict[
     answer = {"bad": [], "absent": []}
     if not plan.trees_ok:
         answer = _host_call(host, client, "finish", {"token": plan.token, "trees": _trees(shipments)},
-                            QUERY_TIMEOUT + sum(f.size for f in files) / HASH_RATE)
+                            QUERY_TIMEOUT + sum(f.size for f in files) / HASH_RATE, set(blobs))
     if answer["bad"] or answer["absent"]:
         wrong = [blobs[d].local for d in answer["bad"] + answer["absent"]]
         raise ShipError([f"{host.name} ({host.label}): {len(wrong)} shipped files arrived with other "
@@ -288,7 +311,8 @@ def _put_tar(client: paramiko.SSHClient, incoming: str, files: list[ShipFile]) -
     channel = transport.open_session(timeout=QUERY_TIMEOUT)
     try:
         channel.settimeout(STALL_TIMEOUT)
-        channel.exec_command(sh(f"mkdir {remote_path(incoming)} && tar -C {remote_path(incoming)} -xf -"))
+        folder = HostPath(incoming)
+        channel.exec_command(sh(shell_line("mkdir", folder, Shell("&&"), "tar", "-C", folder, "-xf", "-")))
         with channel.makefile("wb") as stream, tarfile.open(fileobj=stream, mode="w|") as archive:
             for f in files:
                 archive.add(str(f.local), arcname=f.sha256, recursive=False)

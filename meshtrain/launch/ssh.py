@@ -13,6 +13,8 @@ from a second channel if a process ignores the hang-up.
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import shlex
 import socket
 import threading
@@ -25,13 +27,14 @@ import paramiko
 
 from meshtrain.errors import RunFailure
 from meshtrain.heartbeat import BEAT, HEARTBEAT_FD
+from meshtrain.launch.host_output import EXIT_PRINTF, LineSplitter, take_exit_status, visible
 from meshtrain.launch.inventory import Host
 from meshtrain.launch.known_hosts import KnownHosts, append_known_host, load_known_hosts
 
 CONNECT_TIMEOUT = 10.0
 KEEPALIVE_SECONDS = 5
 PID_MARKER = "__MESHTRAIN_PID__"
-EXIT_MARKER = "__MESHTRAIN_EXIT__"
+UNREPORTED = -1  # RemoteProcess.exit_status(): the session ended without the command's status
 BLOCKED_PRINT = 1.0  # seconds printing a chunk of output may take before we count it as blocked
 
 
@@ -189,12 +192,18 @@ class Result:
     stderr: str
 
 
+class OutputTooLarge(RunFailure, ConnectionError):
+    """A host answered a question with more output than it may send."""
+
+
 def run(client: paramiko.SSHClient, command: str, *, timeout: float = 60.0,
-        stdin: bytes | None = None) -> Result:
+        stdin: bytes | None = None, max_output: int | None = None) -> Result:
     """Run ``command`` (a POSIX shell line) and wait for it; no pty, separate stderr.
 
     ``stdin`` is written to the command's standard input, then closed (no pty: nothing
-    is echoed, and nothing appears on any command line).
+    is echoed, and nothing appears on any command line). With ``max_output``, more than
+    that many bytes on stdout or stderr raises :class:`OutputTooLarge` (a hostile host's
+    answer is read in bounded memory).
     """
     transport = client.get_transport()
     if transport is None or not transport.is_active():
@@ -206,20 +215,59 @@ def run(client: paramiko.SSHClient, command: str, *, timeout: float = 60.0,
         if stdin is not None:
             channel.sendall(stdin)
             channel.shutdown_write()
-        stdout = channel.makefile("rb").read().decode(errors="replace")
-        stderr = channel.makefile_stderr("rb").read().decode(errors="replace")
-        return Result(channel.recv_exit_status(), stdout, stderr)
+        limit = -1 if max_output is None else max_output + 1
+        out, err = channel.makefile("rb").read(limit), channel.makefile_stderr("rb").read(limit)
+        if max_output is not None and max(len(out), len(err)) > max_output:
+            raise OutputTooLarge(f"more than {max_output} bytes of output from {command[:60]!r}")
+        return Result(channel.recv_exit_status(), out.decode(errors="replace"), err.decode(errors="replace"))
     finally:
         channel.close()
 
 
-def sh(script: str) -> str:
-    """``script`` run by /bin/sh, whatever the login shell of the account is."""
-    return f"/bin/sh -c {shlex.quote(script)}"
+# --------------------------------------------------------------------------- quoting
+class Shell(str):
+    """Shell syntax the launcher itself wrote (``&&``, ``|| exit 41``, ``2>/dev/null``), or
+    a line :func:`shell_line` built: joined as it is. Never made from a value that came
+    from the user, the inventory or a host."""
 
 
-def remote_path(path: str) -> str:
-    """A host path quoted for sh, letting a leading ``~`` expand to the home folder."""
+class HostPath(str):
+    """A path on the host: quoted whole, except that a leading ``~/`` (or a lone ``~``)
+    stays outside the quotes so the host's shell expands it to the home folder."""
+
+
+class EnvAssignment(str):
+    """``NAME=value`` before a program: the name must be a shell identifier, the value is quoted."""
+
+    def __new__(cls, name: str, value: str) -> EnvAssignment:
+        if not _IDENTIFIER.match(name):
+            raise ValueError(f"{name!r} is not a valid environment variable name")
+        return super().__new__(cls, f"{name}={shlex.quote(value)}")
+
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def shell_line(*words: str) -> str:
+    """THE way every remote command is built: a POSIX shell line from ``words``.
+
+    A plain ``str`` is one word, quoted (whatever it holds: ``;``, ``$()``, backticks,
+    quotes, newlines, spaces stay text); a :class:`HostPath` is quoted but keeps a
+    leading ``~/`` expandable; an :class:`EnvAssignment` is ``NAME='value'``; a
+    :class:`Shell` is the launcher's own syntax, joined as is.
+    """
+    out = []
+    for word in words:
+        if isinstance(word, (Shell, EnvAssignment)):
+            out.append(str(word))
+        elif isinstance(word, HostPath):
+            out.append(_quoted_path(word))
+        else:
+            out.append(shlex.quote(word))
+    return " ".join(out)
+
+
+def _quoted_path(path: str) -> str:
     if path == "~":
         return "~"
     if path.startswith("~/"):
@@ -227,23 +275,41 @@ def remote_path(path: str) -> str:
     return shlex.quote(path)
 
 
+def sh(line: str) -> str:
+    """``line`` (built by :func:`shell_line`) run by /bin/sh, whatever the login shell of
+    the account is."""
+    return shell_line("/bin/sh", "-c", line)
+
+
+def remote_path(path: str) -> str:
+    """A host path quoted for sh, a leading ``~`` left to expand: ``shell_line(HostPath(path))``."""
+    return shell_line(HostPath(path))
+
+
 class RemoteProcess:
     """A command running on a host under a pty, its output delivered line by line.
 
     The command's own stdout is a pipe, not the pty, so it prints plain lines rather
-    than redrawing progress bars; its exit status comes back as a marker line. Its
-    descriptor 3 is the same pipe: a launched rank writes its heartbeat bytes there
-    (see heartbeat.py); they are taken out of the output and timed in ``last_beat``.
+    than redrawing progress bars. Its descriptor 3 is the same pipe: a launched rank
+    writes its heartbeat bytes there (see heartbeat.py); they are taken out of the output
+    and timed in ``last_beat``. Its exit status comes back in a frame keyed with a random
+    key that only the wrapping shell knows (see host_output.py): whatever the program
+    prints cannot end it. Lines are bounded (:class:`LineSplitter`); no line, however
+    malformed, stops the reader.
     """
 
     def __init__(self, client: paramiko.SSHClient, command: str, on_line: Callable[[str], None]) -> None:
+        """Start ``command`` (a line built by :func:`shell_line`); ``on_line`` gets its output."""
         self.client = client
         self.on_line = on_line
         self.pgid: int | None = None  # the remote process group, killed on teardown
         self.status: int | None = None  # the command's exit status, once known
         self.last_beat: float | None = None  # monotonic time of the last heartbeat; None: none yet
+        self.reader_error: str | None = None  # the first line the reader could not handle
         self._delivering = False
         self._pid_seen = threading.Event()
+        self._key = secrets.token_hex(16)  # authenticates the exit frame
+        self.lines = LineSplitter()
         transport = client.get_transport()
         if transport is None or not transport.is_active():
             raise ConnectionError("SSH connection is closed")
@@ -251,15 +317,19 @@ class RemoteProcess:
         self.channel = transport.open_session(timeout=CONNECT_TIMEOUT)
         self.channel.get_pty(term="dumb", width=200, height=50)
         # sshd makes the pty's shell a session leader; ask ps in case a login shell forked.
-        # No echo: the Ctrl-C sent on teardown would come back as a "^C" line.
+        # No echo: the key arrives on the pty, and the Ctrl-C sent on teardown would come
+        # back as a "^C" line. The key is read before the command starts, whose stdin is
+        # /dev/null: it never sees it.
+        report = shell_line("printf", EXIT_PRINTF, Shell('"$key" $?'))
         script = (f"stty -echo 2>/dev/null; echo {PID_MARKER} $(ps -o pgid= -p $$ 2>/dev/null || echo $$); "
-                  f"{{ {command} ; echo {EXIT_MARKER} $? ; }} 2>&1 {HEARTBEAT_FD}>&1 < /dev/null | cat")
+                  f"IFS= read -r key || exit 1; "
+                  f"{{ {command} ; {report} ; }} "
+                  f"2>&1 {HEARTBEAT_FD}>&1 < /dev/null | cat")
         self.channel.exec_command(sh(script))
         self._reader = threading.Thread(target=self._read, name="meshtrain-ssh-reader", daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
-        buffer = b""
         try:
             while True:
                 data = self.channel.recv(65536)
@@ -268,20 +338,33 @@ class RemoteProcess:
                 if BEAT in data:
                     self.last_beat = time.monotonic()
                     data = data.replace(BEAT, b"")
-                buffer += data
-                *lines, buffer = buffer.split(b"\n")
+                lines = self.lines.feed(data)
                 self._delivering, started = True, time.monotonic()  # see beat_silence()
                 try:
                     for raw in lines:
-                        self._line(raw.decode(errors="replace").rstrip("\r"))
+                        self._safely(raw)
                 finally:
                     self._delivering = False
                     if self.last_beat is not None and time.monotonic() - started > BLOCKED_PRINT:
                         self.last_beat = time.monotonic()  # its beats waited unread: a fresh window
         except (OSError, EOFError, paramiko.SSHException):
             pass  # connection lost: the caller sees it through finished()/connected
-        if buffer:
-            self._line(buffer.decode(errors="replace").rstrip("\r"))
+        rest = self.lines.flush()
+        if rest is not None:
+            self._safely(rest)
+
+    def _safely(self, raw: bytes) -> None:
+        """Handle one line; a failure is reported once and the reader goes on."""
+        try:
+            self._line(raw.decode(errors="replace").rstrip("\r"))
+        except Exception as exc:  # noqa: BLE001 - hostile or broken input must not end the reader
+            if self.reader_error is None:
+                self.reader_error = f"{type(exc).__name__}: {exc}"
+                try:
+                    self.on_line(visible(f"[meshtrain: could not handle a line of this rank's output: "
+                                         f"{self.reader_error}]"))
+                except Exception:  # noqa: BLE001 - the output itself is broken: nothing else to tell
+                    pass
 
     def beat_silence(self) -> float | None:
         """Seconds since the rank's last heartbeat; None before its first. Time this side
@@ -292,13 +375,21 @@ class RemoteProcess:
         return time.monotonic() - self.last_beat
 
     def _line(self, line: str) -> None:
-        if line.startswith(PID_MARKER) and self.pgid is None:
-            self.pgid = int(line.split()[1])
+        if not self._pid_seen.is_set() and line.startswith(PID_MARKER):
+            # The shell's line before the command starts; taken once, so no later print counts.
             self._pid_seen.set()
-        elif line.startswith(EXIT_MARKER):
-            self.status = int(line.split()[1])
-        else:
-            self.on_line(line)
+            words = line.split()
+            if len(words) == 2 and words[1].isascii() and words[1].isdigit() and int(words[1]) > 1:
+                self.pgid = int(words[1])  # else none: teardown relies on the hang-up alone
+            self.channel.sendall(f"{self._key}\n".encode())  # echo is off by now
+            return
+        if self.status is None:
+            line, status = take_exit_status(line, self._key)
+            if status is not None:
+                self.status = status
+                if not line:
+                    return
+        self.on_line(line)
 
     def wait_started(self, timeout: float) -> bool:
         """Whether the remote shell reported its process group within ``timeout`` seconds."""
@@ -306,23 +397,27 @@ class RemoteProcess:
 
     @property
     def finished(self) -> bool:
-        """The command ended (its exit marker came, even if children it left hold the
+        """The command ended (its keyed exit frame came, even if children it left hold the
         output pipe open), or the session or connection closed."""
         return (self.status is not None or self.channel.exit_status_ready() or self.channel.closed
                 or not self.transport.is_active())
 
     def exit_status(self) -> int | None:
-        """The command's exit status; None while it runs or if the connection was lost."""
+        """The command's exit status; None while it runs or if the connection was lost;
+        :data:`UNREPORTED` if the session ended cleanly without the keyed exit frame (the
+        wrapping shell was killed: a clean end of the session alone proves nothing)."""
         if self.status is not None:
             return self.status
         if not self.finished:
             return None
-        self._reader.join(timeout=2.0)  # the exit marker may still be in flight
+        self._reader.join(timeout=2.0)  # the exit frame may still be in flight
         if self.status is not None:
             return self.status
         if self.channel.exit_status_ready():
             status = self.channel.recv_exit_status()
-            return status if status >= 0 else 128 + 1  # -1: killed by a signal (hang-up)
+            if status == 0:
+                return UNREPORTED
+            return status if status > 0 else 128 + 1  # -1: killed by a signal (hang-up)
         return None
 
     def interrupt(self) -> None:

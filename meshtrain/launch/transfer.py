@@ -11,15 +11,15 @@ at once. SFTP is the fallback for a host without tar.
 
 from __future__ import annotations
 
-import shlex
-import stat
+import shutil
 import tarfile
 from pathlib import Path
 
 import paramiko
 
 from meshtrain.errors import RunFailure
-from meshtrain.launch.ssh import remote_path, run, sh
+from meshtrain.launch.safe_copy import CopyLimits, unpack_sftp, unpack_tar
+from meshtrain.launch.ssh import HostPath, Shell, run, sh, shell_line
 
 CHUNK = 1 << 16
 QUESTION_TIMEOUT = 10.0  # seconds for a yes/no question to a host (one that vanished never answers)
@@ -58,9 +58,10 @@ def put_files(client: paramiko.SSHClient, folder: str, files: list[Path], *, use
                 sftp.chmod(target, f.stat().st_mode & 0o777)
         return
     for f in files:
-        target = f"{remote_path(folder)}/{shlex.quote(f.name)}"
+        target = HostPath(f"{folder}/{f.name}")
         mode = f.stat().st_mode & 0o777
-        channel = _exec(client, sh(f"cat > {target} && chmod {mode:o} {target}"))
+        channel = _exec(client, sh(shell_line("cat", Shell(">"), target, Shell("&&"), "chmod", f"{mode:o}",
+                                              target)))
         try:
             with open(f, "rb") as source:
                 while block := source.read(CHUNK):
@@ -73,43 +74,39 @@ def put_files(client: paramiko.SSHClient, folder: str, files: list[Path], *, use
 
 def remote_dir_exists(client: paramiko.SSHClient, path: str) -> bool:
     """Whether ``path`` is a folder on the host."""
-    return run(client, sh(f"test -d {remote_path(path)}"), timeout=QUESTION_TIMEOUT).status == 0
+    return run(client, sh(shell_line("test", "-d", HostPath(path))), timeout=QUESTION_TIMEOUT).status == 0
 
 
 def has_tar(client: paramiko.SSHClient) -> bool:
     """Whether ``tar`` can be run on the host."""
-    return run(client, sh("command -v tar >/dev/null 2>&1"), timeout=QUESTION_TIMEOUT).status == 0
+    command = shell_line("command", "-v", "tar", Shell(">/dev/null 2>&1"))
+    return run(client, sh(command), timeout=QUESTION_TIMEOUT).status == 0
 
 
-def fetch_tree(client: paramiko.SSHClient, remote: str, local: Path, *, use_sftp: bool) -> None:
-    """Copy the host's folder ``remote`` to the new local folder ``local`` (made here):
-    a tar stream, or SFTP if ``use_sftp`` (for a host without tar)."""
+def fetch_tree(client: paramiko.SSHClient, remote: str, local: Path, *, use_sftp: bool,
+               limits: CopyLimits = CopyLimits()) -> None:
+    """Copy the host's folder ``remote`` to the new local folder ``local``: a tar stream,
+    or SFTP if ``use_sftp`` (for a host without tar). Both are unpacked by
+    :mod:`~meshtrain.launch.safe_copy` (raises its UnsafeRunDirectory on a forbidden
+    entry); on any failure ``local`` is not created."""
     if use_sftp:
         with client.open_sftp() as sftp:
             sftp.get_channel().settimeout(STALL_TIMEOUT)
-            _get_tree(sftp, sftp_path(remote), local)
+            unpack_sftp(sftp, sftp_path(remote), local, limits)
         return
-    local.mkdir(parents=True)
-    channel = _exec(client, sh(f"tar -C {remote_path(remote)} -cf - ."))
+    channel = _exec(client, sh(shell_line("tar", "-C", HostPath(remote), "-cf", "-", ".")))
     try:
-        with channel.makefile("rb") as stream, tarfile.open(fileobj=stream, mode="r|") as archive:
-            # "data": no absolute paths, no escaping the folder, no device files.
-            archive.extractall(local, filter="data")
-        _check_status(channel, f"tar of {remote}")
+        with channel.makefile("rb") as stream:
+            unpack_tar(stream, local, limits)
+        try:
+            _check_status(channel, f"tar of {remote}")
+        except TransferError:
+            shutil.rmtree(local)  # made just now by unpack_tar, links never followed
+            raise
     except tarfile.TarError as exc:
         raise TransferError(f"tar stream of {remote} is broken: {exc}") from None
     finally:
         channel.close()
-
-
-def _get_tree(sftp: paramiko.SFTPClient, remote: str, local: Path) -> None:
-    local.mkdir(parents=True)
-    for entry in sftp.listdir_attr(remote):
-        source, target = f"{remote}/{entry.filename}", local / entry.filename
-        if stat.S_ISDIR(entry.st_mode or 0):
-            _get_tree(sftp, source, target)
-        else:
-            sftp.get(source, str(target))
 
 
 def _exec(client: paramiko.SSHClient, command: str) -> paramiko.Channel:
