@@ -6,15 +6,18 @@ Workload (issue 2): 4 nodes, an MLP 784-128-10 on 20k samples, batch 32 per node
 baseline is one plain loop holding the 4 replicas and averaging them by hand: the
 physical limit of simulating 4 nodes in one process.
 
-    python benchmarks/runtimes.py            # prints a table
+    python benchmarks/runtimes.py            # a line per run, then a table
     python benchmarks/runtimes.py --steps 50 # quicker
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 import torch
 from rich.console import Console
@@ -46,7 +49,19 @@ def make_data() -> TensorDataset:
 
 
 def plain_loop(data: TensorDataset, strategy: str, steps: int, H: int = 20) -> float:
-    """4 replicas in one plain loop: DDP (average grads) or DiLoCo (average every H)."""
+    """4 replicas in one plain loop: DDP (average grads) or DiLoCo (average every H).
+
+    One torch thread, as each meshtrain node has by default: on a loaded machine several
+    intra-op threads spin-wait for each other and the loop slows down tenfold."""
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _plain_loop(data, strategy, steps, H)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _plain_loop(data: TensorDataset, strategy: str, steps: int, H: int) -> float:
     start = time.perf_counter()
     torch.manual_seed(0)
     base = MLP()
@@ -103,24 +118,58 @@ def meshtrain_fit(data: TensorDataset, strategy: str, runtime: str, steps: int) 
     return time.perf_counter() - start
 
 
+def _timed(run: Callable[[], float]) -> tuple[float, float]:
+    """(wall seconds as ``run`` measures them, CPU seconds of this process meanwhile)."""
+    cpu = time.process_time()
+    wall = run()
+    return wall, time.process_time() - cpu
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--repeats", type=int, default=3, help="best of N for each cell")
+    parser.add_argument("--repeats", type=int, default=3, help="samples of each cell (median)")
     args = parser.parse_args()
     data = make_data()
-    table = Table(title=f"{NODES} nodes, MLP 784-128-10, batch {BATCH}, {args.steps} steps "
-                        f"(wall seconds, best of {args.repeats}; torch threads: {torch.get_num_threads()})")
+    kinds: dict[str, Callable[[str], float]] = {
+        "plain": lambda strategy: plain_loop(data, strategy, args.steps),
+        "threads": lambda strategy: meshtrain_fit(data, strategy, "threads", args.steps),
+        "processes": lambda strategy: meshtrain_fit(data, strategy, "processes", args.steps),
+    }
+    load_before = os.getloadavg()[0]
+    wall: dict[tuple[str, str], float] = {}
+    cpu: dict[tuple[str, str], float] = {}
+    done, total = 0, 2 * args.repeats * len(kinds)
+    for strategy in ("ddp", "diloco"):
+        samples: dict[str, list[tuple[float, float]]] = {kind: [] for kind in kinds}
+        # Interleaved (plain, threads, processes, plain, ...): on a loaded machine the ratios
+        # then compare runs that saw the same load.
+        for _ in range(args.repeats):
+            for kind, run in kinds.items():
+                samples[kind].append(_timed(lambda run=run, strategy=strategy: run(strategy)))
+                done += 1
+                print(f"[{done}/{total}] {strategy} {kind}: {samples[kind][-1][0]:.2f} s "
+                      f"(CPU of this process {samples[kind][-1][1]:.2f} s)", flush=True)
+        for kind in kinds:
+            wall[strategy, kind] = statistics.median(w for w, _ in samples[kind])
+            cpu[strategy, kind] = statistics.median(c for _, c in samples[kind])
+    table = Table(title=f"{NODES} nodes, MLP 784-128-10, batch {BATCH}, {args.steps} steps (median of "
+                        f"{args.repeats} interleaved; 1 torch thread per replica or node; load average "
+                        f"{load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     table.add_column("strategy")
-    for col in ("plain loop, 4 replicas", "threads", "processes", "threads / plain"):
+    for col in ("plain loop, 4 replicas", "threads", "processes", "threads / plain", "processes / plain",
+                "CPU s: plain", "CPU s: threads", "threads / plain (CPU)"):
         table.add_column(col, justify="right")
     for strategy in ("ddp", "diloco"):
-        plain = min(plain_loop(data, strategy, args.steps) for _ in range(args.repeats))
-        threads = min(meshtrain_fit(data, strategy, "threads", args.steps) for _ in range(args.repeats))
-        procs = min(meshtrain_fit(data, strategy, "processes", args.steps)
-                    for _ in range(max(1, args.repeats - 1)))
-        table.add_row(strategy, f"{plain:.2f}", f"{threads:.2f}", f"{procs:.2f}", f"{threads / plain:.2f}x")
-    Console().print(table)
+        plain, threads, procs = (wall[strategy, kind] for kind in kinds)
+        cpu_plain, cpu_threads = cpu[strategy, "plain"], cpu[strategy, "threads"]
+        table.add_row(strategy, f"{plain:.2f} s", f"{threads:.2f} s", f"{procs:.2f} s",
+                      f"{threads / plain:.2f}x", f"{procs / plain:.2f}x", f"{cpu_plain:.2f}",
+                      f"{cpu_threads:.2f}", f"{cpu_threads / cpu_plain:.2f}x")
+    Console(width=200).print(table)
+    # On a loaded machine the scheduler gives 4 node threads more of the cores than one
+    # plain thread, so wall ratios flatter the threads runtime; CPU seconds do not.
+    print("CPU s: CPU time of this process (every thread); node processes are not counted.")
 
 
 if __name__ == "__main__":

@@ -136,7 +136,8 @@ def train_node(
     progress = Progress(max_steps, enabled=cfg.progress and rank == 0, title=strategy.name)
     # Loggers (rank 0) get the progress bar's numbers on its schedule, so they need them too.
     live = loggers.RunLoggers.for_run(job, strategy, initial) if rank == 0 else loggers.RunLoggers()
-    shown = _ProgressNumbers(comm, startup_sent, max_steps) \
+    shown = _ProgressNumbers(comm, startup_sent, max_steps,
+                             lines_only=cfg.runtime == "launched" and not loggers.wanted(cfg)) \
         if cfg.progress or loggers.wanted(cfg) else None
 
     def save_checkpoint(steps_done: int) -> None:
@@ -351,15 +352,24 @@ class _ProgressNumbers:
     """What the progress bar shows, defined as in the results: the loss is the mean over
     nodes, bytes are sent per node (mean) since the first step. Collected by a small
     unrecorded all-reduce after the first step, then every 1% of the run but at least every
-    25 steps (a long run still shows progress at once), on a schedule every node knows."""
+    25 steps (a long run still shows progress at once), on a schedule every node knows.
 
-    def __init__(self, comm: Communicator, startup_sent: int, steps: int) -> None:
+    With ``lines_only`` (a launched run without loggers: its ranks print plain lines, about
+    ten per run, never a redrawn bar) they are collected only for those lines, so a
+    launched step pays no extra round trip over the real link."""
+
+    def __init__(self, comm: Communicator, startup_sent: int, steps: int, *,
+                 lines_only: bool = False) -> None:
         self.comm = comm
         self.startup_sent = startup_sent
-        self.every = max(1, min(steps // 100, 25))
+        self.lines_only = lines_only
+        # Progress prints a line at step 1, then every steps // 10 steps: the same steps.
+        self.every = max(1, steps // 10) if lines_only else max(1, min(steps // 100, 25))
         self.steps = steps
 
     def due(self, step: int) -> bool:
+        if self.lines_only:
+            return step % self.every == 0 and step + 1 < self.steps
         return (step == 0 or (step + 1) % self.every == 0) and step + 1 < self.steps
 
     def collect(self, loss: float) -> tuple[float, float]:

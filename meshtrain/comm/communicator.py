@@ -160,11 +160,15 @@ class Communicator(ABC):
         if not tensors:
             return
         members = self.members(group)
-        flat = _flatten(tensors)
+        # One contiguous tensor is reduced through a view of itself; several are bucketed.
+        alone = len(tensors) == 1 and tensors[0].is_contiguous()
+        flat = tensors[0].detach().view(-1) if alone else _flatten(tensors)
         if len(members) > 1:
             reduced = self._ring_all_reduce(flat.to(self.staging_device(flat)), op, members)
-            flat.copy_(reduced)
-            _unflatten_into(flat, tensors)
+            if reduced is not flat:  # a backend may reduce in place
+                flat.copy_(reduced)
+            if not alone:
+                _unflatten_into(flat, tensors)
         if record:
             sent, received = ring_all_reduce_bytes(
                 flat.numel(), flat.element_size(), members.index(self.rank), len(members)
@@ -245,7 +249,8 @@ class Communicator(ABC):
     # ------------------------------------------------------------ backend hooks
     @abstractmethod
     def _ring_all_reduce(self, flat: torch.Tensor, op: ReduceOp, members: list[int]) -> torch.Tensor:
-        """Return the reduction of ``flat`` over members (same order as :func:`ring_reduce`)."""
+        """Return the reduction of ``flat`` over members (same order as :func:`ring_reduce`);
+        a backend may reduce into ``flat`` itself and return it."""
 
     @abstractmethod
     def _all_gather(self, flat: torch.Tensor, members: list[int]) -> list[torch.Tensor]: ...

@@ -13,6 +13,7 @@ from __future__ import annotations
 import socket
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,8 @@ class TorchDistCommunicator(Communicator):
             raise RuntimeError("torch.distributed is not initialised: call init_process_group first")
         super().__init__(dist.get_rank(), dist.get_world_size())
         self.backend = dist.get_backend()
+        self._sends: list[Any] = []  # requests posted and not yet waited for
+        self._receives: list[Any] = []
 
     def staging_device(self, tensor: torch.Tensor) -> torch.device:
         # gloo moves CPU tensors only: MPS (and CUDA under gloo) go through one CPU buffer.
@@ -37,11 +40,78 @@ class TorchDistCommunicator(Communicator):
         return tensor.device
 
     def _exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
-        reqs = [dist.isend(send, dst), dist.irecv(recv, src)]
-        for r in reqs:
-            r.wait()
+        """Post sending ``send`` to ``dst`` and receiving ``recv`` from ``src``, without
+        waiting: the requests go to :attr:`_sends` and :attr:`_receives`. Messages between
+        two ranks match in the order they are posted, so both sides post in one order."""
+        self._sends.append(dist.isend(send, dst))
+        self._receives.append(dist.irecv(recv, src))
+
+    def _exchange_now(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
+        self._exchange(send, dst, recv, src)
+        self._settle()
+
+    def _settle(self) -> None:
+        """Wait for every posted send and receive not yet waited for (gloo's wait may be
+        called once per request: a second wait would wait for another message)."""
+        posted = self._sends + self._receives
+        self._sends, self._receives = [], []
+        for request in posted:
+            request.wait()
 
     def _ring_all_reduce(self, flat: torch.Tensor, op: ReduceOp, members: list[int]) -> torch.Tensor:
+        if self.backend != "gloo":
+            return self._ring_all_reduce_stepwise(flat, op, members)
+        g = len(members)
+        pos = members.index(self.rank)
+        nxt, prv = members[(pos + 1) % g], members[(pos - 1) % g]
+        # In place: every chunk, and every piece of it, is a view into ``flat``. A step of
+        # the ring moves one chunk as pieces, so a piece is added (and sent on) while the
+        # next one is still arriving. Every chunk is cut into the same number of pieces (the
+        # largest chunk's count), so the pieces sent and received in one exchange share an index.
+        chunks = flat.tensor_split(g)
+        count = max(1, -(-chunks[0].numel() * flat.element_size() // PIECE_BYTES))
+        pieces = [list(c.tensor_split(count)) for c in chunks]
+        # Reduce-scatter step s receives chunk pos-s-1 into scratch space, one buffer per
+        # step (a piece of the next step may arrive before this step's last is added).
+        scratch = [torch.empty_like(chunks[0]) for _ in range(g - 1)]
+
+        def receive_into(step: int) -> list[torch.Tensor]:
+            if step < g - 1:  # reduce-scatter
+                c = (pos - step - 1) % g
+                return list(scratch[step][: chunks[c].numel()].tensor_split(count))
+            # All-gather step s receives the finished chunk pos-s straight into ``flat``:
+            # the peer sends it only after the whole ring, this node included, has sent
+            # that chunk's contributions on, so this node no longer reads that memory.
+            return pieces[(pos - (step - (g - 1))) % g]
+
+        steps = 2 * (g - 1)
+        targets = [receive_into(0)]
+        received: list[Any] = []
+        for m, piece in enumerate(pieces[pos]):
+            self._exchange(piece, nxt, targets[0][m], prv)
+            received.append(self._receives.pop())
+        for s in range(steps):
+            c = (pos - s - 1) % g
+            if s + 1 < steps:
+                targets.append(receive_into(s + 1))
+            arrivals, received = received, []
+            for m, request in enumerate(arrivals):
+                request.wait()
+                if s < g - 1:
+                    # The piece holds ((x[c] + ...) + x[pos-1]) and a + b == b + a bit for
+                    # bit, so adding it into ours continues the ring order of ring_reduce.
+                    _combine_(pieces[c][m], targets[s][m], op)
+                if s + 1 < steps:  # piece m of chunk c moves on at once
+                    self._exchange(pieces[c][m], nxt, targets[s + 1][m], prv)
+                    received.append(self._receives.pop())
+        self._settle()
+        if op == "mean":
+            flat.div_(g)
+        return flat
+
+    def _ring_all_reduce_stepwise(self, flat: torch.Tensor, op: ReduceOp, members: list[int]) -> torch.Tensor:
+        """The ring one whole chunk at a time (nccl: its point-to-point calls are blocking
+        on their stream, so receives cannot all be posted ahead)."""
         g = len(members)
         pos = members.index(self.rank)
         nxt, prv = members[(pos + 1) % g], members[(pos - 1) % g]
@@ -50,7 +120,7 @@ class TorchDistCommunicator(Communicator):
         for s in range(g - 1):
             send_c, recv_c = (pos - s) % g, (pos - s - 1) % g
             incoming = torch.empty_like(chunks[recv_c])
-            self._exchange(chunks[send_c].contiguous(), nxt, incoming, prv)
+            self._exchange_now(chunks[send_c].contiguous(), nxt, incoming, prv)
             # incoming holds ((x[c] + ...) + x[pos-1]); adding ours continues the ring order.
             _combine_(incoming, chunks[recv_c], op)
             chunks[recv_c] = incoming
@@ -58,7 +128,7 @@ class TorchDistCommunicator(Communicator):
         for s in range(g - 1):
             send_c, recv_c = (pos + 1 - s) % g, (pos - s) % g
             incoming = torch.empty_like(chunks[recv_c])
-            self._exchange(chunks[send_c].contiguous(), nxt, incoming, prv)
+            self._exchange_now(chunks[send_c].contiguous(), nxt, incoming, prv)
             chunks[recv_c] = incoming
         result = torch.cat(chunks)
         if op == "mean":
@@ -74,7 +144,7 @@ class TorchDistCommunicator(Communicator):
         for s in range(g - 1):
             send_b, recv_b = (pos - s) % g, (pos - s - 1) % g
             incoming = torch.empty_like(flat)
-            self._exchange(blocks[send_b], nxt, incoming, prv)  # type: ignore[arg-type]
+            self._exchange_now(blocks[send_b], nxt, incoming, prv)  # type: ignore[arg-type]
             blocks[recv_b] = incoming
         return blocks  # type: ignore[return-value]
 
@@ -88,6 +158,11 @@ class TorchDistCommunicator(Communicator):
         dist.recv(out, src)
         return out
 
+
+
+#: Bytes per ring message (at most): large enough that the cost per message is small,
+#: small enough that adding one piece overlaps with the transfer of the next.
+PIECE_BYTES = 512 * 2**10
 
 
 def init_process_group(
