@@ -102,10 +102,10 @@ ROGUE = textwrap.dedent("""
             if time.monotonic() > deadline:
                 print("never listened"); sys.exit(1)
             time.sleep(0.02)
-    # 1. A handshake with a guessed secret.
-    s.recv(32)
-    s.sendall(b"x" * 64)
+    # 1. A handshake with a guessed secret (the gate closes a stranger before any challenge).
     try:
+        s.recv(32)
+        s.sendall(b"x" * 64)
         print("handshake:", "admitted" if s.recv(32) else "closed")
     except OSError as exc:
         print("handshake: closed", type(exc).__name__)

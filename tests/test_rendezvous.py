@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from ssh_fixtures import free_port
 
-from meshtrain.comm.rendezvous import SECRET_FILE_ENV, new_secret
+from meshtrain.comm.rendezvous import SECRET_FILE_ENV, SECRET_FOLDER_PREFIX, new_secret
 
 
 def _refused(port: int) -> bool:
@@ -61,7 +61,9 @@ def test_nothing_listens_once_the_group_has_formed(tmp_path: Path) -> None:
     procs = []
     ctx = mp.get_context("spawn")
     for rank in range(2):
-        secret_file = tmp_path / f"secret-{rank}"
+        folder = tmp_path / f"{SECRET_FOLDER_PREFIX}{rank}"
+        folder.mkdir(mode=0o700)
+        secret_file = folder / "secret"
         secret_file.write_text(secret)
         secret_file.chmod(0o600)
         procs.append(ctx.Process(target=_rank, args=(rank, port, str(secret_file),
@@ -74,7 +76,7 @@ def test_nothing_listens_once_the_group_has_formed(tmp_path: Path) -> None:
     reports = [json.loads((tmp_path / f"report-{r}.json").read_text()) for r in range(2)]
     assert reports[0] == {"listening": {"gate": False}, "sum": 3.0}
     assert reports[1] == {"listening": {"gate": False, "tunnel": False}, "sum": 3.0}
-    assert not (tmp_path / "secret-0").exists() and not (tmp_path / "secret-1").exists()
+    assert not list(tmp_path.glob(f"{SECRET_FOLDER_PREFIX}*"))  # read, then removed with its folder
 
 
 def test_a_gate_can_reopen_its_port_after_refusing_a_connection() -> None:
@@ -98,3 +100,90 @@ def test_a_gate_can_reopen_its_port_after_refusing_a_connection() -> None:
     finally:
         gate.close()
     Gate("127.0.0.1", port, store_port=free_port(), secret=b"s" * 64).close()  # TIME_WAIT: fine
+
+
+def test_a_tunnel_serves_exactly_one_local_connection() -> None:
+    """Rank 1's tunnel hands its authenticated store connection to the first local
+    connection (the rank's own store client) and stops listening: a second local process
+    is refused, and cannot borrow the rank's admission to rank 0's store."""
+    import threading
+
+    from meshtrain.comm.rendezvous import Gate, Tunnel
+
+    store = socket.create_server(("127.0.0.1", 0))  # stands in for rank 0's store: echoes
+
+    def echo() -> None:
+        conn, _ = store.accept()
+        while data := conn.recv(1024):
+            conn.sendall(data)
+
+    threading.Thread(target=echo, daemon=True).start()
+    secret, port = new_secret().encode(), free_port()
+    gate = Gate("127.0.0.1", port, store.getsockname()[1], secret, admissions=2)
+    tunnel = Tunnel("127.0.0.1", port, secret, timeout_s=10)
+    try:
+        first = socket.create_connection(("127.0.0.1", tunnel.port), timeout=5)
+        first.sendall(b"ping")
+        assert first.recv(4) == b"ping"
+        assert _refused(tunnel.port)
+        first.close()
+    finally:
+        gate.close()
+        tunnel.close()
+        store.close()
+
+
+def test_the_gate_closes_strangers_before_any_handshake_and_keeps_slots_for_ranks(
+        capfd) -> None:  # noqa: ANN001 - pytest's fixture
+    """With the inventory's addresses the gate closes a connection from any other address
+    as soon as it is accepted (no challenge is sent), so 200 half-open connections from a
+    stranger (127.0.0.2, on Linux's loopback) hold no slot: a rank still gets through.
+    A peer that never answers the challenge is dropped at the handshake deadline."""
+    import sys
+    import time
+
+    import pytest
+
+    from meshtrain.comm import rendezvous
+    from meshtrain.comm.rendezvous import Gate, peer_addresses, rank_handshake
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("127.0.0.2 is a loopback address on Linux only")
+    secret, port = new_secret().encode(), free_port()
+    store = socket.create_server(("127.0.0.1", 0))
+    gate = Gate("127.0.0.1", port, store.getsockname()[1], secret, admissions=1,
+                peers=peer_addresses([["127.0.0.1"]]))
+    strangers = []
+    try:
+        for _ in range(200):
+            s = socket.socket()
+            s.bind(("127.0.0.2", 0))
+            s.settimeout(5)
+            s.connect(("127.0.0.1", port))
+            strangers.append(s)
+        assert all(s.recv(32) == b"" for s in strangers)  # closed without a challenge
+        # A silent inventory peer holds its address's slots only until the deadline.
+        silent = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+        started = time.monotonic()
+        while True:  # as the tunnel does: the address's slots are busy, so try again
+            rank = socket.create_connection(("127.0.0.1", port), timeout=10)
+            rank.settimeout(10)
+            try:
+                rank_handshake(rank, secret)
+                break
+            except ConnectionError:
+                rank.close()
+                time.sleep(0.1)
+        waited = time.monotonic() - started
+        assert waited < rendezvous.GATE_HANDSHAKE_TIMEOUT_S + 2, waited
+        rank.close()
+        for s in silent:
+            s.close()
+    finally:
+        for s in strangers:
+            s.close()
+        gate.close()
+        store.close()
+    err = capfd.readouterr().err
+    assert err.count("from 127.0.0.2") == 1, err  # a flood is one line
+    assert "not an inventory host's address" in err

@@ -112,9 +112,10 @@ def init_process_group(
         if rank == 0:
             store, store_port = host_loopback_store(timeout_s)
             listener: rendezvous.Gate | rendezvous.Tunnel = rendezvous.Gate(
-                master_addr, master_port, store_port, secret, admissions=world_size - 1)
+                master_addr, master_port, store_port, secret, admissions=world_size - 1,
+                peers=rendezvous.peers_from_env())
         else:
-            listener = rendezvous.Tunnel(master_addr, master_port, secret)
+            listener = rendezvous.Tunnel(master_addr, master_port, secret, timeout_s)
             store = dist.TCPStore("127.0.0.1", listener.port, is_master=False, timeout=timeout)
         try:
             dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import paramiko
 
-from meshtrain.comm.rendezvous import SECRET_FILE_ENV, new_secret
+from meshtrain.comm.rendezvous import PEERS_ENV, SECRET_FILE_ENV, SECRET_FOLDER_PREFIX, new_secret
 from meshtrain.launch.heartbeat import HEARTBEAT_FD, heartbeat_interval
 from meshtrain.launch.inventory import Host, Inventory
 from meshtrain.launch.output import STOPPED, RankOutput
@@ -129,25 +129,70 @@ def training_argv(flags: list[str]) -> list[str]:
     return ["-m", "meshtrain", "simulate", *flags]
 
 
+def secret_folder_name(run_id: str, rank: int) -> str:
+    """The private folder (in the rank's workdir) that holds the launch secret until the
+    rank reads it; made by the launcher, mode 0700."""
+    return f"{SECRET_FOLDER_PREFIX}{run_id}-{rank}"
+
+
 def secret_file_name(run_id: str, rank: int) -> str:
-    """The file (in the rank's workdir) that holds the launch secret until the rank reads it."""
-    return f".meshtrain-secret-{run_id}-{rank}"
+    """The file, relative to the rank's workdir, that holds the launch secret."""
+    return f"{secret_folder_name(run_id, rank)}/secret"
+
+
+#: Run by the host's interpreter in the workdir: makes the private folder (or accepts one
+#: that is already this user's and private), then creates the secret file in it without
+#: following a symlink and only if it does not exist yet. The secret comes on stdin.
+WRITE_SECRET = """\
+import os, stat, sys
+folder = sys.argv[1]
+try:
+    os.mkdir(folder, 0o700)
+except FileExistsError:
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        sys.exit(folder + " already exists and is not a private folder of this user's")
+flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+try:
+    fd = os.open(os.path.join(folder, "secret"), flags, 0o600)
+except OSError as exc:
+    sys.exit(os.path.join(folder, "secret") + ": " + exc.strerror)
+with os.fdopen(fd, "wb") as out:
+    out.write(sys.stdin.buffer.read())
+"""
+
+#: Run by the host's interpreter: exits non-zero (saying why) when another user could
+#: plant files in the workdir: it is another user's, or group/other-writable without the
+#: sticky bit.
+CHECK_WORKDIR = """\
+import os, stat, sys
+info = os.stat(sys.argv[1])
+if info.st_uid != os.geteuid():
+    sys.exit(f"is owned by another user (uid {info.st_uid})")
+if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+    sys.exit(f"is writable by other users (mode {stat.S_IMODE(info.st_mode):o}, no sticky bit)")
+"""
 
 
 def deliver_secret(client: paramiko.SSHClient, host: Host, run_id: str, secret: str, timeout: float) -> None:
-    """Write the launch secret to a 0600 file in ``host``'s workdir, over SSH's stdin:
-    never on a command line, where ``ps`` would show it."""
-    path = f"{remote_path(host.workdir)}/{secret_file_name(run_id, host.rank)}"
-    done = run(client, sh(f"umask 077 && cat > {path}"), timeout=timeout, stdin=secret.encode())
+    """Write the launch secret into a fresh private folder in ``host``'s workdir, over
+    SSH's stdin: never on a command line, where ``ps`` would show it. A symlink or a
+    folder another user planted at that name is refused, and nothing is written."""
+    folder = shlex.quote(secret_folder_name(run_id, host.rank))
+    done = run(client, sh(f"cd {remote_path(host.workdir)} && umask 077 && "
+                          f"{remote_path(host.python)} -c {shlex.quote(WRITE_SECRET)} {folder}"),
+               timeout=timeout, stdin=secret.encode())
     if done.status != 0:
-        raise SSHError(host, f"cannot write the launch secret in {host.workdir}: {done.stderr.strip()}")
+        why = (done.stderr.strip().splitlines() or ["no reason given"])[-1]
+        raise SSHError(host, f"cannot write the launch secret in {host.workdir}: {why}")
 
 
 def _forget_secret(client: paramiko.SSHClient, host: Host, run_id: str) -> None:
-    """Remove the secret file if the rank never read it (a script that does not use meshtrain)."""
+    """Remove the secret's folder if the rank never read it (a script that does not use
+    meshtrain). ``rm -rf`` on the name itself: a symlink there is removed, not followed."""
+    folder = shlex.quote(secret_folder_name(run_id, host.rank))
     try:
-        run(client, sh(f"rm -f {remote_path(host.workdir)}/{secret_file_name(run_id, host.rank)}"),
-            timeout=5)
+        run(client, sh(f"rm -rf {remote_path(host.workdir)}/{folder}"), timeout=5)
     except Exception:  # noqa: BLE001 - best effort on a host that may be gone
         pass
 
@@ -169,6 +214,9 @@ def rank_env(inventory: Inventory, host: Host, run_id: str) -> dict[str, str]:
         "MESHTRAIN_DEVICE": host.device,
         "PYTHONUNBUFFERED": "1",
     })
+    if host.rank == 0:  # the rendezvous gate admits connections from these hosts only
+        env[PEERS_ENV] = ",".join(" ".join(dict.fromkeys((h.advertise, h.hostname)))
+                                  for h in inventory.hosts if h.rank != 0)
     if host.iface:
         env["GLOO_SOCKET_IFNAME"] = host.iface
     if host.threads is not None:
@@ -216,6 +264,9 @@ def preflight(inventory: Inventory, options: LaunchOptions) -> list[paramiko.SSH
         try:
             check = run(client, sh(
                 f"test -x {remote_path(host.python)} || exit 41; "
+                f"mkdir -p {remote_path(host.workdir)} || exit 42; "
+                f"{remote_path(host.python)} -c {shlex.quote(CHECK_WORKDIR)} {remote_path(host.workdir)} "
+                "|| exit 43; "
                 f"mkdir -p {remote_path(host.workdir)}/{REMOTE_RUNS} || exit 42"
             ), timeout=options.connect_timeout)
         except Exception:
@@ -227,6 +278,10 @@ def preflight(inventory: Inventory, options: LaunchOptions) -> list[paramiko.SSH
                 raise SSHError(host, f"python {host.python} not found or not executable: set 'python' in "
                                      "the inventory to the absolute interpreter path (`which python3` "
                                      "on the host)")
+            if check.status == 43:
+                why = (check.stderr.strip().splitlines() or ["is not private"])[-1]
+                raise SSHError(host, f"refusing workdir {host.workdir}: it {why}; another user could "
+                                     "plant files there (use a folder of your own)")
             raise SSHError(host, f"cannot create workdir {host.workdir}: {check.stderr.strip()}")
         try:
             _check_required_paths(client, host, options)
