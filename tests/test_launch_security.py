@@ -187,3 +187,108 @@ def test_a_launch_on_a_port_in_use_fails_with_one_line(lan, tmp_path: Path) -> N
     assert second.returncode != 0
     assert f"rendezvous port {PORT} on {rank0} is in use" in second.stdout + second.stderr
     assert "Traceback" not in second.stdout + second.stderr
+
+
+#: Knocks until the gate listens, then keeps N connections open that send nothing
+#: (half-open, as an attacker holding the gate's slots would): every 0.2 s it opens again
+#: those the gate closed, until the gate stops listening (the group has formed).
+FLOOD = textwrap.dedent("""
+    import select, socket, sys, time
+    address, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            socket.create_connection((address, port), timeout=5).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                print("never listened", flush=True); sys.exit(1)
+            time.sleep(0.02)
+    held, opened = [], 0
+    try:
+        while True:
+            closed = [s for s in held if select.select([s], [], [], 0)[0]]  # readable: closed
+            for s in closed:
+                s.close()
+                held.remove(s)
+            while len(held) < n:
+                held.append(socket.create_connection((address, port), timeout=5))
+                opened += 1
+            if opened == n:
+                print("opened", n, flush=True)
+            time.sleep(0.2)
+    except ConnectionRefusedError:
+        print("gate closed after", opened, "connections", flush=True)
+""")
+
+
+def _gate_listening(ns: str) -> bool:
+    out = subprocess.run(["ip", "netns", "exec", ns, "ss", "-Htln"], capture_output=True, text=True,
+                         timeout=20).stdout
+    return f":{PORT} " in out
+
+
+def _tunnel_waiting(ns: str) -> bool:
+    """Rank 1's store client is connected to its tunnel (so rank 1 is up, waiting for the gate)."""
+    out = subprocess.run(["ip", "netns", "exec", ns, "ss", "-Htn", "state", "established"],
+                         capture_output=True, text=True, timeout=20).stdout
+    return "127.0.0.1:" in out
+
+
+def test_half_open_connections_from_a_stranger_do_not_slow_formation(lan, tmp_path: Path) -> None:
+    """200 half-open connections from a machine outside the inventory, held open while the
+    gate waits for rank 1, leave the group forming as fast as without them (within 3 s):
+    the gate closes a stranger's connection before any handshake, so it holds no slot.
+
+    Formation is timed from the moment rank 1 (already started, its tunnel retrying) can
+    reach rank 0 (a "prohibit" route on rank 1's host is removed) until the gate stops
+    listening (it has admitted rank 1)."""
+    import time
+
+    world, ns = lan
+    rank0_address = ns.addresses[ns.hosts[0]]
+    took: dict[int, float] = {}
+    for n in (0, 200):  # the same launch without, then with, the flood
+        work = tmp_path / f"flood-{n}"
+        work.mkdir()
+        inv, _ = two_box_inventory(world, ns, work)
+        subprocess.run(["ip", "-n", ns.hosts[1], "route", "add", "prohibit", f"{rank0_address}/32"],
+                       check=True, timeout=20)
+        blocked = True
+        rogue = subprocess.Popen(["ip", "netns", "exec", ns.hosts[2], PYTHON, "-c", FLOOD, rank0_address,
+                                  str(PORT), str(n)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        launch = start_meshtrain(world, "launch", str(inv), "--out", str(work / "runs"),
+                                 "--run-id", f"f{n}", "--task", "digits", "--steps", "5", "--no-progress",
+                                 "--threads", "1", cwd=work)
+        try:
+            if n:
+                assert rogue.stdout is not None and rogue.stdout.readline().strip() == f"opened {n}"
+            deadline = time.monotonic() + 120
+            while not (_tunnel_waiting(ns.hosts[1]) and _gate_listening(ns.hosts[0])):
+                assert time.monotonic() < deadline and launch.poll() is None, "rank 1 never waited"
+                time.sleep(0.1)
+            started = time.monotonic()
+            subprocess.run(["ip", "-n", ns.hosts[1], "route", "del", "prohibit", f"{rank0_address}/32"],
+                           check=True, timeout=20)
+            blocked = False
+            while _gate_listening(ns.hosts[0]):
+                assert time.monotonic() - started < 60, "the group never formed"
+                time.sleep(0.05)
+            took[n] = time.monotonic() - started
+            out, _ = launch.communicate(timeout=180)
+        finally:
+            if blocked:
+                subprocess.run(["ip", "-n", ns.hosts[1], "route", "del", "prohibit", f"{rank0_address}/32"],
+                               timeout=20)
+            for proc in (launch, rogue):
+                if proc.poll() is None:
+                    proc.kill()
+            rogue_out = rogue.communicate()[0]
+        assert launch.returncode == 0, out
+        assert out.count(f"refused a rendezvous connection from {ns.addresses[ns.hosts[2]]}") == 1, out
+        assert "not an inventory host's address" in out
+        if n:
+            assert "gate closed after" in rogue_out, rogue_out
+    print(f"formation after rank 1 could reach rank 0: {took[0]:.2f} s alone, {took[200]:.2f} s flooded")
+    assert took[200] < took[0] + 3, took
