@@ -131,3 +131,24 @@ def test_cli_prints_the_resume_command_and_resume_finishes_the_same_run(
     ref = torch.load(tmp_path / "ref" / "ref" / "model.pt", weights_only=True)
     got = torch.load(tmp_path / "runs" / "r" / "model.pt", weights_only=True)
     assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_run_and_checkpoint_files_follow_the_umask(umask: int, tmp_path: Path) -> None:
+    """Nothing a run writes is forced private or public: every file and folder of the run
+    directory and of its checkpoints gets the mode the user's umask gives (only the launch
+    secret is always private: see test_launch_local_users.py)."""
+    import os
+    import stat
+
+    previous = os.umask(umask)
+    try:
+        _fit(MLP(), "diloco", tmp_path / "runs", checkpoint_every=4, run_id="r", nodes=2)
+    finally:
+        os.umask(previous)
+    written = [p for p in (tmp_path / "runs").rglob("*")]
+    assert any(p.parent.name.startswith("step-") for p in written)  # checkpoints were written
+    assert any(p.name == "summary.json" for p in written)
+    for path in written:
+        expected = (0o777 if path.is_dir() else 0o666) & ~umask
+        assert stat.S_IMODE(path.stat().st_mode) == expected, (path, oct(path.stat().st_mode))

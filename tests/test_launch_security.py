@@ -292,3 +292,91 @@ def test_half_open_connections_from_a_stranger_do_not_slow_formation(lan, tmp_pa
             assert "gate closed after" in rogue_out, rogue_out
     print(f"formation after rank 1 could reach rank 0: {took[0]:.2f} s alone, {took[200]:.2f} s flooded")
     assert took[200] < took[0] + 3, took
+
+
+#: Opens COUNT connections to address:port in batches of 500 without waiting on each, and
+#: sends 8 bytes on every one that connects, then closes it; prints how many connected.
+GLOO_FLOOD = textwrap.dedent("""
+    import selectors, socket, sys
+    address, port, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    connected = 0
+    for start in range(0, count, 500):
+        sel = selectors.DefaultSelector()
+        for _ in range(min(500, count - start)):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex((address, port))
+            sel.register(s, selectors.EVENT_WRITE)
+        for key, _ in sel.select(timeout=0.5):
+            s = key.fileobj
+            if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0:
+                try:
+                    s.send(b"12345678")
+                    connected += 1
+                except OSError:
+                    pass
+        for key in list(sel.get_map().values()):
+            key.fileobj.close()
+    print("connected", connected, flush=True)
+""")
+
+
+def _gloo_listeners(ns: str) -> dict[str, int]:
+    """The ranks' listening TCP ports on the host's LAN address (gloo's): "addr:port" -> pid."""
+    out = subprocess.run(["ip", "netns", "exec", ns, "ss", "-Hltnp"], capture_output=True, text=True,
+                         timeout=20).stdout
+    found = {}
+    for line in out.splitlines():
+        fields = line.split()
+        if "python" in line and not fields[3].startswith("127.0.0.1:"):
+            found[fields[3]] = int(line.split("pid=")[1].split(",")[0])
+    return found
+
+
+def test_a_flood_on_gloos_ports_after_formation_does_not_stop_the_run(lan, tmp_path: Path) -> None:
+    """gloo keeps a descriptor for every connection that never finishes its handshake;
+    3,000 connections that each send 8 bytes and close would exhaust a rank limited to
+    1,024 open files ("accept: Too many open files", exit 134). Once the group has formed
+    the rank seals its listening sockets (new connections are dropped), so the flood
+    reaches nothing, the rank's descriptors stay as they were, and the run finishes."""
+    import time
+
+    world, ns = lan
+    work = tmp_path / "gloo"
+    work.mkdir()
+    limited = work / "python-1024"  # this machine's limit is high; a small one shows the failure
+    limited.write_text(f"#!/bin/sh\nulimit -n 1024\nexec {PYTHON} \"$@\"\n")
+    limited.chmod(0o755)
+    hosts = [{"name": f"box{i}", "host": s.address, "workdir": str(work / f"box{i}"), "python": str(limited)}
+             for i, s in enumerate(world.servers)]
+    inv = world.inventory(work / "inv.yaml", hosts, iface="eth0", rendezvous={"port": PORT, "timeout": 60})
+    launch = start_meshtrain(world, "launch", str(inv), "--out", str(work / "runs"), "--run-id", "flooded",
+                             "--task", "digits", "--strategy", "diloco", "--steps", "4000", "--set", "H=50",
+                             "--no-progress", "--threads", "1", cwd=work)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # formed: the gate is closed, and each rank has its gloo listener
+            listeners = {**_gloo_listeners(ns.hosts[0]), **_gloo_listeners(ns.hosts[1])}
+            if len(listeners) == 2 and not any(w.endswith(f":{PORT}") for w in listeners):
+                break
+            assert time.monotonic() < deadline and launch.poll() is None, f"never formed: {listeners}"
+            time.sleep(0.1)
+        for where in listeners:
+            assert where.split(":")[0] in (ns.addresses[ns.hosts[0]], ns.addresses[ns.hosts[1]]), where
+        fds_before = {pid: len(list(Path(f"/proc/{pid}/fd").iterdir())) for pid in listeners.values()}
+        for where in listeners:
+            address, port = where.rsplit(":", 1)
+            flood = subprocess.run(["ip", "netns", "exec", ns.hosts[2], PYTHON, "-c", GLOO_FLOOD, address,
+                                    port, "3000"], capture_output=True, text=True, timeout=120)
+            assert flood.stdout.strip() == "connected 0", flood.stdout + flood.stderr
+        assert launch.poll() is None, "the run ended before the flood did: lengthen it"
+        fds_after = {pid: len(list(Path(f"/proc/{pid}/fd").iterdir())) for pid in listeners.values()}
+        assert launch.stdout is not None
+        out = launch.stdout.read()
+        launch.wait(timeout=180)
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+    assert launch.returncode == 0, out
+    for pid, before in fds_before.items():
+        assert fds_after[pid] <= before + 2, (fds_before, fds_after)

@@ -187,3 +187,41 @@ def test_the_gate_closes_strangers_before_any_handshake_and_keeps_slots_for_rank
     err = capfd.readouterr().err
     assert err.count("from 127.0.0.2") == 1, err  # a flood is one line
     assert "not an inventory host's address" in err
+
+
+def test_sealed_listeners_drop_new_connections_and_keep_the_old_ones() -> None:
+    """What a rank does to gloo's listener once the group has formed (Linux): a socket
+    filter drops every new connection before it makes a socket; connections already
+    made keep working."""
+    import sys
+
+    import pytest
+
+    from meshtrain.comm.sealing import seal_listening_sockets
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("socket filters (SO_ATTACH_FILTER) are Linux's")
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port), timeout=5)
+    accepted, _ = listener.accept()
+    try:
+        assert seal_listening_sockets([listener.fileno()]) == [f"127.0.0.1:{port}"]
+        client.sendall(b"still here")
+        assert accepted.recv(10) == b"still here"
+        with pytest.raises(TimeoutError):  # the SYN is dropped: nothing answers
+            socket.create_connection(("127.0.0.1", port), timeout=1)
+    finally:
+        for s in (client, accepted, listener):
+            s.close()
+
+
+def test_a_rank_that_died_inside_gloo_is_told_the_likely_cause() -> None:
+    from meshtrain.comm.sealing import GLOO_HINT
+    from meshtrain.launch.launcher import _with_likely_cause
+
+    tail = ["terminate called after throwing an instance of 'gloo::IoException'",
+            "  what():  [gloo/transport/tcp/pair.cc:...] accept: Too many open files"]
+    assert _with_likely_cause("exited with status 134", tail) == f"exited with status 134 ({GLOO_HINT})"
+    assert _with_likely_cause("exited with status 1", ["ValueError: bad"]) == "exited with status 1"
+    assert "close them to non-inventory addresses: see README, Security" in GLOO_HINT

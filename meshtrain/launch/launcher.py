@@ -34,6 +34,7 @@ from pathlib import Path
 import paramiko
 
 from meshtrain.comm.rendezvous import PEERS_ENV, SECRET_FILE_ENV, SECRET_FOLDER_PREFIX, new_secret
+from meshtrain.comm.sealing import GLOO_HINT
 from meshtrain.launch.heartbeat import HEARTBEAT_FD, heartbeat_interval
 from meshtrain.launch.inventory import Host, Inventory
 from meshtrain.launch.output import STOPPED, RankOutput
@@ -503,7 +504,9 @@ def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], option
                 if r.outcome is not None:
                     output.ended(r.row, r.outcome)
                 if r.outcome is not None and r.outcome != "ok":
-                    failures.append(RankFailure(r.host.rank, r.host, r.outcome, output.tail(r.row)))
+                    tail = output.tail(r.row)
+                    r.outcome = _with_likely_cause(r.outcome, tail)
+                    failures.append(RankFailure(r.host.rank, r.host, r.outcome, tail))
         if all(r.outcome == "ok" for r in ranks):
             _teardown(ranks, options)  # anything the ranks left running in the background
             return _copy_back(ranks[0], options, output, stop)
@@ -549,6 +552,16 @@ def _outcome(r: _Rank, options: LaunchOptions, heartbeat_timeout: float) -> str 
         return (f"sent no heartbeat for {quiet:.0f} s (process stopped or hung; "
                 f"heartbeat_timeout {heartbeat_timeout:g} s)")
     return None
+
+
+def _with_likely_cause(reason: str, tail: list[str]) -> str:
+    """A rank that died inside gloo (gloo's C++ aborts the process: no Python error says
+    why) gets the likely outside cause added to its failure line."""
+    if GLOO_HINT in reason:
+        return reason
+    died_in_gloo = any("gloo" in line.lower() for line in tail) and (
+        reason.endswith("status 134") or any("Too many open files" in line for line in tail))
+    return f"{reason} ({GLOO_HINT})" if died_in_gloo else reason
 
 
 def _teardown(ranks: list[_Rank], options: LaunchOptions) -> dict[int, str]:

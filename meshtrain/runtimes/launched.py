@@ -14,6 +14,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from meshtrain.comm.sealing import GLOO_HINT, raise_open_file_limit
 from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group
 from meshtrain.devices import resolve_device
 from meshtrain.trainer import FitResult, NodeFailed, NodeJob, node_seed, train_node
@@ -26,6 +27,7 @@ def run_launched_rank(job: NodeJob) -> FitResult:
     if missing:
         raise RuntimeError(f"launched rank is missing environment variables: {', '.join(missing)}")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    raise_open_file_limit()  # headroom for gloo, which holds a descriptor per connection
     from meshtrain.launch.heartbeat import start_heartbeat  # launch-faults owner: liveness beats
     start_heartbeat()  # no-op unless `meshtrain launch` started this rank
     timeout = float(os.environ.get("MESHTRAIN_TIMEOUT", job.config.timeout_s))
@@ -33,7 +35,10 @@ def run_launched_rank(job: NodeJob) -> FitResult:
         return join_and_train(job, rank, world, os.environ["MASTER_ADDR"],
                               int(os.environ["MASTER_PORT"]), timeout, verify_replicas=True)
     except Exception as exc:  # the same error a simulated node raises, traceback kept
-        raise NodeFailed(rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()) from exc
+        message = f"{type(exc).__name__}: {exc}"
+        if "gloo" in message.lower():
+            message += f" ({GLOO_HINT})"
+        raise NodeFailed(rank, message, traceback.format_exc()) from exc
 
 
 def join_and_train(
