@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from meshtrain.comm import rendezvous
+from meshtrain.comm import rendezvous, sealing
 from meshtrain.comm.communicator import Communicator, ReduceOp, _combine_
 
 
@@ -124,6 +124,9 @@ def init_process_group(
             # The group has formed (gloo meets every peer through the store before this
             # returns): the store connections are open, so stop listening for new ones.
             listener.close()
+        # gloo's listener (and rank 0's loopback store) cannot be closed, but nobody needs
+        # a new connection to them now: from here on they drop every one (see sealing.py).
+        sealing.seal_listening_sockets()
         return
     if external_store:
         store = dist.TCPStore(master_addr, master_port, is_master=False, timeout=timeout)
