@@ -103,9 +103,11 @@ def test_a_gate_can_reopen_its_port_after_refusing_a_connection() -> None:
 
 
 def test_a_tunnel_serves_exactly_one_local_connection() -> None:
-    """Rank 1's tunnel hands its authenticated store connection to the first local
-    connection (the rank's own store client) and stops listening: a second local process
-    is refused, and cannot borrow the rank's admission to rank 0's store."""
+    """Rank 1's tunnel hands its authenticated store connection to one local connection,
+    the rank's own store client, and stops listening: another local process, before or
+    after it, is refused and cannot borrow the rank's admission to rank 0's store."""
+    import subprocess
+    import sys
     import threading
 
     from meshtrain.comm.rendezvous import Gate, Tunnel
@@ -122,6 +124,12 @@ def test_a_tunnel_serves_exactly_one_local_connection() -> None:
     gate = Gate("127.0.0.1", port, store.getsockname()[1], secret, admissions=2)
     tunnel = Tunnel("127.0.0.1", port, secret, timeout_s=10)
     try:
+        if sys.platform.startswith("linux"):  # another local process is refused, first or not
+            other = subprocess.run([sys.executable, "-c", (
+                "import socket,sys; s=socket.create_connection(('127.0.0.1',int(sys.argv[1])),timeout=5); "
+                "s.settimeout(5); print(repr(s.recv(4)))"), str(tunnel.port)],
+                capture_output=True, text=True, timeout=60)
+            assert other.stdout.strip() == "b''", other.stdout + other.stderr  # closed unserved
         first = socket.create_connection(("127.0.0.1", tunnel.port), timeout=5)
         first.sendall(b"ping")
         assert first.recv(4) == b"ping"

@@ -21,7 +21,8 @@ a slot even while an inventory host misbehaves.
 
 The other ranks reach the gate through a local tunnel (127.0.0.1 -> gate) that runs the
 rank's side of the handshake, so torch's store client is unchanged. The tunnel accepts
-exactly one connection (the rank's own store client) and then stops listening. The gate
+exactly one connection, the rank's own store client (on Linux a connection from another
+process is refused), and then stops listening. The gate
 admits world_size - 1 connections and then stops listening; both close their listening
 sockets once the group has formed (the admitted connections live on). The secret is made
 by the launcher for each launch and delivered over SSH (the trust root) in a private
@@ -307,13 +308,43 @@ class Gate(_Listener):
         _pipe(conn, store)
 
 
+def _from_this_process(peer_port: int, local_port: int) -> bool:
+    """Whether the loopback connection from ``peer_port`` to ``local_port`` was opened by
+    this process (Linux: its socket's inode is one of our descriptors). Elsewhere there
+    is no cheap way to tell: True."""
+    if not sys.platform.startswith("linux"):
+        return True
+    wanted = f":{peer_port:04X}", f":{local_port:04X}"
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            return True  # no /proc: cannot tell
+        for line in lines:
+            fields = line.split()
+            if fields[1].endswith(wanted[0]) and fields[2].endswith(wanted[1]):
+                inodes.add(f"socket:[{fields[9]}]")
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") in inodes:
+                return True
+        except OSError:
+            continue
+    return False
+
+
 class Tunnel(_Listener):
     """Ranks other than 0: a local port whose one connection (the rank's store client)
     reaches the gate, authenticated. After that connection the tunnel stops listening:
     no other local process can borrow the rank's admission."""
 
     def welcome(self, conn: socket.socket, peer: tuple) -> bool:
-        self.close()  # exactly one connection
+        if not _from_this_process(peer[1], self.port):
+            print(f"meshtrain: refused a local connection to the rendezvous tunnel from port {peer[1]}: "
+                  "another process on this machine (not this rank)", file=sys.stderr, flush=True)
+            return False
+        self.close()  # exactly one connection: the rank's own store client
         return True
 
     def __init__(self, address: str, port: int, secret: bytes, timeout_s: float = 60.0) -> None:
