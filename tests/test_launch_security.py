@@ -286,6 +286,8 @@ def test_half_open_connections_from_a_stranger_do_not_slow_formation(lan, tmp_pa
                     proc.kill()
             rogue_out = rogue.communicate()[0]
         assert launch.returncode == 0, out
+        # Rank 1 started before it could reach the gate (issue 18's race): no C++ stack trace.
+        assert "Exception raised from" not in out and "frame #" not in out, out
         assert out.count(f"refused a rendezvous connection from {ns.addresses[ns.hosts[2]]}") == 1, out
         assert "not an inventory host's address" in out
         if n:

@@ -233,3 +233,38 @@ def test_a_rank_that_died_inside_gloo_is_told_the_likely_cause() -> None:
     assert _with_likely_cause("exited with status 134", tail) == f"exited with status 134 ({GLOO_HINT})"
     assert _with_likely_cause("exited with status 1", ["ValueError: bad"]) == "exited with status 1"
     assert "close them to non-inventory addresses: see README, Security" in GLOO_HINT
+
+
+#: Rank 1's store client connects through its tunnel while rank 0's gate is not yet up.
+LATE_GATE = """
+import datetime, socket, sys, threading, time
+import torch.distributed as dist
+from meshtrain.comm import rendezvous
+from meshtrain.comm.torch_dist import host_loopback_store
+secret, gate_port = b"s" * 64, int(sys.argv[1])
+def rank0_starts_late():
+    time.sleep(1.5)
+    store, port = host_loopback_store(30)
+    rank0_starts_late.store = store  # kept alive
+    rendezvous.Gate("127.0.0.1", gate_port, port, secret, admissions=1)
+threading.Thread(target=rank0_starts_late, daemon=True).start()
+tunnel = rendezvous.Tunnel("127.0.0.1", gate_port, secret, timeout_s=30)
+client = dist.TCPStore("127.0.0.1", tunnel.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+client.set("k", "v")
+print("joined", client.get("k").decode())
+"""
+
+
+def test_a_rank_that_starts_before_rank_0_joins_without_a_stack_trace() -> None:
+    """The race behind "rank 1 printed ~35 lines of c10d TCPStore stack traces" (issue 18):
+    rank 1's store client reached its tunnel before rank 0's gate listened; the tunnel
+    closed the connection, and torch's client logged a C++ stack trace at every retry. The
+    tunnel now holds the store client's connection and waits for the gate itself."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", LATE_GATE, str(free_port())], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "joined v", done.stdout + done.stderr
+    for trace in ("Exception raised from", "frame #"):
+        assert trace not in done.stderr, done.stderr
