@@ -132,3 +132,48 @@ def test_a_workdir_other_users_control_is_refused(
         f"alpha (root@127.0.0.1:{loopback_ssh.servers[0].port}): refusing workdir {workdir}: it {why}; "
         "another user could plant files there (use a folder of your own)"]
     assert not (workdir / "runs").exists()  # nothing created in it
+
+
+def test_the_secret_is_on_no_command_line_and_in_no_environment(
+        loopback_ssh: SshWorld, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the ranks run, the launch's secret is in no process's command line or
+    environment on the machine (launcher, sshd, shells, ranks): it travels on SSH's stdin
+    into the private file only. The file is removed when the launch ends."""
+    import threading
+    import time
+
+    from meshtrain.launch import launcher
+
+    secret = new_secret()
+    monkeypatch.setattr(launcher, "new_secret", lambda: secret)
+    marker = f"secret-scan-{secret[:6]}"
+    workdir = tmp_path / "work"
+    inv = load_inventory(one_host_inventory(loopback_ssh, tmp_path, workdir))
+    argv = ["python", "-c", f"import time; time.sleep(4)  # {marker}"]
+    ended: dict[str, object] = {}
+    runner = threading.Thread(target=lambda: ended.update(result=launcher.launch(
+        inv, argv, launcher.LaunchOptions(run_id="scan"), training=False)))
+    runner.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not any(marker in (p / "cmdline").read_bytes().decode(errors="replace")
+                      for p in Path("/proc").iterdir() if p.name.isdigit() and _readable(p / "cmdline")):
+            assert time.monotonic() < deadline and runner.is_alive(), "the rank never started"
+            time.sleep(0.1)
+        assert (workdir / secret_file_name("scan", 0)).read_text() == secret  # delivered
+        for proc in Path("/proc").iterdir():
+            for part in ("cmdline", "environ"):
+                if proc.name.isdigit() and _readable(proc / part):
+                    assert secret.encode() not in (proc / part).read_bytes(), f"{proc}/{part}"
+    finally:
+        runner.join(timeout=60)
+    assert ended["result"].exit_code == 0  # type: ignore[attr-defined]
+    assert not (workdir / secret_folder_name("scan", 0)).exists()
+
+
+def _readable(path: Path) -> bool:
+    try:
+        path.read_bytes()
+        return True
+    except OSError:  # the process ended meanwhile
+        return False

@@ -268,3 +268,22 @@ def test_a_rank_that_starts_before_rank_0_joins_without_a_stack_trace() -> None:
     assert done.returncode == 0 and done.stdout.strip() == "joined v", done.stdout + done.stderr
     for trace in ("Exception raised from", "frame #"):
         assert trace not in done.stderr, done.stderr
+
+
+def test_a_launched_rank_raises_its_open_file_limit_to_the_hard_limit() -> None:
+    """What every launched rank does at start: lift its soft limit on open files to the
+    hard limit (gloo holds a descriptor per connection)."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    if sys.platform == "win32":
+        pytest.skip("no RLIMIT_NOFILE")
+    script = ("import resource; from meshtrain.comm.sealing import raise_open_file_limit\n"
+              "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]\n"
+              "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+              "raise_open_file_limit()\n"
+              "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "True", done.stdout + done.stderr  # in a launch: test_launch_security
