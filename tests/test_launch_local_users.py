@@ -68,18 +68,13 @@ def test_the_secret_lands_in_a_private_folder_and_the_rank_removes_both(
     assert not folder.exists()
 
 
-@pytest.mark.parametrize("planted", ["folder", "file"])
-def test_a_planted_symlink_at_the_secrets_path_is_refused(
-        loopback_ssh: SshWorld, tmp_path: Path, planted: str) -> None:
+def test_a_planted_symlink_at_the_secrets_path_is_refused(loopback_ssh: SshWorld, tmp_path: Path) -> None:
+    """Another user who can write the workdir's parent plants a link at the secret
+    folder's name, pointing into a folder of theirs: refused, nothing written there."""
     workdir, elsewhere = tmp_path / "work", tmp_path / "attacker"
     workdir.mkdir()
     elsewhere.mkdir(mode=0o777)
-    folder = workdir / secret_folder_name("r1", 0)
-    if planted == "folder":  # the whole folder name points into the attacker's folder
-        folder.symlink_to(elsewhere)
-    else:  # a private folder of ours (left by an earlier try) with a link where the file goes
-        folder.mkdir(mode=0o700)
-        (folder / "secret").symlink_to(elsewhere / "stolen")
+    (workdir / secret_folder_name("r1", 0)).symlink_to(elsewhere)
     host = one_host(loopback_ssh, tmp_path, workdir)
     client = connect(host)
     try:
@@ -89,8 +84,30 @@ def test_a_planted_symlink_at_the_secrets_path_is_refused(
         client.close()
     message = str(info.value)
     assert message.startswith("alpha (root@127.0.0.1:") and "\n" not in message, message
-    assert ("is not a private folder" if planted == "folder" else "File exists") in message, message
+    assert "already exists and is not a private folder of this user's" in message, message
     assert list(elsewhere.iterdir()) == []  # nothing written through the link
+
+
+def test_a_link_at_the_secret_files_name_is_replaced_not_followed(
+        loopback_ssh: SshWorld, tmp_path: Path) -> None:
+    """In the private folder an earlier attempt left (only we can write there), whatever is
+    at the file's name is removed, never followed, and the secret is written afresh."""
+    workdir, elsewhere = tmp_path / "work", tmp_path / "attacker"
+    workdir.mkdir()
+    elsewhere.mkdir(mode=0o777)
+    folder = workdir / secret_folder_name("r1", 0)
+    folder.mkdir(mode=0o700)
+    (folder / "secret").symlink_to(elsewhere / "stolen")
+    host = one_host(loopback_ssh, tmp_path, workdir)
+    secret = new_secret()
+    client = connect(host)
+    try:
+        deliver_secret(client, host, "r1", secret, timeout=10)
+    finally:
+        client.close()
+    assert list(elsewhere.iterdir()) == []
+    assert not (folder / "secret").is_symlink() and (folder / "secret").read_text() == secret
+    assert stat.S_IMODE((folder / "secret").stat().st_mode) == 0o600
 
 
 def test_the_rank_refuses_a_secret_that_is_a_symlink(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

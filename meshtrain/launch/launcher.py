@@ -142,8 +142,9 @@ def secret_file_name(run_id: str, rank: int) -> str:
 
 
 #: Run by the host's interpreter in the workdir: makes the private folder (or accepts one
-#: that is already this user's and private), then creates the secret file in it without
-#: following a symlink and only if it does not exist yet. The secret comes on stdin.
+#: that is already this user's and private, left by an earlier attempt, and removes what
+#: is at the file's name there), then creates the secret file in it without following a
+#: symlink and only if it does not exist. The secret comes on stdin.
 WRITE_SECRET = """\
 import os, stat, sys
 folder = sys.argv[1]
@@ -153,11 +154,16 @@ except FileExistsError:
     info = os.lstat(folder)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
         sys.exit(folder + " already exists and is not a private folder of this user's")
+path = os.path.join(folder, "secret")
+try:  # a stale secret (an attempt whose rank never read it): only we can write here
+    os.unlink(path)  # a link is removed, never followed
+except FileNotFoundError:
+    pass
 flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
 try:
-    fd = os.open(os.path.join(folder, "secret"), flags, 0o600)
+    fd = os.open(path, flags, 0o600)
 except OSError as exc:
-    sys.exit(os.path.join(folder, "secret") + ": " + exc.strerror)
+    sys.exit(path + ": " + exc.strerror)
 with os.fdopen(fd, "wb") as out:
     out.write(sys.stdin.buffer.read())
 """
