@@ -12,8 +12,8 @@ import io
 import json
 import math
 import os
+import secrets
 import shutil
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -39,9 +39,18 @@ METRIC_COLUMNS = [
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it into place."""
+    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it into place.
+
+    The file gets the mode the user's umask gives (0644 under the usual 022), like every
+    other file of a run; ``mkstemp`` would make it 0600 whatever the umask says."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    while True:
+        tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}"
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            break
+        except FileExistsError:
+            continue
     os.close(fd)
     try:
         write(Path(tmp))

@@ -131,3 +131,55 @@ def test_cli_prints_the_resume_command_and_resume_finishes_the_same_run(
     ref = torch.load(tmp_path / "ref" / "ref" / "model.pt", weights_only=True)
     got = torch.load(tmp_path / "runs" / "r" / "model.pt", weights_only=True)
     assert all(torch.equal(ref[k], got[k]) for k in ref)
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_run_and_checkpoint_files_follow_the_umask(umask: int, tmp_path: Path) -> None:
+    """Nothing a run writes is forced private or public: every file and folder of the run
+    directory and of its checkpoints gets the mode the user's umask gives (only the launch
+    secret is always private: see test_launch_local_users.py)."""
+    import os
+    import stat
+
+    previous = os.umask(umask)
+    try:
+        _fit(MLP(), "diloco", tmp_path / "runs", checkpoint_every=4, run_id="r", nodes=2)
+    finally:
+        os.umask(previous)
+    written = [p for p in (tmp_path / "runs").rglob("*")]
+    assert any(p.parent.name.startswith("step-") for p in written)  # checkpoints were written
+    assert any(p.name == "summary.json" for p in written)
+    for path in written:
+        expected = (0o777 if path.is_dir() else 0o666) & ~umask
+        assert stat.S_IMODE(path.stat().st_mode) == expected, (path, oct(path.stat().st_mode))
+
+
+class _RunsCode:
+    """Unpickling this would call ``Path.touch`` (pickle runs code; weights_only must not)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # noqa: ANN204 - pickle's protocol
+        return (Path.touch, (self.marker,))
+
+
+def test_a_checkpoint_is_read_without_running_code(tmp_path: Path) -> None:
+    """Checkpoints are loaded with ``torch.load(weights_only=True)``: a node file that would
+    run code when unpickled (its hash in meta.json made to match) is refused, the code never runs."""
+    import hashlib
+    import pickle
+
+    from meshtrain.checkpoint import find_latest, load_node
+
+    with pytest.raises(NodeFailed):  # a run that stops keeps its checkpoints
+        _fit(CrashesAt(7), "ddp", tmp_path, checkpoint_every=3, run_id="r")
+    folder = tmp_path / "r.checkpoints" / "step-000006"
+    marker = tmp_path / "code-ran"
+    torch.save({"run_id": "r", "step": 6, "evil": _RunsCode(marker)}, folder / "node-0.pt")
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["files"]["node-0.pt"] = hashlib.sha256((folder / "node-0.pt").read_bytes()).hexdigest()
+    (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        load_node(find_latest(folder), 0)
+    assert not marker.exists()

@@ -249,3 +249,27 @@ def test_gloo_recorded_bytes_are_the_bytes_on_the_wire(gloo_results):
         recorded.append(tuple(result["log"][4][1:3]))  # the float all-gather
         assert result["wire"] == recorded, rank
         assert recorded[0] == ring_all_reduce_bytes(1001, 4, rank, 3)
+
+
+def test_node_reports_are_capped_at_64_mib_before_rank_0_allocates_them() -> None:
+    """Nodes report to rank 0 as JSON in byte tensors, never pickled. A report over
+    64 MiB is refused by its sender; and a hostile node that announces a bigger one is
+    refused by rank 0 from the announced size, before a buffer of that size exists."""
+    from meshtrain.comm.communicator import MAX_JSON_BYTES
+
+    assert MAX_JSON_BYTES == 64 * 2**20
+
+    def honest_but_too_big(comm):
+        return comm.gather_json("x" * MAX_JSON_BYTES)  # 64 MiB + the two quotes
+
+    with pytest.raises(ValueError, match=f"report of {MAX_JSON_BYTES + 2} bytes exceeds {MAX_JSON_BYTES}"):
+        on_threads(1, honest_but_too_big)
+
+    def hostile(comm):
+        if comm.rank == 0:
+            return comm.gather_json({"loss": 1.0})
+        comm.all_gather(torch.tensor([2**40], dtype=torch.int64), record=False)  # announces 1 TiB
+        comm.all_gather(torch.zeros(1, dtype=torch.uint8), record=False)
+
+    with pytest.raises(ValueError, match=f"a node's report of {2**40} bytes exceeds {MAX_JSON_BYTES}"):
+        on_threads(2, hostile)

@@ -136,6 +136,10 @@ def test_rank_environment_and_command(tmp_path: Path) -> None:
     assert env["MESHTRAIN_RUN_ID"] == "run-1" and env["PYTHONUNBUFFERED"] == "1"
     assert rank_env(inv, a, "run-1")["GLOO_SOCKET_IFNAME"] == "en0"
     assert "GLOO_SOCKET_IFNAME" not in env
+    # Rank 0's gate admits the other hosts only (names and addresses, one entry per host).
+    assert rank_env(inv, a, "run-1")["MESHTRAIN_PEERS"] == "10.0.0.2,10.0.0.1"
+    assert "MESHTRAIN_PEERS" not in env
+    assert env["MESHTRAIN_SECRET_FILE"] == ".meshtrain-secret-run-1-2/secret"
 
     line = rank_command(inv, a, "run-1", training_argv(["--steps", "5", "--set", "H=2"]), training=True)
     words = shlex.split(line)

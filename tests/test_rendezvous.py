@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from ssh_fixtures import free_port
 
-from meshtrain.comm.rendezvous import SECRET_FILE_ENV, new_secret
+from meshtrain.comm.rendezvous import SECRET_FILE_ENV, SECRET_FOLDER_PREFIX, new_secret
 
 
 def _refused(port: int) -> bool:
@@ -60,7 +60,9 @@ def test_nothing_listens_once_the_group_has_formed(tmp_path: Path) -> None:
     procs = []
     ctx = mp.get_context("spawn")
     for rank in range(2):
-        secret_file = tmp_path / f"secret-{rank}"
+        folder = tmp_path / f"{SECRET_FOLDER_PREFIX}{rank}"
+        folder.mkdir(mode=0o700)
+        secret_file = folder / "secret"
         secret_file.write_text(secret)
         secret_file.chmod(0o600)
         procs.append(ctx.Process(target=_rank, args=(rank, port, str(secret_file),
@@ -73,7 +75,7 @@ def test_nothing_listens_once_the_group_has_formed(tmp_path: Path) -> None:
     reports = [json.loads((tmp_path / f"report-{r}.json").read_text()) for r in range(2)]
     assert reports[0] == {"listening": {"gate": False}, "sum": 3.0}
     assert reports[1] == {"listening": {"gate": False, "tunnel": False}, "sum": 3.0}
-    assert not (tmp_path / "secret-0").exists() and not (tmp_path / "secret-1").exists()
+    assert not list(tmp_path.glob(f"{SECRET_FOLDER_PREFIX}*"))  # read, then removed with its folder
 
 
 def test_a_gate_can_reopen_its_port_after_refusing_a_connection() -> None:
@@ -97,3 +99,190 @@ def test_a_gate_can_reopen_its_port_after_refusing_a_connection() -> None:
     finally:
         gate.close()
     Gate("127.0.0.1", port, store_port=free_port(), secret=b"s" * 64).close()  # TIME_WAIT: fine
+
+
+def test_a_tunnel_serves_exactly_one_local_connection() -> None:
+    """Rank 1's tunnel hands its authenticated store connection to one local connection,
+    the rank's own store client, and stops listening: another local process, before or
+    after it, is refused and cannot borrow the rank's admission to rank 0's store."""
+    import subprocess
+    import sys
+    import threading
+
+    from meshtrain.comm.rendezvous import Gate, Tunnel
+
+    store = socket.create_server(("127.0.0.1", 0))  # stands in for rank 0's store: echoes
+
+    def echo() -> None:
+        conn, _ = store.accept()
+        while data := conn.recv(1024):
+            conn.sendall(data)
+
+    threading.Thread(target=echo, daemon=True).start()
+    secret, port = new_secret().encode(), free_port()
+    gate = Gate("127.0.0.1", port, store.getsockname()[1], secret, admissions=2)
+    tunnel = Tunnel("127.0.0.1", port, secret, timeout_s=10)
+    try:
+        if sys.platform.startswith("linux"):  # another local process is refused, first or not
+            other = subprocess.run([sys.executable, "-c", (
+                "import socket,sys; s=socket.create_connection(('127.0.0.1',int(sys.argv[1])),timeout=5); "
+                "s.settimeout(5); print(repr(s.recv(4)))"), str(tunnel.port)],
+                capture_output=True, text=True, timeout=60)
+            assert other.stdout.strip() == "b''", other.stdout + other.stderr  # closed unserved
+        first = socket.create_connection(("127.0.0.1", tunnel.port), timeout=5)
+        first.sendall(b"ping")
+        assert first.recv(4) == b"ping"
+        assert _refused(tunnel.port)
+        first.close()
+    finally:
+        gate.close()
+        tunnel.close()
+        store.close()
+
+
+def test_the_gate_closes_strangers_before_any_handshake_and_keeps_slots_for_ranks(
+        capfd) -> None:  # noqa: ANN001 - pytest's fixture
+    """With the inventory's addresses the gate closes a connection from any other address
+    as soon as it is accepted (no challenge is sent), so 200 half-open connections from a
+    stranger (127.0.0.2, on Linux's loopback) hold no slot: a rank still gets through.
+    A peer that never answers the challenge is dropped at the handshake deadline."""
+    import sys
+    import time
+
+    import pytest
+
+    from meshtrain.comm import rendezvous
+    from meshtrain.comm.rendezvous import Gate, peer_addresses, rank_handshake
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("127.0.0.2 is a loopback address on Linux only")
+    secret, port = new_secret().encode(), free_port()
+    store = socket.create_server(("127.0.0.1", 0))
+    gate = Gate("127.0.0.1", port, store.getsockname()[1], secret, admissions=1,
+                peers=peer_addresses([["127.0.0.1"]]))
+    strangers = []
+    try:
+        for _ in range(200):
+            s = socket.socket()
+            s.bind(("127.0.0.2", 0))
+            s.settimeout(5)
+            s.connect(("127.0.0.1", port))
+            strangers.append(s)
+        assert all(s.recv(32) == b"" for s in strangers)  # closed without a challenge
+        # A silent inventory peer holds its address's slots only until the deadline.
+        silent = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+        started = time.monotonic()
+        while True:  # as the tunnel does: the address's slots are busy, so try again
+            rank = socket.create_connection(("127.0.0.1", port), timeout=10)
+            rank.settimeout(10)
+            try:
+                rank_handshake(rank, secret)
+                break
+            except ConnectionError:
+                rank.close()
+                time.sleep(0.1)
+        waited = time.monotonic() - started
+        assert waited < rendezvous.GATE_HANDSHAKE_TIMEOUT_S + 2, waited
+        rank.close()
+        for s in silent:
+            s.close()
+    finally:
+        for s in strangers:
+            s.close()
+        gate.close()
+        store.close()
+    err = capfd.readouterr().err
+    assert err.count("from 127.0.0.2") == 1, err  # a flood is one line
+    assert "not an inventory host's address" in err
+
+
+def test_sealed_listeners_drop_new_connections_and_keep_the_old_ones() -> None:
+    """What a rank does to gloo's listener once the group has formed (Linux): a socket
+    filter drops every new connection before it makes a socket; connections already
+    made keep working."""
+    import sys
+
+    import pytest
+
+    from meshtrain.comm.sealing import seal_listening_sockets
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("socket filters (SO_ATTACH_FILTER) are Linux's")
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port), timeout=5)
+    accepted, _ = listener.accept()
+    try:
+        assert seal_listening_sockets([listener.fileno()]) == [f"127.0.0.1:{port}"]
+        client.sendall(b"still here")
+        assert accepted.recv(10) == b"still here"
+        with pytest.raises(TimeoutError):  # the SYN is dropped: nothing answers
+            socket.create_connection(("127.0.0.1", port), timeout=1)
+    finally:
+        for s in (client, accepted, listener):
+            s.close()
+
+
+def test_a_rank_that_died_inside_gloo_is_told_the_likely_cause() -> None:
+    from meshtrain.comm.sealing import GLOO_HINT
+    from meshtrain.launch.launcher import _with_likely_cause
+
+    tail = ["terminate called after throwing an instance of 'gloo::IoException'",
+            "  what():  [gloo/transport/tcp/pair.cc:...] accept: Too many open files"]
+    assert _with_likely_cause("exited with status 134", tail) == f"exited with status 134 ({GLOO_HINT})"
+    assert _with_likely_cause("exited with status 1", ["ValueError: bad"]) == "exited with status 1"
+    assert "close them to non-inventory addresses: see README, Security" in GLOO_HINT
+
+
+#: Rank 1's store client connects through its tunnel while rank 0's gate is not yet up.
+LATE_GATE = """
+import datetime, socket, sys, threading, time
+import torch.distributed as dist
+from meshtrain.comm import rendezvous
+from meshtrain.comm.torch_dist import host_loopback_store
+secret, gate_port = b"s" * 64, int(sys.argv[1])
+def rank0_starts_late():
+    time.sleep(1.5)
+    store, port = host_loopback_store(30)
+    rank0_starts_late.store = store  # kept alive
+    rendezvous.Gate("127.0.0.1", gate_port, port, secret, admissions=1)
+threading.Thread(target=rank0_starts_late, daemon=True).start()
+tunnel = rendezvous.Tunnel("127.0.0.1", gate_port, secret, timeout_s=30)
+client = dist.TCPStore("127.0.0.1", tunnel.port, is_master=False, timeout=datetime.timedelta(seconds=30))
+client.set("k", "v")
+print("joined", client.get("k").decode())
+"""
+
+
+def test_a_rank_that_starts_before_rank_0_joins_without_a_stack_trace() -> None:
+    """The race behind "rank 1 printed ~35 lines of c10d TCPStore stack traces" (issue 18):
+    rank 1's store client reached its tunnel before rank 0's gate listened; the tunnel
+    closed the connection, and torch's client logged a C++ stack trace at every retry. The
+    tunnel now holds the store client's connection and waits for the gate itself."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", LATE_GATE, str(free_port())], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "joined v", done.stdout + done.stderr
+    for trace in ("Exception raised from", "frame #"):
+        assert trace not in done.stderr, done.stderr
+
+
+def test_a_launched_rank_raises_its_open_file_limit_to_the_hard_limit() -> None:
+    """What every launched rank does at start: lift its soft limit on open files to the
+    hard limit (gloo holds a descriptor per connection)."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    if sys.platform == "win32":
+        pytest.skip("no RLIMIT_NOFILE")
+    script = ("import resource; from meshtrain.comm.sealing import raise_open_file_limit\n"
+              "hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]\n"
+              "resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard))\n"
+              "raise_open_file_limit()\n"
+              "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "True", done.stdout + done.stderr  # in a launch: test_launch_security

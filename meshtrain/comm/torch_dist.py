@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtrain.comm import rendezvous
+from meshtrain.comm import rendezvous, sealing
 from meshtrain.comm.communicator import Communicator, ReduceOp, _combine_
 
 
@@ -188,9 +188,10 @@ def init_process_group(
         if rank == 0:
             store, store_port = host_loopback_store(timeout_s)
             listener: rendezvous.Gate | rendezvous.Tunnel = rendezvous.Gate(
-                master_addr, master_port, store_port, secret, admissions=world_size - 1)
+                master_addr, master_port, store_port, secret, admissions=world_size - 1,
+                peers=rendezvous.peers_from_env())
         else:
-            listener = rendezvous.Tunnel(master_addr, master_port, secret)
+            listener = rendezvous.Tunnel(master_addr, master_port, secret, timeout_s)
             store = dist.TCPStore("127.0.0.1", listener.port, is_master=False, timeout=timeout)
         try:
             dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size,
@@ -199,6 +200,9 @@ def init_process_group(
             # The group has formed (gloo meets every peer through the store before this
             # returns): the store connections are open, so stop listening for new ones.
             listener.close()
+        # gloo's listener (and rank 0's loopback store) cannot be closed, but nobody needs
+        # a new connection to them now: from here on they drop every one (see sealing.py).
+        sealing.seal_listening_sockets()
         return
     if external_store:
         store = dist.TCPStore(master_addr, master_port, is_master=False, timeout=timeout)

@@ -31,7 +31,8 @@ from pathlib import Path
 
 import paramiko
 
-from meshtrain.comm.rendezvous import SECRET_FILE_ENV, new_secret
+from meshtrain.comm.rendezvous import PEERS_ENV, SECRET_FILE_ENV, SECRET_FOLDER_PREFIX, new_secret
+from meshtrain.comm.sealing import GLOO_HINT
 from meshtrain.errors import InputError
 from meshtrain.heartbeat import HEARTBEAT_FD, heartbeat_interval
 from meshtrain.launch.inventory import Host, Inventory
@@ -48,7 +49,6 @@ from meshtrain.launch.ssh import (
     Shell,
     SSHError,
     connect,
-    remote_path,
     run,
     sh,
     shell_line,
@@ -148,25 +148,76 @@ def training_argv(flags: list[str]) -> list[str]:
     return ["-m", "meshtrain", "simulate", *flags]
 
 
+def secret_folder_name(run_id: str, rank: int) -> str:
+    """The private folder (in the rank's workdir) that holds the launch secret until the
+    rank reads it; made by the launcher, mode 0700."""
+    return f"{SECRET_FOLDER_PREFIX}{run_id}-{rank}"
+
+
 def secret_file_name(run_id: str, rank: int) -> str:
-    """The file (in the rank's workdir) that holds the launch secret until the rank reads it."""
-    return f".meshtrain-secret-{run_id}-{rank}"
+    """The file, relative to the rank's workdir, that holds the launch secret."""
+    return f"{secret_folder_name(run_id, rank)}/secret"
+
+
+#: Run by the host's interpreter in the workdir: makes the private folder (or accepts one
+#: that is already this user's and private, left by an earlier attempt, and removes what
+#: is at the file's name there), then creates the secret file in it without following a
+#: symlink and only if it does not exist. The secret comes on stdin.
+WRITE_SECRET = """\
+import os, stat, sys
+folder = sys.argv[1]
+try:
+    os.mkdir(folder, 0o700)
+except FileExistsError:
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+        sys.exit(folder + " already exists and is not a private folder of this user's")
+path = os.path.join(folder, "secret")
+try:  # a stale secret (an attempt whose rank never read it): only we can write here
+    os.unlink(path)  # a link is removed, never followed
+except FileNotFoundError:
+    pass
+flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+try:
+    fd = os.open(path, flags, 0o600)
+except OSError as exc:
+    sys.exit(path + ": " + exc.strerror)
+with os.fdopen(fd, "wb") as out:
+    out.write(sys.stdin.buffer.read())
+"""
+
+#: Run by the host's interpreter: exits non-zero (saying why) when another user could
+#: plant files in the workdir: it is another user's, or group/other-writable without the
+#: sticky bit.
+CHECK_WORKDIR = """\
+import os, stat, sys
+info = os.stat(sys.argv[1])
+if info.st_uid != os.geteuid():
+    sys.exit(f"is owned by another user (uid {info.st_uid})")
+if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+    sys.exit(f"is writable by other users (mode {stat.S_IMODE(info.st_mode):o}, no sticky bit)")
+"""
 
 
 def deliver_secret(client: paramiko.SSHClient, host: Host, run_id: str, secret: str, timeout: float) -> None:
-    """Write the launch secret to a 0600 file in ``host``'s workdir, over SSH's stdin:
-    never on a command line, where ``ps`` would show it."""
-    path = f"{remote_path(host.workdir)}/{secret_file_name(run_id, host.rank)}"
-    done = run(client, sh(f"umask 077 && cat > {path}"), timeout=timeout, stdin=secret.encode())
+    """Write the launch secret into a fresh private folder in ``host``'s workdir, over
+    SSH's stdin: never on a command line, where ``ps`` would show it. A symlink or a
+    folder another user planted at that name is refused, and nothing is written."""
+    done = run(client, sh(shell_line(
+        "cd", HostPath(host.workdir), Shell("&& umask 077 &&"),
+        HostPath(host.python), "-c", WRITE_SECRET, secret_folder_name(run_id, host.rank),
+    )), timeout=timeout, stdin=secret.encode())
     if done.status != 0:
-        raise SSHError(host, f"cannot write the launch secret in {host.workdir}: {done.stderr.strip()}")
+        why = (done.stderr.strip().splitlines() or ["no reason given"])[-1]
+        raise SSHError(host, f"cannot write the launch secret in {host.workdir}: {why}")
 
 
 def _forget_secret(client: paramiko.SSHClient, host: Host, run_id: str) -> None:
-    """Remove the secret file if the rank never read it (a script that does not use meshtrain)."""
+    """Remove the secret's folder if the rank never read it (a script that does not use
+    meshtrain). ``rm -rf`` on the name itself: a symlink there is removed, not followed."""
+    folder = HostPath(f"{host.workdir}/{secret_folder_name(run_id, host.rank)}")
     try:
-        run(client, sh(f"rm -f {remote_path(host.workdir)}/{secret_file_name(run_id, host.rank)}"),
-            timeout=5)
+        run(client, sh(shell_line("rm", "-rf", folder)), timeout=5)
     except Exception:  # noqa: BLE001 - best effort on a host that may be gone
         pass
 
@@ -188,6 +239,9 @@ def rank_env(inventory: Inventory, host: Host, run_id: str) -> dict[str, str]:
         "MESHTRAIN_DEVICE": host.device,
         "PYTHONUNBUFFERED": "1",
     })
+    if host.rank == 0:  # the rendezvous gate admits connections from these hosts only
+        env[PEERS_ENV] = ",".join(" ".join(dict.fromkeys((h.advertise, h.hostname)))
+                                  for h in inventory.hosts if h.rank != 0)
     if host.iface:
         env["GLOO_SOCKET_IFNAME"] = host.iface
     if host.threads is not None:
@@ -234,6 +288,8 @@ def preflight(inventory: Inventory, options: LaunchOptions) -> list[paramiko.SSH
         try:
             check = run(client, sh(shell_line(
                 "test", "-x", HostPath(host.python), Shell("|| exit 41;"),
+                "mkdir", "-p", HostPath(host.workdir), Shell("|| exit 42;"),
+                HostPath(host.python), "-c", CHECK_WORKDIR, HostPath(host.workdir), Shell("|| exit 43;"),
                 "mkdir", "-p", HostPath(f"{host.workdir}/{REMOTE_RUNS}"), Shell("|| exit 42"),
             )), timeout=options.connect_timeout)
         except Exception:
@@ -245,6 +301,10 @@ def preflight(inventory: Inventory, options: LaunchOptions) -> list[paramiko.SSH
                 raise SSHError(host, f"python {host.python} not found or not executable: set 'python' in "
                                      "the inventory to the absolute interpreter path (`which python3` "
                                      "on the host)")
+            if check.status == 43:
+                why = (check.stderr.strip().splitlines() or ["is not private"])[-1]
+                raise SSHError(host, f"refusing workdir {host.workdir}: it {why}; another user could "
+                                     "plant files there (use a folder of your own)")
             raise SSHError(host, f"cannot create workdir {host.workdir}: {check.stderr.strip()}")
         try:
             _check_required_paths(client, host, options)
@@ -481,7 +541,9 @@ def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], option
                 if r.outcome is not None:
                     output.ended(r.row, r.outcome)
                 if r.outcome is not None and r.outcome != "ok":
-                    failures.append(RankFailure(r.host.rank, r.host, r.outcome, output.tail(r.row)))
+                    tail = output.tail(r.row)
+                    r.outcome = _with_likely_cause(r.outcome, tail)
+                    failures.append(RankFailure(r.host.rank, r.host, r.outcome, tail))
         if all(r.outcome == "ok" for r in ranks):
             _teardown(ranks, options)  # anything the ranks left running in the background
             return _copy_back(ranks[0], options, output, stop)
@@ -529,6 +591,16 @@ def _outcome(r: _Rank, options: LaunchOptions, heartbeat_timeout: float) -> str 
         return (f"sent no heartbeat for {quiet:.0f} s (process stopped or hung; "
                 f"heartbeat_timeout {heartbeat_timeout:g} s)")
     return None
+
+
+def _with_likely_cause(reason: str, tail: list[str]) -> str:
+    """A rank that died inside gloo (gloo's C++ aborts the process: no Python error says
+    why) gets the likely outside cause added to its failure line."""
+    if GLOO_HINT in reason:
+        return reason
+    died_in_gloo = any("gloo" in line.lower() for line in tail) and (
+        reason.endswith("status 134") or any("Too many open files" in line for line in tail))
+    return f"{reason} ({GLOO_HINT})" if died_in_gloo else reason
 
 
 def _teardown(ranks: list[_Rank], options: LaunchOptions) -> dict[int, str]:

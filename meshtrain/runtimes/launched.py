@@ -13,6 +13,7 @@ import traceback
 import torch
 import torch.distributed as dist
 
+from meshtrain.comm.sealing import GLOO_HINT, raise_open_file_limit
 from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group, leave_in_order
 from meshtrain.devices import resolve_device
 from meshtrain.heartbeat import start_heartbeat
@@ -27,13 +28,17 @@ def run_launched_rank(job: NodeJob) -> FitResult:
     if missing:
         raise RuntimeError(f"launched rank is missing environment variables: {', '.join(missing)}")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    raise_open_file_limit()  # headroom for gloo, which holds a descriptor per connection
     start_heartbeat()  # no-op unless `meshtrain launch` started this rank
     timeout = float(os.environ.get("MESHTRAIN_TIMEOUT", job.config.timeout_s))
     try:
         return join_and_train(job, rank, world, os.environ["MASTER_ADDR"],
                               int(os.environ["MASTER_PORT"]), timeout, verify_replicas=True)
     except Exception as exc:  # the same error a simulated node raises, traceback kept
-        raise NodeFailed(rank, f"{type(exc).__name__}: {exc}", traceback.format_exc()) from exc
+        message = f"{type(exc).__name__}: {exc}"
+        if "gloo" in message.lower():
+            message += f" ({GLOO_HINT})"
+        raise NodeFailed(rank, message, traceback.format_exc()) from exc
 
 
 def join_and_train(

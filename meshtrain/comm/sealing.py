@@ -1,0 +1,100 @@
+"""After a launched group has formed, nobody may open a new connection to this rank.
+
+gloo's data connections are not authenticated, and gloo's listener stays open for the
+whole run: every connection a stranger opens and abandons costs the rank one file
+descriptor that gloo never gives back (measured: 3,000 connections that each send 8
+bytes and close left 3,000 more descriptors in rank 0), until ``accept`` fails with
+"Too many open files" and gloo aborts the process. gloo offers no way to close its
+listener, and it needs none once every pair is connected (torch connects the full mesh
+while the group forms). So, on Linux, every listening TCP socket of the rank (gloo's,
+and on rank 0 the loopback store's) gets a socket filter that drops every incoming
+packet: a new connection's SYN is discarded before it makes a socket, while the
+connections already made are untouched. Elsewhere (macOS) nothing is sealed; a firewall
+rule is the protection there (README, Security).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+import stat
+import struct
+import sys
+from collections.abc import Iterable
+
+SO_ATTACH_FILTER = 26  # Linux, <asm-generic/socket.h>
+SO_ACCEPTCONN = getattr(socket, "SO_ACCEPTCONN", 30)
+#: Added to a rank's error when it failed inside gloo: the likely outside cause.
+GLOO_HINT = ("gloo failed; if connections from outside the run reached gloo's ports (a port "
+             "scan, a flood), close them to non-inventory addresses: see README, Security")
+#: One classic BPF instruction, ``ret #0``: keep no byte of any packet (drop it).
+_DROP_ALL = struct.pack("HBBI", 0x06, 0, 0, 0)
+
+
+def raise_open_file_limit() -> tuple[int, int]:
+    """Raise this process's soft limit on open files to its hard limit: (soft, hard) after.
+
+    Buys headroom against a flood of connections that reaches gloo before it is sealed."""
+    try:
+        import resource
+    except ImportError:  # not a POSIX system
+        return (-1, -1)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY and sys.platform == "darwin":
+        hard = 10240  # macOS refuses RLIM_INFINITY for the soft limit (OPEN_MAX)
+    if soft != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass  # keep what we have
+    return soft, hard
+
+
+def listening_tcp_sockets() -> list[int]:
+    """File descriptors of this process that are listening TCP sockets (Linux: /proc)."""
+    found = []
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return []
+    for name in names:
+        fd = int(name)
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            probe = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if (probe.family in (socket.AF_INET, socket.AF_INET6) and probe.type == socket.SOCK_STREAM
+                    and probe.getsockopt(socket.SOL_SOCKET, SO_ACCEPTCONN)):
+                found.append(fd)
+        except OSError:
+            pass
+        finally:
+            probe.close()  # closes the duplicate only
+    return found
+
+
+def seal_listening_sockets(fds: Iterable[int] | None = None) -> list[str]:
+    """Drop every new connection to this process's listening TCP sockets (or to those of
+    ``fds``) from now on; the addresses sealed (``host:port``). Linux only: elsewhere
+    returns []."""
+    if not sys.platform.startswith("linux"):
+        return []
+    program = ctypes.create_string_buffer(_DROP_ALL)
+    fprog = struct.pack("HP", 1, ctypes.addressof(program))  # struct sock_fprog
+    sealed = []
+    for fd in listening_tcp_sockets() if fds is None else fds:
+        sock = socket.socket(fileno=os.dup(fd))  # the filter belongs to the socket, not the fd
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, fprog)
+            host, port = sock.getsockname()[:2]
+            sealed.append(f"{host}:{port}")
+        except OSError:
+            pass
+        finally:
+            sock.close()
+    return sealed
