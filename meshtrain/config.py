@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from meshtrain import yaml12
 from meshtrain.settings import SettingError, TrainConfig, check_settings
 from meshtrain.strategies import STRATEGIES, Optim, Strategy
 
@@ -94,7 +95,7 @@ def load_profile(name: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
     if key in _seen:
         raise ConfigError(f"profile {path}: 'base' chain loops back to itself")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml12.load(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"profile {path}: not valid YAML ({exc.__class__.__name__})") from exc
     if not isinstance(raw, dict):
@@ -143,7 +144,7 @@ def parse_set(items: list[str], strategy_name: str) -> dict[str, Any]:
         if not sep or not key:
             raise ConfigError(f"--set {item!r}: expected key=value")
         try:
-            value = yaml.safe_load(text) if text.strip() else None
+            value = yaml12.load(text) if text.strip() else None
         except yaml.YAMLError:
             value = text
         path = key.split(".")

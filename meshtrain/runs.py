@@ -16,6 +16,8 @@ from typing import Any
 
 import yaml
 
+from meshtrain import yaml12
+
 #: The files every finished run directory holds.
 REQUIRED = ("summary.json", "config.yaml", "metrics.csv")
 
@@ -90,7 +92,7 @@ def load_run(path: str | Path) -> FinishedRun:
         raise RunError(f"{folder}: not a finished run (no {', '.join(missing)})")
     try:
         summary = json.loads((folder / "summary.json").read_text())
-        config = yaml.safe_load((folder / "config.yaml").read_text()) or {}
+        config = yaml12.load((folder / "config.yaml").read_text()) or {}
         with (folder / "metrics.csv").open(newline="") as f:
             metrics = [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
     except (OSError, ValueError, yaml.YAMLError) as exc:

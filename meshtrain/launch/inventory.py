@@ -23,6 +23,8 @@ from typing import Any
 import paramiko
 import yaml
 
+from meshtrain import yaml12
+
 # Keys a host entry may set; every one except name/host/advertise may also go in defaults.
 HOST_ONLY_KEYS = ("name", "host", "advertise")
 SHARED_KEYS = ("user", "port", "identity_file", "known_hosts", "ssh_config", "python", "workdir",
@@ -103,7 +105,7 @@ def load_inventory(path: str | os.PathLike[str]) -> Inventory:
     if not path.is_file():
         raise InventoryError(f"{path}: inventory file not found")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml12.load(path.read_text())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
