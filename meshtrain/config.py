@@ -69,6 +69,8 @@ def find_profile(name: str) -> Path:
     """A profile by name (``profiles/NAME.yaml``) or by path."""
     path = Path(name)
     if path.suffix in (".yaml", ".yml") or path.exists():
+        if path.is_dir():
+            raise ConfigError(f"profile {name} is a folder, not a profile file (NAME.yaml)")
         if not path.is_file():
             raise ConfigError(f"profile file {name} does not exist")
         return path
@@ -95,9 +97,17 @@ def load_profile(name: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
     if key in _seen:
         raise ConfigError(f"profile {path}: 'base' chain loops back to itself")
     try:
-        raw = yaml12.load(path.read_text()) or {}
+        raw = yaml12.load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"profile {path}: not UTF-8 text (a binary file?); a profile is a "
+                          "YAML file of settings") from None
+    except OSError as exc:
+        raise ConfigError(f"profile {path}: cannot read it ({exc.strerror or exc})") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"profile {path}: not valid YAML ({exc.__class__.__name__})") from exc
+    if raw is None:
+        raise ConfigError(f"profile {path}: the file is empty; give settings as key: value lines "
+                          "(`meshtrain settings` lists them)")
     if not isinstance(raw, dict):
         raise ConfigError(f"profile {path}: expected a mapping of settings")
     raw = _strip_run_record(raw)
@@ -143,12 +153,18 @@ def parse_set(items: list[str], strategy_name: str) -> dict[str, Any]:
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"--set {item!r}: expected key=value")
+        if not text.strip():
+            raise ConfigError(f"--set {key}=: empty value; give {key}=VALUE")
         try:
-            value = yaml12.load(text) if text.strip() else None
+            value = yaml12.load(text)
         except yaml.YAMLError:
             value = text
         path = key.split(".")
         if path[0] not in RunSpec.field_names():
+            if path[0] in STRATEGIES and len(path) > 1:
+                raise ConfigError(
+                    f"--set {key}: the STRATEGY.KEY form belongs to `meshtrain compare`; for this "
+                    f"run give --strategy {path[0]} --set {'.'.join(path[1:])}={text.strip()}")
             if path[0] in strategy_params:
                 path = ["strategy_options", *path]
             else:

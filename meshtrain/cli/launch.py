@@ -32,6 +32,7 @@ from meshtrain.launch.launcher import (
 )
 from meshtrain.launch.live import rank_output
 from meshtrain.launch.shipping import ShipError, Shipment, hash_path
+from meshtrain.settings import MAX_THREADS
 
 # Piped output (CI logs, tests) gets room for the whole table rather than 80 columns.
 console = Console(width=None if sys.stdout.isatty() else 160)
@@ -388,8 +389,9 @@ def _ship_inputs(flags: dict[str, Any], overrides: list[str], no_ship: bool
 def _apply_overrides(inv: Inventory, threads: int | None, heartbeat_timeout: float | None) -> Inventory:
     """``--threads`` and ``--heartbeat-timeout`` over the inventory's settings (bad value: exit 2)."""
     if threads is not None:
-        if threads < 1:
-            raise fail(f"--threads: expected a whole number of threads >= 1, got {threads}")
+        if not 1 <= threads <= MAX_THREADS:
+            raise fail(f"--threads: expected a whole number of threads from 1 to {MAX_THREADS}, "
+                       f"got {threads}")
         inv = dataclasses.replace(inv, hosts=tuple(dataclasses.replace(h, threads=threads)
                                                    for h in inv.hosts))
     if heartbeat_timeout is not None:

@@ -24,6 +24,7 @@ import paramiko
 import yaml
 
 from meshtrain import yaml12
+from meshtrain.settings import MAX_THREADS
 
 # Keys a host entry may set; every one except name/host/advertise may also go in defaults.
 HOST_ONLY_KEYS = ("name", "host", "advertise")
@@ -173,8 +174,9 @@ def _parse_rendezvous(raw: Any, path: Path) -> Rendezvous:
 
 def parse_threads(value: Any, where: str) -> int:
     """A thread count: a whole number >= 1 (``where`` names the file, host and key)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InventoryError(f"{where}: expected a whole number of threads >= 1, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS:
+        raise InventoryError(f"{where}: expected a whole number of threads from 1 to {MAX_THREADS}, "
+                             f"got {value!r}")
     return value
 
 

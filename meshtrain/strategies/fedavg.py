@@ -133,3 +133,15 @@ class FedAvg(Strategy):
         super().__init__(
             optim, lr, modules=[ModelAveraging(H, island_size, weighted)], **common
         )
+
+    def check_nodes(self, nodes: int) -> None:
+        # Islands must tile the nodes: a remainder island would average fewer nodes than
+        # the others, and one larger than the cluster is no island at all.
+        if self.island_size is None:
+            return
+        if self.island_size > nodes:
+            raise ValueError(f"island_size={self.island_size} exceeds the {nodes} nodes: give a "
+                             f"divisor of {nodes} below it, or drop island_size to average all")
+        if nodes % self.island_size:
+            raise ValueError(f"island_size={self.island_size} does not divide the {nodes} nodes "
+                             "into equal islands: give a divisor of the node count")
