@@ -310,18 +310,21 @@ def hosts_discover(
     console.print(f"wrote {write} ({len(found)} hosts); next: meshtrain hosts check {write}", highlight=False)
 
 
-def _check_training_flags(flags: dict[str, Any], overrides: list[str]) -> None:
-    """Catch bad training flags here (exit 2) rather than on every host."""
-    from meshtrain.config import ConfigError, RunSpec, load_profile, parse_set, strategy_class
-    from meshtrain.tasks import TaskError, get_task
+def _check_training_flags(flags: dict[str, Any], overrides: list[str], world_size: int) -> None:
+    """Resolve the run's settings here as every rank will (exit 2 on any fault) before any
+    host is contacted: a bad value must not start ``world_size`` ranks that each fail."""
+    from meshtrain.cli.main import resolve_run
+    from meshtrain.config import build_strategy
+    from meshtrain.tasks import check_options
 
     try:
-        profile = load_profile(flags["profile"]) if flags.get("profile") else {}
-        strategy = flags.get("strategy") or profile.get("strategy") or RunSpec.strategy
-        strategy_class(strategy)
-        get_task(flags.get("task") or profile.get("task") or RunSpec.task)
-        parse_set(overrides, strategy)
-    except (ConfigError, TaskError) as exc:
+        spec, task = resolve_run(flags, overrides)
+        # As a launched rank sees it: one node per host, simulated faults not allowed.
+        config = dataclasses.replace(spec.train_config(), nodes=world_size, runtime="launched")
+        config.validate()
+        build_strategy(spec).check_nodes(world_size)
+        check_options(task, spec.task_options)
+    except ValueError as exc:  # ConfigError, SettingError, FaultError, TaskError
         raise fail(str(exc)) from None
 
 
@@ -381,9 +384,28 @@ def _ship_inputs(flags: dict[str, Any], overrides: list[str], no_ship: bool
         shipments = [hash_path(what, Path(path).expanduser()) for what, _, path in inputs]
     except ShipError as exc:
         raise fail(str(exc)) from None
+    for shipment in shipments:
+        if not shipment.files:  # every rank would start, then find nothing to read
+            raise fail(f"{shipment.what} {shipment.local}: the folder holds no files")
     # --set is the last layer: it wins over --data and the profile; JSON is a YAML string.
     moved = [f"{key}={json.dumps(s.remote)}" for (_, key, _), s in zip(inputs, shipments, strict=True)]
     return [*overrides, *moved], shipments, []
+
+
+def _check_out_dir(out: Path) -> None:
+    """``--out`` must be a folder this user can write (rank 0's run directory and every
+    rank's log come back there): checked by writing, before any host is contacted, without
+    leaving anything behind."""
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise fail(f"--out {out}: {existing} is a file, not a folder")
+    try:
+        with tempfile.TemporaryDirectory(dir=existing, prefix=".meshtrain-write-test-"):
+            pass
+    except OSError as exc:
+        raise fail(f"--out {out}: cannot write into {existing} ({exc.strerror or exc})") from None
 
 
 def _apply_overrides(inv: Inventory, threads: int | None, heartbeat_timeout: float | None) -> Inventory:
@@ -504,8 +526,9 @@ def register(app: typer.Typer) -> None:
             raise fail(f"--restart-wait: expected seconds > 0, got {restart_wait:g}")
         if allow_shrink and not training:
             raise fail("--allow-shrink continues a training run: give training flags, not a command after --")
+        _check_out_dir(out)
         if training:
-            _check_training_flags(flags, set_)
+            _check_training_flags(flags, set_, inv.world_size)
             if allow_shrink:
                 _check_shrink(flags, set_, max_restarts)
             set_, shipments, required = _ship_inputs(flags, set_, no_ship)
@@ -520,11 +543,15 @@ def register(app: typer.Typer) -> None:
         else:
             argv, label = list(command), "script"
             shipments, required = [], []
+        # The program of a script command is looked up on every host in preflight, unless
+        # it is the host's python or a file this launch uploads first.
+        program = None if training or argv[0] in ("python", "python3") or \
+            Path(argv[0]).name in {f.name for f in upload} else argv[0]
         options = LaunchOptions(run_id=resume or run_id or new_launch_id(label, inv.world_size, out),
                                 out_dir=out, accept_new_host_keys=accept_new_host_keys,
                                 uploads=list(upload), resume=bool(resume), max_restarts=max_restarts,
                                 restart_wait=restart_wait, allow_shrink=allow_shrink,
-                                shipments=shipments, required_paths=required)
+                                shipments=shipments, required_paths=required, program=program)
         output = rank_output([h.name for h in inv.hosts], plain=plain, title=options.run_id,
                              log_dir=out / f"{options.run_id}.ranks")  # moved into the run directory
         try:

@@ -99,14 +99,14 @@ TRAINING_FLAGS = dict(
 )
 
 
-def build_run(
-    flags: dict[str, Any], overrides: list[str], launched: bool
-) -> tuple[RunSpec, Any, Any]:
-    """Resolve settings layers into a spec, then build the task and the strategy.
+def resolve_run(flags: dict[str, Any], overrides: list[str]) -> tuple[RunSpec, Any]:
+    """Resolve settings layers into a checked spec and its task (nothing built or loaded).
 
     Layers, later ones winning: RunSpec defaults < the task's suggestions < a profile <
     flags < ``--set``. Every layer is checked against the settings' one definition.
+    ``flags`` may hold ``profile`` (a name or path); it is not a setting itself.
     """
+    flags = dict(flags)
     profile_name = flags.pop("profile", None)
     profile = load_profile(profile_name) if profile_name else {}
     strategy_name = flags.get("strategy") or profile.get("strategy") or RunSpec.strategy
@@ -121,6 +121,15 @@ def build_run(
         ("", flags),
         ("--set ", set_layer),
     ])
+    return spec, task
+
+
+def build_run(
+    flags: dict[str, Any], overrides: list[str], launched: bool
+) -> tuple[RunSpec, Any, Any]:
+    """Resolve settings layers into a spec (:func:`resolve_run`), then build the task and
+    the strategy."""
+    spec, task = resolve_run(flags, overrides)
     if launched:
         spec.nodes = int(os.environ["WORLD_SIZE"])
     if spec.data is not None and not task.takes_data:

@@ -73,6 +73,9 @@ class LaunchOptions:
     shipments: list[Shipment] = field(default_factory=list)  # local data sent into every workdir first
     # (what, path) every host must already hold, relative to its workdir (launch --no-ship)
     required_paths: list[tuple[str, str]] = field(default_factory=list)
+    # the program a script command runs (not python, not an upload): found on every host
+    # before any rank starts, so `-- nosuchprog` is bad input rather than N failed ranks
+    program: str | None = None
 
 
 @dataclass
@@ -214,10 +217,12 @@ def preflight(inventory: Inventory, options: LaunchOptions) -> list[paramiko.SSH
         client = connect(host, accept_new_host_keys=options.accept_new_host_keys,
                          timeout=options.connect_timeout)
         try:
-            check = run(client, sh(
-                f"test -x {remote_path(host.python)} || exit 41; "
-                f"mkdir -p {remote_path(host.workdir)}/{REMOTE_RUNS} || exit 42"
-            ), timeout=options.connect_timeout)
+            script = (f"test -x {remote_path(host.python)} || exit 41; "
+                      f"mkdir -p {remote_path(host.workdir)}/{REMOTE_RUNS} || exit 42")
+            if options.program:  # where the rank runs it: in the workdir, on the login PATH
+                script += (f"; cd {remote_path(host.workdir)} && "
+                           f"command -v {shlex.quote(options.program)} >/dev/null 2>&1 || exit 43")
+            check = run(client, sh(script), timeout=options.connect_timeout)
         except Exception:
             client.close()
             raise
@@ -227,6 +232,9 @@ def preflight(inventory: Inventory, options: LaunchOptions) -> list[paramiko.SSH
                 raise SSHError(host, f"python {host.python} not found or not executable: set 'python' in "
                                      "the inventory to the absolute interpreter path (`which python3` "
                                      "on the host)")
+            if check.status == 43:
+                raise SSHError(host, f"program {options.program!r} not found there (in workdir "
+                                     f"{host.workdir} or on PATH): install it, or --upload it")
             raise SSHError(host, f"cannot create workdir {host.workdir}: {check.stderr.strip()}")
         try:
             _check_required_paths(client, host, options)

@@ -141,7 +141,7 @@ class FedAvg(Strategy):
             return
         if self.island_size > nodes:
             raise ValueError(f"island_size={self.island_size} exceeds the {nodes} nodes: give a "
-                             f"divisor of {nodes} below it, or drop island_size to average all")
+                             f"divisor of {nodes}, or drop island_size to average all nodes")
         if nodes % self.island_size:
             raise ValueError(f"island_size={self.island_size} does not divide the {nodes} nodes "
                              "into equal islands: give a divisor of the node count")

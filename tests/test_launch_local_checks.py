@@ -1,0 +1,76 @@
+"""`meshtrain launch` checks locally what it can before any rank starts: settings as every
+rank resolves them, simulated faults, empty data, an unwritable --out (no host contacted at
+all), and a script's program (found on every host in preflight). Each is one line, exit 2."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from ssh_fixtures import SshWorld, loopback_world, meshtrain
+from typer.testing import CliRunner
+
+from meshtrain.cli.main import app
+
+pytestmark = pytest.mark.slow
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def loopback_ssh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshWorld]:
+    yield from loopback_world(tmp_path_factory)
+
+
+def two_ranks(world: SshWorld, tmp_path: Path) -> Path:
+    port = world.servers[0].port
+    return world.inventory(tmp_path / "inv.yaml", [
+        {"name": "alpha", "host": "127.0.0.1", "port": port},
+        {"name": "beta", "host": "127.0.0.1", "port": port},
+    ], workdir=str(tmp_path / "remote"))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "H=-1"], "strategy 'diloco': H must be >= 1, got -1"),
+        (["--set", "fail=node=1,step=5"], "--fail and --straggler simulate faults: use them with "
+                                          "meshtrain simulate"),
+        (["--strategy", "fedavg", "--set", "island_size=3"], "island_size=3 exceeds the 2 nodes"),
+        (["--task", "gpt", "--data", "{empty}"], "--data {empty}: the folder holds no files"),
+        (["--out", "/proc/x"], "--out /proc/x: cannot write into /proc"),
+        (["--set", "steps="], "--set steps=: empty value"),
+    ],
+)
+def test_bad_launch_input_stops_before_any_host_is_contacted(
+    loopback_ssh: SshWorld, tmp_path: Path, args: list[str], message: str
+) -> None:
+    inv = two_ranks(loopback_ssh, tmp_path)
+    (tmp_path / "empty").mkdir()
+    args = [a.replace("{empty}", str(tmp_path / "empty")) for a in args]
+    message = message.replace("{empty}", str(tmp_path / "empty"))
+    result = runner.invoke(app, ["launch", str(inv), "--out", str(tmp_path / "runs"), *args])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.output
+    # Preflight creates every workdir: its absence proves no host was contacted, no rank ran.
+    assert not (tmp_path / "remote").exists()
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_program_missing_on_the_hosts_starts_no_rank(loopback_ssh: SshWorld, tmp_path: Path) -> None:
+    inv = two_ranks(loopback_ssh, tmp_path)
+    result = meshtrain(loopback_ssh, "launch", str(inv), "--", "nosuchprog", "--flag", cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2  # one line per host
+    assert all("program 'nosuchprog' not found there" in e for e in errors)
+    assert "nothing was started" in result.stderr
+    # A program the launch uploads is not looked up before it is there: it runs.
+    script = tmp_path / "mark.sh"
+    script.write_text("#!/bin/sh\ntouch \"started-$RANK\"\n")
+    script.chmod(0o755)
+    ran = meshtrain(loopback_ssh, "launch", str(inv), "--upload", str(script), "--", "./mark.sh",
+                    cwd=tmp_path)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert {p.name for p in (tmp_path / "remote").glob("started-*")} == {"started-0", "started-1"}
