@@ -257,8 +257,12 @@ def hosts_discover(
         raise fail(f"--write {write}: the file exists; pass --force to replace it")
     if python is not None and not python.startswith(("/", "~")):
         raise fail(f"--python {python}: expected an absolute path on the hosts (or one starting with ~/)")
-    if identity_file is not None and not Path(identity_file).expanduser().is_file():
-        raise fail(f"--identity-file {identity_file}: no such file")
+    if identity_file is not None:
+        from meshtrain.launch.ssh import identity_file_problem
+
+        problem = identity_file_problem(str(Path(identity_file).expanduser()))
+        if problem:
+            raise fail(f"--{problem.replace('identity_file', 'identity-file', 1)}")
     try:
         found = d.browse(timeout, iface=iface, network=net)
     except d.DiscoveryError as exc:

@@ -6,6 +6,7 @@ The commands parse and print; the work is in :mod:`meshtrain.compare`,
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +133,8 @@ def plot(
     from meshtrain.cli.main import console, fail
     from meshtrain.plots import plot_runs
 
+    if target_loss is not None and not (math.isfinite(target_loss) and target_loss > 0):
+        raise fail(f"--target-loss must be a positive number, got {target_loss!r}")
     try:
         runs = [load_run(d) for d in run_dirs]
     except RunError as exc:

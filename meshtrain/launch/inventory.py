@@ -123,6 +123,7 @@ def parse_inventory(raw: Any, path: Path) -> Inventory:
     if not isinstance(defaults, dict):
         raise InventoryError(f"{path}: 'defaults' must be a mapping")
     _check_keys(defaults, SHARED_KEYS, f"{path}: defaults")
+    _check_env_mapping(defaults.get("env"), f"{path}: defaults")
     rendezvous = _parse_rendezvous(raw.get("rendezvous") or {}, path)
 
     entries = raw.get("hosts")
@@ -206,6 +207,7 @@ def _remote_path(value: Any, where: str) -> str:
 
 def _parse_host(defaults: dict[str, Any], entry: dict[str, Any], rank: int, where: str) -> Host:
     merged = {**defaults, **entry}
+    _check_env_mapping(entry.get("env"), where)
     merged["env"] = {**(defaults.get("env") or {}), **(entry.get("env") or {})}
     name = merged.get("name")
     if name is None:
@@ -255,6 +257,14 @@ def _parse_host(defaults: dict[str, Any], entry: dict[str, Any], rank: int, wher
         known_hosts=known_hosts, python=python, workdir=workdir, device=device, env=env, iface=iface,
         threads=threads,
     )
+
+
+def _check_env_mapping(env: Any, where: str) -> None:
+    """``env`` must be a mapping: a YAML list (``- NAME=value``) is the usual slip."""
+    if env is not None and not isinstance(env, dict):
+        kind = {list: "a list", str: "text"}.get(type(env), type(env).__name__)
+        raise InventoryError(f"{where}: key 'env' must be a mapping of NAME: value (one per line), "
+                             f"got {kind} {env!r}")
 
 
 def _parse_env(env: Any, where: str) -> dict[str, str]:
