@@ -19,7 +19,9 @@ from meshtrain import yaml12
 from meshtrain.settings import SettingError, TrainConfig, check_settings
 from meshtrain.strategies import STRATEGIES, Optim, Strategy
 
-PROFILE_DIRS = [Path.cwd() / "profiles", Path(__file__).resolve().parent.parent / "profiles"]
+#: Where ``--profile NAME`` looks: the working directory's profiles/ (your own), then the
+#: built-in ones shipped inside the package (so an installed meshtrain has them too).
+PROFILE_DIRS = [Path.cwd() / "profiles", Path(__file__).resolve().parent / "profiles"]
 
 
 class ConfigError(SettingError):

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from ssh_fixtures import SshWorld, loopback_world, meshtrain
 from typer.testing import CliRunner
 
@@ -74,3 +75,22 @@ def test_a_program_missing_on_the_hosts_starts_no_rank(loopback_ssh: SshWorld, t
                     cwd=tmp_path)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert {p.name for p in (tmp_path / "remote").glob("started-*")} == {"started-0", "started-1"}
+
+
+def test_launch_sends_the_resolved_profile_not_its_name(loopback_ssh: SshWorld, tmp_path: Path) -> None:
+    """A profile that exists only here (a relative path, with a base: chain) reaches every
+    rank as its resolved settings: the hosts' workdirs hold no such file."""
+    inv = two_ranks(loopback_ssh, tmp_path)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "base.yaml").write_text("task: digits\nstrategy: fedavg\nsteps: 50\n")
+    (tmp_path / "mine" / "quick.yaml").write_text("base: mine/base.yaml\nsteps: 3\nlr: 5e-2\n"
+                                                  "strategy_options: {H: 1}\n")
+    result = meshtrain(loopback_ssh, "launch", str(inv), "--profile", "mine/quick.yaml", "--threads", "1",
+                       "--plain", "--run-id", "profiled", "--out", str(tmp_path / "runs"), cwd=tmp_path,
+                       timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    config = yaml.safe_load((tmp_path / "runs" / "profiled" / "config.yaml").read_text())
+    assert (config["spec"]["strategy"], config["spec"]["steps"], config["spec"]["lr"]) == ("fedavg", 3, 0.05)
+    assert not (tmp_path / "remote" / "mine").exists()
+    shipped = list((tmp_path / "remote").glob("profile-*.yaml"))
+    assert len(shipped) == 1 and "base" not in yaml.safe_load(shipped[0].read_text())

@@ -412,6 +412,27 @@ def _check_out_dir(out: Path) -> None:
         raise fail(f"--out {out}: cannot write into {existing} ({exc.strerror or exc})") from None
 
 
+def _resolved_profile_file(name: str) -> Path:
+    """The profile ``name`` resolved here (its ``base:`` chain merged) as a YAML file to
+    upload into every workdir: a host needs neither this profile nor a checkout. Named by
+    its content, so a relaunch re-sends the same file; removed here when the command ends."""
+    import atexit
+    import hashlib
+    import shutil
+
+    import yaml
+
+    from meshtrain.config import load_profile
+
+    text = ("# resolved by meshtrain launch from --profile " + name.replace("\n", " ") + "\n"
+            + yaml.safe_dump(load_profile(name), sort_keys=False))
+    folder = Path(tempfile.mkdtemp(prefix="meshtrain-profile-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    path = folder / f"profile-{hashlib.sha256(text.encode()).hexdigest()[:12]}.yaml"
+    path.write_text(text)
+    return path
+
+
 def _apply_overrides(inv: Inventory, threads: int | None, heartbeat_timeout: float | None) -> Inventory:
     """``--threads`` and ``--heartbeat-timeout`` over the inventory's settings (bad value: exit 2)."""
     if threads is not None:
@@ -538,6 +559,10 @@ def register(app: typer.Typer) -> None:
             set_, shipments, required = _ship_inputs(flags, set_, no_ship)
             if shipments and flags["data"]:
                 flags["data"] = None  # the ranks read the shipped copy (--set data=...)
+            if flags["profile"]:  # the ranks get its settings, not a name to look up there
+                resolved = _resolved_profile_file(flags["profile"])
+                upload = [*upload, resolved]
+                flags["profile"] = resolved.name
             forwarded = [w for k, v in flags.items() if v is not None for w in (FORWARDED[k], str(v))]
             forwarded += [w for item in set_ for w in ("--set", item)]
             if not progress:
