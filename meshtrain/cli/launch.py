@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shlex
 import sys
 import tempfile
@@ -35,7 +36,7 @@ from meshtrain.launch.shipping import ShipError, Shipment, hash_path
 from meshtrain.settings import MAX_THREADS
 
 # Piped output (CI logs, tests) gets room for the whole table rather than 80 columns.
-console = Console(width=None if sys.stdout.isatty() else 160)
+console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else 1000)
 errors = Console(stderr=True)
 
 # simulate's flag name for each training option the launcher forwards.

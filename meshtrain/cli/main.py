@@ -41,7 +41,10 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console()
+#: Piped output (a file, tee, CI) is not cut at 80 columns: a line is as wide as its table.
+#: A terminal's own width rules, and so does COLUMNS where it is set.
+PIPED_WIDTH = 1000
+console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else PIPED_WIDTH)
 errors = Console(stderr=True)
 
 
@@ -69,9 +72,19 @@ def fail(message: str, code: int = 2) -> typer.Exit:
 
 
 def _flag(name: str, *flags: str, **kwargs: Any) -> Any:
-    """A CLI option for setting ``name``, its help taken from the setting's one definition."""
+    """A CLI option for setting ``name``, its help taken from the setting's one definition
+    (escaped: typer renders help as rich markup, which would swallow "meshtrain[wandb]")."""
     spec_fields = {f.name: f for f in dataclasses.fields(RunSpec)}
-    return typer.Option(None, *flags, help=spec_fields[name].metadata.get("help", ""), **kwargs)
+    kwargs.setdefault("help", escape(spec_fields[name].metadata.get("help", "")))
+    return typer.Option(None, *flags, **kwargs)
+
+
+def _steps_help() -> str:
+    """--steps help naming each task's suggested step count (the default a run gets)."""
+    suggested = ", ".join(f"{entry.name} {get_task(entry.name).defaults['steps']}"
+                          for entry in TASKS.values() if "steps" in get_task(entry.name).defaults)
+    return (f"Training steps; each node takes one batch a step (default: the task's suggestion, "
+            f"{suggested}; 100 for a task without one; none when epochs is given).")
 
 
 # Flags shared by `simulate` and `launch` (the launcher forwards them to every rank).
@@ -81,7 +94,7 @@ TRAINING_FLAGS = dict(
     strategy=_flag("strategy", "--strategy", "-s", rich_help_panel="What to train"),
     task=_flag("task", "--task", "-t", rich_help_panel="What to train"),
     data=_flag("data", "--data", rich_help_panel="What to train"),
-    steps=_flag("steps", "--steps", rich_help_panel="What to train"),
+    steps=_flag("steps", "--steps", help=_steps_help(), rich_help_panel="What to train"),
     epochs=_flag("epochs", "--epochs", rich_help_panel="What to train"),
     batch_size=_flag("batch_size", "--batch-size", "-b", rich_help_panel="What to train"),
     microbatch_size=_flag("microbatch_size", "--microbatch-size", rich_help_panel="What to train"),
@@ -91,7 +104,7 @@ TRAINING_FLAGS = dict(
     threads=_flag("threads", "--threads", rich_help_panel="The simulated cluster"),
     val_interval=_flag("val_interval", "--val-interval", rich_help_panel="Output"),
     wandb=_flag("wandb", "--wandb", metavar="PROJECT", rich_help_panel="Output"),
-    tensorboard=typer.Option(None, "--tensorboard/--no-tensorboard", help=help_for("tensorboard"),
+    tensorboard=typer.Option(None, "--tensorboard/--no-tensorboard", help=escape(help_for("tensorboard")),
                              rich_help_panel="Output"),
     set_=typer.Option([], "--set", help="Override any setting: key=value (H=50, steps=100, "
                                         "task_options.arch=cnn); values are read as YAML.",
@@ -286,7 +299,9 @@ def _resume_hint(job: Any) -> None:
 
 def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
     """The results table at the end of a run."""
-    table = Table(title=f"{summary['strategy']} on {summary['nodes']} nodes", show_header=False)
+    nodes = summary["nodes"]
+    table = Table(title=f"{summary['strategy']} on {nodes} node{'' if nodes == 1 else 's'}",
+                  show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
     table.add_row("steps", str(summary["steps"]))
