@@ -24,8 +24,6 @@ def one_line_exit_2(result, message: str) -> None:  # noqa: ANN001 - click's Res
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--strategy", "fedavg", "--nodes", "4", "--set", "island_size=3"],
-         "island_size=3 does not divide the 4 nodes into equal islands"),
         (["--strategy", "fedavg", "--nodes", "4", "--set", "island_size=8"],
          "island_size=8 exceeds the 4 nodes"),
         (["--strategy", "demo", "--set", "compression_topk=5000"],
@@ -49,12 +47,23 @@ def test_value_refused_with_one_line(args: list[str], message: str, tmp_path: Pa
     assert not any(tmp_path.iterdir()), "a refused run must leave nothing behind"
 
 
-def test_islands_that_tile_the_nodes_are_accepted() -> None:
+def test_islands_up_to_the_node_count_are_accepted_and_uneven_ones_explained() -> None:
     FedAvg(island_size=2).check_nodes(4)
     FedAvg(island_size=4).check_nodes(4)  # one island of everyone
+    FedAvg(island_size=4).check_nodes(6)
     FedAvg().check_nodes(3)
-    with pytest.raises(ValueError, match="does not divide the 6 nodes"):
-        FedAvg(island_size=4).check_nodes(6)
+    assert FedAvg(island_size=2).uneven_islands(4) is None
+    assert FedAvg(island_size=4).uneven_islands(6) == ("island_size=4 does not divide the 6 nodes: "
+                                                       "each round has 1 island(s) of 4 and one of 2")
+    assert "that node averages with no one" in FedAvg(island_size=2).uneven_islands(3)
+
+
+def test_uneven_islands_are_said_before_the_run(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["simulate", "--strategy", "fedavg", "--nodes", "3", "--steps", "2",
+                                 "--set", "island_size=2", "--no-progress", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("note: island_size=2 does not divide the 3 nodes: each round has 1 "
+                                    "island(s) of 2 and one of 1 (that node averages with no one")
 
 
 def test_demo_topk_up_to_a_whole_chunk_is_accepted() -> None:

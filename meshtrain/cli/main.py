@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from meshtrain import checkpoint
+from meshtrain import checkpoint, yaml12
 from meshtrain.cluster import CLUSTERS
 from meshtrain.config import (
     ConfigError,
@@ -26,6 +26,7 @@ from meshtrain.config import (
     load_profile,
     parse_set,
     resolve_spec,
+    resume_conflict,
     strategy_class,
 )
 from meshtrain.devices import resolve_device
@@ -235,9 +236,18 @@ def simulate(
         for note in found.skipped:
             errors.print(f"[yellow]skipped a damaged checkpoint:[/] {note}", highlight=False)
         spec_file = found.folder.parent / checkpoint.SPEC
-        if profile is None and spec_file.is_file():
+        if not spec_file.is_file():  # without it nothing says which run the state belongs to
+            raise fail(f"--resume {resume}: {spec_file} is missing, so the run's settings are "
+                       "unknown; resume from a <run-id>.checkpoints folder as the run wrote it")
+        if profile is None:
             profile = str(spec_file)
-        out = out or str(found.folder.parent.parent)
+        # <out>/<id>.checkpoints while a run goes, <out>/<id>/checkpoints once it finished.
+        holder = found.folder.parent
+        run_folder = holder.parent if holder.name == "checkpoints" else holder.parent / found.run_id
+        out = out or str(run_folder.parent)
+        if (run_folder / "summary.json").is_file() and not run_id:
+            raise fail(f"--resume {resume}: run {found.run_id} already finished ({run_folder}); to "
+                       "train it further, give --steps above its steps and a new --run-id")
         console.print(f"resuming run {found.run_id} after step {found.step} ({found.folder})",
                       highlight=False)
     flags = dict(profile=profile, strategy=strategy, task=task, data=data, steps=steps, epochs=epochs,
@@ -249,7 +259,15 @@ def simulate(
                  tensorboard=tensorboard, fail=fail_ or None, straggler=straggler or None)
     # Everything is checked before the first step: up to here, an error is bad input (2).
     try:
+        if resume:  # the settings must be the checkpointed run's, but for what may change
+            conflict = resume_conflict(yaml12.load(spec_file.read_text(encoding="utf-8")),
+                                       resolve_run(flags, set_)[0], found.step)
+            if conflict:
+                raise fail(f"--resume {resume}: {conflict}")
         spec, bundle, strat = build_run(flags, set_, launched)
+        uneven = getattr(strat, "uneven_islands", lambda nodes: None)(spec.nodes)
+        if uneven:
+            errors.print(f"note: {uneven}", highlight=False, soft_wrap=True, markup=False)
         config = spec.train_config(extra_config={"spec": spec.to_dict()})
         trainer = Trainer(bundle.model, bundle.train_data, bundle.val_data, bundle.collate_fn)
         job = trainer.prepare(strat, config=config)

@@ -135,13 +135,16 @@ class FedAvg(Strategy):
         )
 
     def check_nodes(self, nodes: int) -> None:
-        # Islands must tile the nodes: a remainder island would average fewer nodes than
-        # the others, and one larger than the cluster is no island at all.
-        if self.island_size is None:
-            return
-        if self.island_size > nodes:
-            raise ValueError(f"island_size={self.island_size} exceeds the {nodes} nodes: give a "
-                             f"divisor of {nodes}, or drop island_size to average all nodes")
-        if nodes % self.island_size:
-            raise ValueError(f"island_size={self.island_size} does not divide the {nodes} nodes "
-                             "into equal islands: give a divisor of the node count")
+        # An island larger than the cluster is no island at all: a mistake, not a setting.
+        if self.island_size is not None and self.island_size > nodes:
+            raise ValueError(f"island_size={self.island_size} exceeds the {nodes} nodes: give at "
+                             f"most {nodes}, or drop island_size to average all nodes")
+
+    def uneven_islands(self, nodes: int) -> str | None:
+        """What happens when ``island_size`` does not divide ``nodes`` (None when it does)."""
+        if self.island_size is None or self.island_size >= nodes or nodes % self.island_size == 0:
+            return None
+        rest = nodes % self.island_size
+        alone = " (that node averages with no one that round)" if rest == 1 else ""
+        return (f"island_size={self.island_size} does not divide the {nodes} nodes: each round has "
+                f"{nodes // self.island_size} island(s) of {self.island_size} and one of {rest}{alone}")
