@@ -94,3 +94,45 @@ def test_launch_sends_the_resolved_profile_not_its_name(loopback_ssh: SshWorld, 
     assert not (tmp_path / "remote" / "mine").exists()
     shipped = list((tmp_path / "remote").glob("profile-*.yaml"))
     assert len(shipped) == 1 and "base" not in yaml.safe_load(shipped[0].read_text())
+
+
+RANK_SCRIPT = """
+import os
+import torch
+from torch.utils.data import TensorDataset
+from meshtrain import Trainer
+from meshtrain.strategies import DiLoCo
+
+x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+model = torch.nn.Linear(4, 1)
+data = TensorDataset(x, x.sum(dim=1))
+loss = lambda batch: torch.nn.functional.mse_loss(model(batch[0]).squeeze(-1), batch[1])
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = model
+    def forward(self, batch):
+        return loss(batch)
+# No nodes=: a launched fit is one rank of WORLD_SIZE.
+result = Trainer(Model(), data).fit(strategy=DiLoCo(H=2), max_steps=4, batch_size=8, progress=False)
+print(f"rank {os.environ['RANK']} history {len(result.history)} run_dir {result.run_dir is not None}")
+try:
+    Trainer(Model(), data).fit(strategy=DiLoCo(H=2), nodes=4, max_steps=4, batch_size=8, progress=False)
+except ValueError as exc:
+    print(f"rank {os.environ['RANK']} refused: {exc}")
+"""
+
+
+def test_a_launched_fit_is_one_rank_and_only_rank_0_keeps_history(loopback_ssh: SshWorld,
+                                                                   tmp_path: Path) -> None:
+    """What the README says of Trainer.fit under a launch."""
+    inv = two_ranks(loopback_ssh, tmp_path)
+    script = tmp_path / "fit_rank.py"
+    script.write_text(RANK_SCRIPT)
+    result = meshtrain(loopback_ssh, "launch", str(inv), "--upload", str(script), "--plain",
+                       "--out", str(tmp_path / "runs"), "--", "python", "fit_rank.py", cwd=tmp_path,
+                       timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rank 0 history 4 run_dir True" in result.stdout
+    assert "rank 1 history 0 run_dir False" in result.stdout
+    assert "rank 1 refused: nodes=4 but this launched run has WORLD_SIZE=2" in result.stdout
