@@ -48,6 +48,8 @@ def test_help_keeps_brackets_and_names_the_task_defaults() -> None:
     assert "pip install 'meshtrain[wandb]'" in text
     assert "pip install 'meshtrain[tensorboard]'" in text
     assert "default: the task's suggestion, digits 300, gpt 200, whisper 200" in text
+    listed = runner.invoke(app, ["settings"])
+    assert "pip install 'meshtrain[wandb]'" in " ".join(listed.output.replace("│", " ").split())
 
 
 def test_wrong_kind_and_undecodable_files_are_named(tmp_path: Path) -> None:

@@ -399,7 +399,7 @@ def list_settings() -> None:
         if f.name in ("extra_config",):
             continue
         default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
-        table.add_row(f.name, _show_default(default), f.metadata.get("help", ""))
+        table.add_row(f.name, escape(_show_default(default)), escape(f.metadata.get("help", "")))
     console.print(table)
 
 
