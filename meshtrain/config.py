@@ -88,9 +88,10 @@ def resume_conflict(saved: dict[str, Any], spec: RunSpec, step: int) -> str | No
             return (f"{key} was {saved[key]!r} in the checkpointed run, now {now.get(key)!r}; a "
                     f"resumed run keeps its settings (it may change: steps upward, logging, threads, "
                     "device and other settings of how it runs)")
-    if spec.steps is not None and spec.steps <= step:
-        return (f"the checkpoint is at step {step}, so steps {spec.steps} leaves nothing to "
-                f"train; give --steps above {step}")
+    # steps equal to the checkpoint's writes its global model without a further step.
+    if spec.steps is not None and spec.steps < step:
+        return (f"the checkpoint is at step {step}, past steps {spec.steps}; give --steps of "
+                f"at least {step}")
     return None
 
 

@@ -53,11 +53,13 @@ def test_another_strategy_or_task_is_refused(stopped: Path) -> None:
 def test_steps_not_above_the_checkpoint_and_finished_runs_are_refused(stopped: Path) -> None:
     folder = str(stopped / "stopped" / "r.checkpoints")
     refused(["--resume", folder, "--steps", "3"],
-            "the checkpoint is at step 4, so steps 3 leaves nothing to train; give --steps above 4")
+            "the checkpoint is at step 4, past steps 3; give --steps of at least 4")
     refused(["--resume", str(stopped / "runs" / "r")],
             f"run r already finished ({stopped / 'runs' / 'r'}); to train it further, give --steps")
-    refused(["--resume", str(stopped / "runs" / "r"), "--run-id", "more", "--steps", "4"],
-            "the checkpoint is at step 4, so steps 4 leaves nothing to train")
+    refused(["--resume", str(stopped / "runs" / "r"), "--run-id", "r", "--steps", "12"],
+            "run r already finished")
+    refused(["--resume", str(stopped / "runs" / "r"), "--run-id", "more", "--steps", "2"],
+            "the checkpoint is at step 4, past steps 2")
 
 
 def test_a_checkpoint_folder_without_its_spec_is_refused(stopped: Path, tmp_path: Path) -> None:

@@ -245,9 +245,10 @@ def simulate(
         holder = found.folder.parent
         run_folder = holder.parent if holder.name == "checkpoints" else holder.parent / found.run_id
         out = out or str(run_folder.parent)
-        if (run_folder / "summary.json").is_file() and not run_id:
-            raise fail(f"--resume {resume}: run {found.run_id} already finished ({run_folder}); to "
-                       "train it further, give --steps above its steps and a new --run-id")
+        target = Path(out) / (run_id or found.run_id)
+        if (target / "summary.json").is_file():  # it would train again into a finished run
+            raise fail(f"--resume {resume}: run {found.run_id} already finished ({target}); to "
+                       "train it further, give --steps above its steps and a new --run-id or --out")
         console.print(f"resuming run {found.run_id} after step {found.step} ({found.folder})",
                       highlight=False)
     flags = dict(profile=profile, strategy=strategy, task=task, data=data, steps=steps, epochs=epochs,
