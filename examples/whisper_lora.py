@@ -10,6 +10,7 @@ A model, tokenizer, recording or language that cannot be used is one line and ex
 """
 
 import argparse
+import os
 import sys
 
 from meshtrain import Trainer
@@ -35,7 +36,8 @@ def main() -> None:
     parser.add_argument("data", help="folder with metadata.csv and the recordings")
     parser.add_argument("--model", default="openai/whisper-tiny", help="hub id or local folder")
     parser.add_argument("--language", default=None, help="e.g. en (multilingual checkpoints)")
-    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--nodes", type=int, default=2,
+                        help="simulated nodes (under meshtrain launch: one rank per host instead)")
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--H", type=int, default=50, help="inner steps between DiLoCo syncs")
     parser.add_argument("--batch-size", type=int, default=8)
@@ -47,7 +49,9 @@ def main() -> None:
         sys.exit(2)
     strategy = DiLoCo(H=args.H, lr=1e-3, optim=Optim("adamw", weight_decay=0.0))
     result = Trainer(model, train, val, SpeechCollator(model.config.decoder_start_token_id)).fit(
-        strategy=strategy, nodes=args.nodes, max_steps=args.steps, batch_size=args.batch_size,
+        # Launched (meshtrain launch, torchrun), the world is WORLD_SIZE hosts: nodes is left out.
+        strategy=strategy, nodes=None if "WORLD_SIZE" in os.environ else args.nodes,
+        max_steps=args.steps, batch_size=args.batch_size,
         device="auto", val_size=64,
     )
     if result.run_dir is not None:  # rank 0

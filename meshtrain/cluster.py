@@ -27,6 +27,7 @@ from typing import Any
 
 import yaml
 
+from meshtrain import yaml12
 from meshtrain.comm import CommRecord
 from meshtrain.errors import InputError
 
@@ -77,7 +78,7 @@ def load_cluster_file(path: Path) -> Cluster:
     except OSError as exc:
         raise ClusterFileError(f"{path}: cannot read the cluster file ({exc.strerror or exc})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml12.load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""

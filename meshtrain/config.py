@@ -18,10 +18,13 @@ from typing import Any
 
 import yaml
 
+from meshtrain import yaml12
 from meshtrain.settings import SettingError, TrainConfig, check_settings
 from meshtrain.strategies import STRATEGIES, Optim, Strategy
 
-PROFILE_DIRS = [Path.cwd() / "profiles", Path(__file__).resolve().parent.parent / "profiles"]
+#: Where ``--profile NAME`` looks: the working directory's profiles/ (your own), then the
+#: built-in ones shipped inside the package (so an installed meshtrain has them too).
+PROFILE_DIRS = [Path.cwd() / "profiles", Path(__file__).resolve().parent / "profiles"]
 
 
 class ConfigError(SettingError):
@@ -68,10 +71,51 @@ class RunSpec(TrainConfig):
 NOT_IN_PROFILES = ("extra_config", "run_id", "progress", "resume")
 
 
+#: Settings a resumed run may change: how far it goes (steps upward), where and how it
+#: logs, how it runs here. Any other change would continue a different run from this
+#: one's state (another strategy's optimizer, another task's weights) and is refused.
+RESUMABLE = ("steps", "epochs", "description", "data", "nodes", "device", "runtime", "threads",
+             "val_interval", "val_size", "out_dir", "progress", "timeout_s", "cluster",
+             "step_seconds", "checkpoint_every", "keep_checkpoints", "check_sync",
+             "skip_nonfinite", "wandb", "tensorboard", "fail", "straggler")
+
+
+def resume_conflict(saved: dict[str, Any], spec: RunSpec, step: int) -> str | None:
+    """Why ``spec`` cannot continue the run whose settings were ``saved`` from its
+    checkpoint after ``step`` steps, or None. ``nodes`` is checked by the trainer (fewer
+    is allowed for some strategies) and ``data`` is a path (its contents are not known)."""
+    now = spec.to_dict()
+    for key in RunSpec.field_names():
+        if key in RESUMABLE or key not in saved:
+            continue
+        if _comparable(saved[key]) != _comparable(now.get(key)):
+            return (f"{key} was {saved[key]!r} in the checkpointed run, now {now.get(key)!r}; a "
+                    f"resumed run keeps its settings (it may change: steps upward, logging, threads, "
+                    "device and other settings of how it runs)")
+    # steps equal to the checkpoint's writes its global model without a further step.
+    if spec.steps is not None and spec.steps < step:
+        return (f"the checkpoint is at step {step}, past steps {spec.steps}; give --steps of "
+                f"at least {step}")
+    return None
+
+
+def _comparable(value: Any) -> Any:
+    """Numbers compare by value (1 and 1.0, 1e-3 and 0.001); containers element-wise."""
+    if isinstance(value, dict):
+        return {k: _comparable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_comparable(v) for v in value]
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
 def find_profile(name: str) -> Path:
     """A profile by name (``profiles/NAME.yaml``) or by path."""
     path = Path(name)
     if path.suffix in (".yaml", ".yml") or path.exists():
+        if path.is_dir():
+            raise ConfigError(f"profile {name} is a folder, not a profile file (NAME.yaml)")
         if not path.is_file():
             raise ConfigError(f"profile file {name} does not exist")
         return path
@@ -98,9 +142,17 @@ def load_profile(name: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
     if key in _seen:
         raise ConfigError(f"profile {path}: 'base' chain loops back to itself")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml12.load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"profile {path}: not UTF-8 text (a binary file?); a profile is a "
+                          "YAML file of settings") from None
+    except OSError as exc:
+        raise ConfigError(f"profile {path}: cannot read it ({exc.strerror or exc})") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"profile {path}: not valid YAML ({exc.__class__.__name__})") from exc
+    if raw is None:
+        raise ConfigError(f"profile {path}: the file is empty; give settings as key: value lines "
+                          "(`meshtrain settings` lists them)")
     if not isinstance(raw, dict):
         raise ConfigError(f"profile {path}: expected a mapping of settings")
     raw = _strip_run_record(raw)
@@ -146,12 +198,18 @@ def parse_set(items: list[str], strategy_name: str) -> dict[str, Any]:
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"--set {item!r}: expected key=value")
+        if not text.strip():
+            raise ConfigError(f"--set {key}=: empty value; give {key}=VALUE")
         try:
-            value = yaml.safe_load(text) if text.strip() else None
+            value = yaml12.load(text)
         except yaml.YAMLError:
             value = text
         path = key.split(".")
         if path[0] not in RunSpec.field_names():
+            if path[0] in STRATEGIES and len(path) > 1:
+                raise ConfigError(
+                    f"--set {key}: the STRATEGY.KEY form belongs to `meshtrain compare`; for this "
+                    f"run give --strategy {path[0]} --set {'.'.join(path[1:])}={text.strip()}")
             if path[0] in strategy_params:
                 path = ["strategy_options", *path]
             else:

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from meshtrain import yaml12
 from meshtrain.errors import InputError
 from meshtrain.strategies import STRATEGIES
 
@@ -87,13 +88,21 @@ def load_run(path: str | Path) -> FinishedRun:
     missing = [name for name in REQUIRED if not (folder / name).is_file()]
     if missing:
         raise RunError(f"{folder}: not a finished run (no {', '.join(missing)})")
+    name = "summary.json"  # which file failed to read, for the message
     try:
-        summary = json.loads((folder / "summary.json").read_text())
-        config = yaml.safe_load((folder / "config.yaml").read_text()) or {}
-        with (folder / "metrics.csv").open(newline="") as f:
+        summary = json.loads((folder / name).read_text(encoding="utf-8"))
+        name = "config.yaml"
+        config = yaml12.load((folder / name).read_text(encoding="utf-8")) or {}
+        name = "metrics.csv"
+        with (folder / name).open(newline="", encoding="utf-8") as f:
             metrics = [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
+    except UnicodeDecodeError:
+        raise RunError(f"{folder / name}: not UTF-8 text (damaged?); not a finished run") from None
+    except json.JSONDecodeError as exc:
+        raise RunError(f"{folder / name}: not valid JSON (line {exc.lineno}: {exc.msg}); not a "
+                       "finished run") from None
     except (OSError, ValueError, yaml.YAMLError) as exc:
-        raise RunError(f"{folder}: not a finished run (unreadable: {exc})") from None
+        raise RunError(f"{folder / name}: unreadable ({exc}); not a finished run") from None
     if not isinstance(summary, dict) or not isinstance(config, dict) or not metrics:
         raise RunError(f"{folder}: not a finished run (summary, config or metrics are empty)")
     return FinishedRun(folder, summary, config, metrics)

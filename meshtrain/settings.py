@@ -22,6 +22,9 @@ from meshtrain.faults import FaultError, FaultPlan, parse_faults
 
 RUNTIMES = ("threads", "processes", "launched")
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: Most intra-op threads a node may ask for: more than any machine meshtrain runs on has
+#: cores, and far below what exhausts memory when torch creates the pool (100000 did).
+MAX_THREADS = 1024
 
 
 def check_run_id(run_id: str, where: str = "run id") -> str:
@@ -35,9 +38,10 @@ def check_run_id(run_id: str, where: str = "run id") -> str:
 
 
 def _setting(default: Any, help: str, *, minimum: float | None = None, above: float | None = None,
-             choices: tuple[str, ...] | None = None, factory: Any = None) -> Any:
+             maximum: float | None = None, choices: tuple[str, ...] | None = None,
+             factory: Any = None) -> Any:
     """A dataclass field carrying the setting's help text and limits."""
-    meta = {"help": help, "minimum": minimum, "above": above, "choices": choices}
+    meta = {"help": help, "minimum": minimum, "above": above, "maximum": maximum, "choices": choices}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -62,7 +66,8 @@ class TrainConfig:
     threads: int | None = _setting(None, "Torch intra-op threads per node (default: 1 per simulated "
                                          "node, every core on a launched rank; MESHTRAIN_THREADS "
                                          "sets it too). Runs are bit-identical only at the same "
-                                         "thread count.", minimum=1)
+                                         f"thread count. At most {MAX_THREADS}.", minimum=1,
+                                 maximum=MAX_THREADS)
     shuffle: bool = _setting(True, "Reshuffle each node's shard every epoch (seeded).")
     val_interval: int | None = _setting(None, "Evaluate the global model every N steps.", minimum=1)
     val_size: int | None = _setting(None, "Evaluate on at most this many validation samples.",
@@ -173,6 +178,8 @@ def check_value(label: str, value: Any, annotation: Any, meta: Any = None) -> No
         raise SettingError(f"{label} must be a finite number, got {value!r}")
     if meta.get("minimum") is not None and value < meta["minimum"]:
         raise SettingError(f"{label} must be >= {meta['minimum']:g}, got {value!r}")
+    if meta.get("maximum") is not None and value > meta["maximum"]:
+        raise SettingError(f"{label} must be <= {meta['maximum']:g}, got {value!r}")
     if meta.get("above") is not None and value <= meta["above"]:
         raise SettingError(f"{label} must be > {meta['above']:g}, got {value!r}")
     if meta.get("choices") and value not in meta["choices"]:

@@ -26,7 +26,7 @@ from meshtrain.data import Collate, DataFactory
 from meshtrain.devices import resolve_device
 from meshtrain.job import FitResult, NodeJob
 from meshtrain.run_dir import RunDirectory
-from meshtrain.settings import TrainConfig, check_run_id
+from meshtrain.settings import MAX_THREADS, TrainConfig, check_run_id
 from meshtrain.strategies import DiLoCo, Strategy
 
 
@@ -119,6 +119,7 @@ class Trainer:
             config = replace(config, steps=100)
         config = replace(config, threads=resolve_threads(config.threads, config.runtime))
         config.validate()
+        strategy.check_nodes(config.nodes)
         resolve_device(config.device)
         if isinstance(self.train_data, Dataset):
             size = len(self.train_data)  # type: ignore[arg-type]
@@ -192,9 +193,13 @@ def resolve_threads(threads: int | None, runtime: str) -> int:
     env = os.environ.get("MESHTRAIN_THREADS")
     if env:
         try:
-            return int(env)
+            value = int(env)
         except ValueError:
-            raise ValueError(f"MESHTRAIN_THREADS must be a whole number, got {env!r}") from None
+            value = 0
+        if not 1 <= value <= MAX_THREADS:
+            raise ValueError(f"MESHTRAIN_THREADS must be a whole number from 1 to {MAX_THREADS}, "
+                             f"got {env!r}")
+        return value
     if runtime == "launched":
         return os.cpu_count() or 1  # a real host: use all of its cores
     return 1  # simulated nodes share this machine's cores

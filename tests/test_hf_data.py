@@ -200,13 +200,86 @@ def test_bad_speech_folders_fail_with_one_clear_line(speech: SpeechAssets, tmp_p
         build_task(tmp_path / "missing", speech.model)
 
 
-def test_recordings_longer_than_the_encoder_window_are_refused(speech: SpeechAssets, tmp_path: Path) -> None:
+def test_recordings_longer_than_the_encoder_window_are_listed_or_skipped(
+    speech: SpeechAssets, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     folder = tmp_path / "long"
     folder.mkdir()
-    write_wav(folder / "long.wav", np.zeros((16_000 * 4, 1)), 16_000, 2)  # 4 s > the tiny model's 3 s
-    write_metadata(folder, [("long.wav", "silence")] * 4)
-    with pytest.raises(TaskError, match=r"long.wav: 4.0 s long; the model hears at most 3.0 s"):
+    for name, seconds in (("long-a.wav", 4), ("long-b.wav", 5)):  # > the tiny model's 3 s
+        write_wav(folder / name, np.full((16_000 * seconds, 1), 0.1), 16_000, 2)
+    clips = sorted((speech.data / "clips").glob("*.wav"))[:6]
+    for c in clips:
+        shutil.copy(c, folder / c.name)
+    write_metadata(folder, [("long-a.wav", "one"), *[(c.name, "text") for c in clips[:3]],
+                            ("long-b.wav", "two"), *[(c.name, "text") for c in clips[3:]]])
+    with pytest.raises(TaskError) as refused:
+        build_task(folder, speech.model, val_fraction=0)
+    message = str(refused.value)
+    assert message.startswith("2 clip(s) longer than the 3 s the model hears: ")
+    # Every one, not only the first.
+    assert f"{folder / 'long-a.wav'} (4.0 s), {folder / 'long-b.wav'} (5.0 s)" in message
+    assert "split them" in message and "--set task_options.skip_long_clips=true" in message
+    bundle = build_task(folder, speech.model, val_fraction=0, skip_long_clips=True)
+    assert [c.path.name for c in bundle.train_data.clips] == [c.name for c in clips]
+    assert len(bundle.train_data.labels) == len(clips)
+    assert "warning: skipped 2 clip(s) longer than 3 s" in capsys.readouterr().err
+
+
+def test_what_excel_and_finder_leave_behind(speech: SpeechAssets, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    clips = sorted((speech.data / "clips").glob("*.wav"))[:4]
+    folder = tmp_path / "excel"
+    folder.mkdir()
+    for c in clips:
+        shutil.copy(c, folder / c.name)
+    rows = "".join(f"{c.name},{t}\r\n" for c, t in zip(clips, ["hello", "yes", "", "no"], strict=True))
+    (folder / "metadata.csv").write_bytes(b"\xef\xbb\xbf" + f"file_name,transcription\r\n{rows}".encode())
+    train, _ = find_splits(folder, val_fraction=0)  # Excel's byte-order mark is not a column name
+    assert [c.text for c in train] == ["hello", "yes", "", "no"]
+    warned = capsys.readouterr().err
+    assert f"warning: {folder / 'metadata.csv'}: 1 clip(s) with an empty transcript" in warned
+
+    (folder / "metadata.csv").write_bytes(b"\x00\xff\xfe binary \x81\x82")
+    with pytest.raises(TaskError, match=r"metadata.csv: not UTF-8 text \(save it as CSV UTF-8"):
         build_task(folder, speech.model)
+
+    (tmp_path / "outside.wav").write_bytes(clips[0].read_bytes())
+    write_metadata(folder, [(clips[0].name, "a"), ("../outside.wav", "b")])
+    with pytest.raises(TaskError, match=r"metadata.csv line 3: audio file '../outside.wav' is outside"):
+        build_task(folder, speech.model)
+
+    with wave.open(str(folder / "empty.wav"), "wb") as w:  # a header and no samples
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16_000)
+    write_metadata(folder, [(c.name, "a") for c in clips] + [("empty.wav", "b")])
+    with pytest.raises(TaskError, match=r"empty.wav: the recording holds no audio \(0 samples\)"):
+        build_task(folder, speech.model)
+
+    write_wav(folder / "quiet.wav", np.zeros((16_000, 1)), 16_000, 2)
+    write_metadata(folder, [(c.name, "a") for c in clips] + [("quiet.wav", "b")])
+    build_task(folder, speech.model, val_fraction=0)
+    assert f"warning: 1 silent clip(s) (peak below 0.0001): {folder / 'quiet.wav'}" in capsys.readouterr().err
+
+    with pytest.raises(TaskError, match=r"is a file, not a folder: --data takes a folder"):
+        build_task(folder / "metadata.csv", speech.model)
+
+
+def test_a_validation_folder_with_another_name_is_pointed_out(
+    speech: SpeechAssets, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    clips = sorted((speech.data / "clips").glob("*.wav"))
+    for split, chosen in (("train", clips[:4]), ("eval", clips[4:6])):
+        (tmp_path / split).mkdir()
+        for c in chosen:
+            shutil.copy(c, tmp_path / split / c.name)
+        write_metadata(tmp_path / split, [(c.name, "text") for c in chosen])
+    train, val = find_splits(tmp_path)
+    assert len(train) == 4 and val == []
+    assert (f"warning: {tmp_path}: folder eval/ is not used as validation data; name it one of "
+            "validation, val, valid, dev, test") in capsys.readouterr().err
+    (tmp_path / "eval").rename(tmp_path / "dev")
+    assert len(find_splits(tmp_path)[1]) == 2
 
 
 def test_unknown_model_is_a_clear_error_offline(speech: SpeechAssets) -> None:

@@ -10,6 +10,7 @@ import torch
 from speech_fixtures import SpeechAssets, speech_fixture, whisper_options  # noqa: F401 (the fixture)
 
 from meshtrain.hf import HFModel, LoRA, ModelLoadError, word_error_rate
+from meshtrain.hf.model import normalize_text, raw_word_error_rate
 from meshtrain.tasks import TaskOptions
 from meshtrain.tasks.whisper import TASK
 
@@ -120,6 +121,18 @@ def test_wer_is_normalised_corpus_word_error_rate() -> None:
     assert word_error_rate(["the cat"], ["the cat sat on it"]) == pytest.approx(3 / 2)  # can exceed 1
 
 
+def test_wer_normalises_as_whisper_does_and_raw_wer_does_not() -> None:
+    curly = "I don\u2019t know."
+    assert word_error_rate(["I don't know."], [curly]) == 0.0
+    assert raw_word_error_rate(["I don't know."], [curly]) == pytest.approx(1 / 3)  # one word of 3
+    assert word_error_rate(["I have five apples"], ["i have 5 apples"]) == 0.0  # numerals
+    assert word_error_rate(["\u201cHello,\u201d she said"], ['"hello" she said']) == 0.0
+    assert word_error_rate(["um I think so"], ["I think so"]) == 0.0  # fillers
+    assert normalize_text("  Mr.  Smith\u2019s   car ") == "mister smith is car"  # as Whisper's does
+    # Other languages: lower case and punctuation only (no English number words or contractions).
+    assert normalize_text("Ik heb VIJF appels!", english=False) == "ik heb vijf appels"
+
+
 def test_validation_metrics_transcribe_with_the_models_tokenizer(speech: SpeechAssets) -> None:
     model, batch = batch_of(speech)
     refs = model.references(batch)
@@ -128,7 +141,8 @@ def test_validation_metrics_transcribe_with_the_models_tokenizer(speech: SpeechA
     hyps = model.transcribe(batch)
     assert len(hyps) == 4 and all(isinstance(h, str) for h in hyps)
     metrics = model.validation_metrics([batch])
-    assert set(metrics) == {"wer"} and metrics["wer"] == pytest.approx(word_error_rate(refs, hyps))
+    assert set(metrics) == {"wer", "wer_raw"} and metrics["wer"] == pytest.approx(word_error_rate(refs, hyps))
+    assert metrics["wer_raw"] == pytest.approx(raw_word_error_rate(refs, hyps))
 
 
 def _train_indices(speech: SpeechAssets, n: int) -> list[int]:

@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import time
+import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +123,10 @@ def test_clean_host_is_set_up_then_checks_and_trains(loopback_ssh: SshWorld, ins
     assert manifest["meshtrain"] == installed_distribution().version
     shipped = next((installed.workdir / ".venv" / "meshtrain-wheels").glob("*.whl"))
     assert manifest["wheel_digest"] == wheel_digest(shipped)
+    # The built-in profiles are package data: in the wheel, so on every host set up.
+    with zipfile.ZipFile(shipped) as wheel:
+        assert {"meshtrain/profiles/whisper-tiny-lora.yaml", "meshtrain/profiles/whisper-small-diloco.yaml",
+                "meshtrain/profiles/whisper-tiny-random-lora.yaml"} <= set(wheel.namelist())
 
     check = meshtrain(loopback_ssh, "hosts", "check", str(installed.inventory), cwd=installed.folder)
     assert check.returncode == 0, check.stdout + check.stderr
@@ -140,6 +145,19 @@ def test_clean_host_is_set_up_then_checks_and_trains(loopback_ssh: SshWorld, ins
     # The ranks ran the venv's interpreter, which recorded itself in the run's provenance.
     config = yaml.safe_load((installed.folder / "runs" / "after-setup" / "config.yaml").read_text())
     assert str(installed.workdir / ".venv") in json.dumps(config)
+
+    # A rank on the set-up host (no checkout, no profiles/ in its workdir) resolves a built-in
+    # profile by name from its installed meshtrain.
+    lookup = ("from meshtrain.config import find_profile as f, load_profile as p; "
+              "print('profile', f('whisper-tiny-lora'), p('whisper-tiny-lora')['task'])")
+    resolved = meshtrain(loopback_ssh, "launch", str(launch_inventory), "--plain",
+                         "--out", str(installed.folder / "runs"), "--", "python", "-c", lookup,
+                         cwd=installed.folder, timeout=120)
+    assert resolved.returncode == 0, resolved.stdout + resolved.stderr
+    site = installed.workdir / ".venv" / "lib"
+    assert resolved.stdout.count(f"profile {site}") == 2, resolved.stdout  # both ranks
+    assert "meshtrain/profiles/whisper-tiny-lora.yaml whisper" in resolved.stdout
+    assert not (installed.workdir / "profiles").exists()
 
 
 def test_second_run_is_up_to_date_and_changes_nothing(loopback_ssh: SshWorld, installed: Installed) -> None:

@@ -3,6 +3,7 @@ one clear line."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import typer
@@ -11,7 +12,10 @@ from rich.text import Text
 
 from meshtrain.errors import MeshtrainError
 
-console = Console()
+#: Piped output (a file, tee, CI) is not cut at 80 columns: a line is as wide as its table.
+#: A terminal's own width rules, and so does COLUMNS where it is set.
+PIPED_WIDTH = 1000
+console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else PIPED_WIDTH)
 # The hosts and launch commands' tables: piped output (CI logs, tests) gets room for the
 # whole table rather than 80 columns.
 wide_console = Console(width=None if sys.stdout.isatty() else 160)

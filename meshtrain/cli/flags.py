@@ -7,15 +7,27 @@ import dataclasses
 from typing import Any
 
 import typer
+from rich.markup import escape
 
 from meshtrain.config import RunSpec
 from meshtrain.settings import help_for
+from meshtrain.tasks import TASKS, get_task
 
 
 def flag(name: str, *flags: str, **kwargs: Any) -> Any:
-    """A CLI option for setting ``name``, its help taken from the setting's one definition."""
+    """A CLI option for setting ``name``, its help taken from the setting's one definition
+    (escaped: typer renders help as rich markup, which would swallow "meshtrain[wandb]")."""
     spec_fields = {f.name: f for f in dataclasses.fields(RunSpec)}
-    return typer.Option(None, *flags, help=spec_fields[name].metadata.get("help", ""), **kwargs)
+    kwargs.setdefault("help", escape(spec_fields[name].metadata.get("help", "")))
+    return typer.Option(None, *flags, **kwargs)
+
+
+def _steps_help() -> str:
+    """--steps help naming each task's suggested step count (the default a run gets)."""
+    suggested = ", ".join(f"{entry.name} {get_task(entry.name).defaults['steps']}"
+                          for entry in TASKS.values() if "steps" in get_task(entry.name).defaults)
+    return (f"Training steps; each node takes one batch a step (default: the task's suggestion, "
+            f"{suggested}; 100 for a task without one; none when epochs is given).")
 
 
 # Flags shared by `simulate` and `launch` (the launcher forwards them to every rank).
@@ -25,7 +37,7 @@ TRAINING_FLAGS = dict(
     strategy=flag("strategy", "--strategy", "-s", rich_help_panel="What to train"),
     task=flag("task", "--task", "-t", rich_help_panel="What to train"),
     data=flag("data", "--data", rich_help_panel="What to train"),
-    steps=flag("steps", "--steps", rich_help_panel="What to train"),
+    steps=flag("steps", "--steps", help=_steps_help(), rich_help_panel="What to train"),
     epochs=flag("epochs", "--epochs", rich_help_panel="What to train"),
     batch_size=flag("batch_size", "--batch-size", "-b", rich_help_panel="What to train"),
     microbatch_size=flag("microbatch_size", "--microbatch-size", rich_help_panel="What to train"),
@@ -35,7 +47,7 @@ TRAINING_FLAGS = dict(
     threads=flag("threads", "--threads", rich_help_panel="The simulated cluster"),
     val_interval=flag("val_interval", "--val-interval", rich_help_panel="Output"),
     wandb=flag("wandb", "--wandb", metavar="PROJECT", rich_help_panel="Output"),
-    tensorboard=typer.Option(None, "--tensorboard/--no-tensorboard", help=help_for("tensorboard"),
+    tensorboard=typer.Option(None, "--tensorboard/--no-tensorboard", help=escape(help_for("tensorboard")),
                              rich_help_panel="Output"),
     set_=typer.Option([], "--set", help="Override any setting: key=value (H=50, steps=100, "
                                         "task_options.arch=cnn); values are read as YAML.",

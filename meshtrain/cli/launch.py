@@ -19,6 +19,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from meshtrain.build import resolve_run
 from meshtrain.checkpoint import fewer_nodes_refusal
 from meshtrain.cli import dashboard as dashboard_cli
 from meshtrain.cli.console import errors, fail, fail_on
@@ -33,7 +34,6 @@ from meshtrain.config import (
     load_profile,
     merge,
     parse_set,
-    strategy_class,
 )
 from meshtrain.launch import discovery as d
 from meshtrain.launch.bench import (
@@ -62,8 +62,8 @@ from meshtrain.launch.safe_copy import DEFAULT_MAX_FILES, CopyLimits
 from meshtrain.launch.shipping import ShipError, Shipment, hash_path
 from meshtrain.progress import human_bytes
 from meshtrain.run_dir import atomic_write_text
-from meshtrain.settings import SettingError, check_run_id
-from meshtrain.tasks import TaskError, get_task
+from meshtrain.settings import MAX_THREADS, SettingError, check_run_id
+from meshtrain.tasks import TaskError, check_options, get_task
 
 # simulate's flag name for each training option the launcher forwards.
 FORWARDED = {
@@ -261,8 +261,12 @@ def hosts_discover(
         raise fail(f"--write {write}: the file exists; pass --force to replace it")
     if python is not None and not python.startswith(("/", "~")):
         raise fail(f"--python {python}: expected an absolute path on the hosts (or one starting with ~/)")
-    if identity_file is not None and not Path(identity_file).expanduser().is_file():
-        raise fail(f"--identity-file {identity_file}: no such file")
+    if identity_file is not None:
+        from meshtrain.launch.ssh import identity_file_problem
+
+        problem = identity_file_problem(str(Path(identity_file).expanduser()))
+        if problem:
+            raise fail(f"--{problem.replace('identity_file', 'identity-file', 1)}")
     try:
         found = d.browse(timeout, iface=iface, network=net)
     except d.DiscoveryError as exc:
@@ -314,15 +318,17 @@ def hosts_discover(
     console.print(f"wrote {write} ({len(found)} hosts); next: meshtrain hosts check {write}", highlight=False)
 
 
-def _check_training_flags(flags: dict[str, Any], overrides: list[str]) -> None:
-    """Catch bad training flags here (exit 2) rather than on every host."""
+def _check_training_flags(flags: dict[str, Any], overrides: list[str], world_size: int) -> None:
+    """Resolve the run's settings here as every rank will (exit 2 on any fault) before any
+    host is contacted: a bad value must not start ``world_size`` ranks that each fail."""
     try:
-        profile = load_profile(flags["profile"]) if flags.get("profile") else {}
-        strategy = flags.get("strategy") or profile.get("strategy") or RunSpec.strategy
-        strategy_class(strategy)
-        get_task(flags.get("task") or profile.get("task") or RunSpec.task)
-        parse_set(overrides, strategy)
-    except (ConfigError, TaskError) as exc:
+        spec, task = resolve_run(flags, overrides, launched=False)
+        # As a launched rank sees it: one node per host, simulated faults not allowed.
+        config = dataclasses.replace(spec.train_config(), nodes=world_size, runtime="launched")
+        config.validate()
+        build_strategy(spec).check_nodes(world_size)
+        check_options(task, spec.task_options)
+    except ValueError as exc:  # ConfigError, SettingError, FaultError, TaskError
         raise fail(str(exc)) from None
 
 
@@ -376,16 +382,57 @@ def _ship_inputs(flags: dict[str, Any], overrides: list[str], no_ship: bool
         shipments = [hash_path(what, Path(path).expanduser()) for what, _, path in inputs]
     except ShipError as exc:
         raise fail_on(exc) from None
+    for shipment in shipments:
+        if not shipment.files:  # every rank would start, then find nothing to read
+            raise fail(f"{shipment.what} {shipment.local}: the folder holds no files")
     # --set is the last layer: it wins over --data and the profile; JSON is a YAML string.
     moved = [f"{key}={json.dumps(s.remote)}" for (_, key, _), s in zip(inputs, shipments, strict=True)]
     return [*overrides, *moved], shipments, []
 
 
+def _check_out_dir(out: Path) -> None:
+    """``--out`` must be a folder this user can write (rank 0's run directory and every
+    rank's log come back there): checked by writing, before any host is contacted, without
+    leaving anything behind."""
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise fail(f"--out {out}: {existing} is a file, not a folder")
+    try:
+        with tempfile.TemporaryDirectory(dir=existing, prefix=".meshtrain-write-test-"):
+            pass
+    except OSError as exc:
+        raise fail(f"--out {out}: cannot write into {existing} ({exc.strerror or exc})") from None
+
+
+def _resolved_profile_file(name: str) -> Path:
+    """The profile ``name`` resolved here (its ``base:`` chain merged) as a YAML file to
+    upload into every workdir: a host needs neither this profile nor a checkout. Named by
+    its content, so a relaunch re-sends the same file; removed here when the command ends."""
+    import atexit
+    import hashlib
+    import shutil
+
+    import yaml
+
+    from meshtrain.config import load_profile
+
+    text = ("# resolved by meshtrain launch from --profile " + name.replace("\n", " ") + "\n"
+            + yaml.safe_dump(load_profile(name), sort_keys=False))
+    folder = Path(tempfile.mkdtemp(prefix="meshtrain-profile-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    path = folder / f"profile-{hashlib.sha256(text.encode()).hexdigest()[:12]}.yaml"
+    path.write_text(text)
+    return path
+
+
 def _apply_overrides(inv: Inventory, threads: int | None, heartbeat_timeout: float | None) -> Inventory:
     """``--threads`` and ``--heartbeat-timeout`` over the inventory's settings (bad value: exit 2)."""
     if threads is not None:
-        if threads < 1:
-            raise fail(f"--threads: expected a whole number of threads >= 1, got {threads}")
+        if not 1 <= threads <= MAX_THREADS:
+            raise fail(f"--threads: expected a whole number of threads from 1 to {MAX_THREADS}, "
+                       f"got {threads}")
         inv = dataclasses.replace(inv, hosts=tuple(dataclasses.replace(h, threads=threads)
                                                    for h in inv.hosts))
     if heartbeat_timeout is not None:
@@ -520,13 +567,18 @@ def register(app: typer.Typer) -> None:
             raise fail(f"--restart-wait: expected seconds > 0, got {restart_wait:g}")
         if allow_shrink and not training:
             raise fail("--allow-shrink continues a training run: give training flags, not a command after --")
+        _check_out_dir(out)
         if training:
-            _check_training_flags(flags, set_)
+            _check_training_flags(flags, set_, inv.world_size)
             if allow_shrink:
                 _check_shrink(flags, set_, max_restarts)
             set_, shipments, required = _ship_inputs(flags, set_, no_ship)
             if shipments and flags["data"]:
                 flags["data"] = None  # the ranks read the shipped copy (--set data=...)
+            if flags["profile"]:  # the ranks get its settings, not a name to look up there
+                resolved = _resolved_profile_file(str(flags["profile"]))
+                upload = [*upload, resolved]
+                flags["profile"] = resolved.name
             forwarded = [w for k, v in flags.items() if v is not None for w in (FORWARDED[k], str(v))]
             forwarded += [w for item in set_ for w in ("--set", item)]
             if not progress:
@@ -536,11 +588,16 @@ def register(app: typer.Typer) -> None:
         else:
             argv, label = list(command), "script"
             shipments, required = [], []
+        # The program of a script command is looked up on every host in preflight, unless
+        # it is the host's python or a file this launch uploads first.
+        program = None if training or argv[0] in ("python", "python3") or \
+            Path(argv[0]).name in {f.name for f in upload} else argv[0]
         options = LaunchOptions(run_id=resume or run_id or new_launch_id(label, inv.world_size, out),
                                 out_dir=out, accept_new_host_keys=accept_new_host_keys,
                                 uploads=list(upload), resume=bool(resume), max_restarts=max_restarts,
                                 restart_wait=restart_wait, allow_shrink=allow_shrink,
-                                shipments=shipments, required_paths=required, copy_limits=limits)
+                                shipments=shipments, required_paths=required, copy_limits=limits,
+                                program=program)
         output = rank_output([h.name for h in inv.hosts], plain=plain, title=options.run_id,
                              log_dir=out / f"{options.run_id}.ranks")  # moved into the run directory
         try:

@@ -12,10 +12,11 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from meshtrain import checkpoint
-from meshtrain.build import build_run
+from meshtrain import checkpoint, yaml12
+from meshtrain.build import build_run, resolve_run
 from meshtrain.cli import dashboard as dashboard_cli
 from meshtrain.cli import launch, research
 from meshtrain.cli import plan as plan_cli
@@ -23,7 +24,7 @@ from meshtrain.cli import transcribe as transcribe_cli
 from meshtrain.cli.console import console, errors, fail, fail_on
 from meshtrain.cli.flags import TRAINING_FLAGS, flag
 from meshtrain.cluster import CLUSTERS
-from meshtrain.config import ConfigError, RunSpec, list_profiles, load_profile
+from meshtrain.config import ConfigError, RunSpec, list_profiles, load_profile, resume_conflict
 from meshtrain.errors import MeshtrainError
 from meshtrain.heartbeat import start_heartbeat
 from meshtrain.job import NodeFailed
@@ -133,9 +134,19 @@ def simulate(
         for note in found.skipped:
             errors.print(f"[yellow]skipped a damaged checkpoint:[/] {note}", highlight=False)
         spec_file = found.folder.parent / checkpoint.SPEC
-        if profile is None and spec_file.is_file():
+        if not spec_file.is_file():  # without it nothing says which run the state belongs to
+            raise fail(f"--resume {resume}: {spec_file} is missing, so the run's settings are "
+                       "unknown; resume from a <run-id>.checkpoints folder as the run wrote it")
+        if profile is None:
             profile = str(spec_file)
-        out = out or str(found.folder.parent.parent)
+        # <out>/<id>.checkpoints while a run goes, <out>/<id>/checkpoints once it finished.
+        holder = found.folder.parent
+        run_folder = holder.parent if holder.name == "checkpoints" else holder.parent / found.run_id
+        out = out or str(run_folder.parent)
+        target = Path(out) / (run_id or found.run_id)
+        if (target / "summary.json").is_file():  # it would train again into a finished run
+            raise fail(f"--resume {resume}: run {found.run_id} already finished ({target}); to "
+                       "train it further, give --steps above its steps and a new --run-id or --out")
         console.print(f"resuming run {found.run_id} after step {found.step} ({found.folder})",
                       highlight=False)
     flags = dict(profile=profile, strategy=strategy, task=task, data=data, steps=steps, epochs=epochs,
@@ -147,7 +158,15 @@ def simulate(
                  tensorboard=tensorboard, fail=fail_ or None, straggler=straggler or None)
     # Everything is checked before the first step: up to here, an error is bad input (2).
     try:
+        if resume:  # the settings must be the checkpointed run's, but for what may change
+            conflict = resume_conflict(yaml12.load(spec_file.read_text(encoding="utf-8")),
+                                       resolve_run(flags, set_, launched)[0], found.step)
+            if conflict:
+                raise fail(f"--resume {resume}: {conflict}")
         spec, bundle, strat = build_run(flags, set_, launched)
+        uneven = getattr(strat, "uneven_islands", lambda nodes: None)(spec.nodes)
+        if uneven:
+            errors.print(f"note: {uneven}", highlight=False, soft_wrap=True, markup=False)
         config = spec.train_config(extra_config={"spec": spec.to_dict()})
         trainer = Trainer(bundle.model, bundle.train_data, bundle.val_data, bundle.collate_fn)
         job = trainer.prepare(strat, config=config)
@@ -201,7 +220,9 @@ def _resume_hint(job: Any) -> None:
 
 def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
     """The results table at the end of a run."""
-    table = Table(title=f"{summary['strategy']} on {summary['nodes']} nodes", show_header=False)
+    nodes = summary["nodes"]
+    table = Table(title=f"{summary['strategy']} on {nodes} node{'' if nodes == 1 else 's'}",
+                  show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
     table.add_row("steps", str(summary["steps"]))
@@ -281,7 +302,7 @@ def list_settings() -> None:
         if f.name in ("extra_config",):
             continue
         default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
-        table.add_row(f.name, _show_default(default), f.metadata.get("help", ""))
+        table.add_row(f.name, escape(_show_default(default)), escape(f.metadata.get("help", "")))
     console.print(table)
 
 

@@ -6,6 +6,7 @@ The commands parse and print; the work is in :mod:`meshtrain.compare`,
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +130,8 @@ def plot(
     target_loss: float = typer.Option(None, "--target-loss", help="Draw this loss as a dotted line."),
 ) -> None:
     """Plot finished runs: val loss against steps, bytes sent per node and projected time."""
+    if target_loss is not None and not (math.isfinite(target_loss) and target_loss > 0):
+        raise fail(f"--target-loss must be a positive number, got {target_loss!r}")
     try:
         runs = [load_run(d) for d in run_dirs]
     except RunError as exc:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -199,7 +198,11 @@ class HFModel(nn.Module):
         for batch in batches:
             refs += self.references(batch)
             hyps += self.transcribe(batch)
-        return {"wer": word_error_rate(refs, hyps)}
+        # English unless decoding names another language (English-only models name none).
+        language = str(self.generate_kwargs.get("language") or "en").lower()
+        english = language in ("en", "english", "<|en|>")
+        return {"wer": word_error_rate(refs, hyps, english=english),
+                "wer_raw": raw_word_error_rate(refs, hyps)}
 
     # ------------------------------------------------------------------ saving
     def save_pretrained(self, directory: str) -> None:
@@ -235,21 +238,52 @@ def model_reference(name_or_path: str) -> str:
     return str(path.resolve()) if path.exists() else name_or_path
 
 
-def word_error_rate(references: Sequence[str], hypotheses: Sequence[str]) -> float:
-    """Corpus WER (word edits / reference words) after lower-casing and dropping
-    punctuation, so "Hello, world." and "hello world" match. Empty references are skipped."""
+def word_error_rate(references: Sequence[str], hypotheses: Sequence[str], *,
+                    english: bool = True) -> float:
+    """Corpus WER (word edits / reference words) of the normalised texts
+    (:func:`normalize_text`), as Whisper is evaluated. Empty references are skipped."""
+    return _wer([normalize_text(r, english=english) for r in references],
+                [normalize_text(h, english=english) for h in hypotheses])
+
+
+def raw_word_error_rate(references: Sequence[str], hypotheses: Sequence[str]) -> float:
+    """Corpus WER of the texts as written: only runs of whitespace count as one."""
+    return _wer([" ".join(r.split()) for r in references], [" ".join(h.split()) for h in hypotheses])
+
+
+def _wer(references: list[str], hypotheses: list[str]) -> float:
     import jiwer
 
-    pairs = [(normalize_text(r), normalize_text(h)) for r, h in zip(references, hypotheses, strict=True)]
-    pairs = [(r, h) for r, h in pairs if r]
+    pairs = [(r, h) for r, h in zip(references, hypotheses, strict=True) if r]
     if not pairs:
         return float("nan")
     return float(jiwer.wer([r for r, _ in pairs], [h for _, h in pairs]))
 
 
-def normalize_text(text: str) -> str:
-    text = re.sub(r"[^\w\s']", " ", text.lower())
-    return " ".join(text.split())
+# Typographic quotes (macOS and phones type them) as the straight ones Whisper's normaliser knows.
+_STRAIGHT_QUOTES = str.maketrans({"\u2019": "'", "\u2018": "'", "\u02bc": "'", "\u201c": '"',
+                                  "\u201d": '"'})
+
+
+def normalize_text(text: str, *, english: bool = True) -> str:
+    """Text as Whisper's evaluation compares it.
+
+    Typographic apostrophes and quotes become straight ones; then, for English, the
+    ``EnglishTextNormalizer`` transformers ships with Whisper: lower case, contractions
+    expanded ("don't" -> "do not"), number words as numerals ("five" -> "5"), titles
+    ("Mr." -> "mister"), fillers ("um", "uh") and punctuation removed, whitespace
+    collapsed. Its British-to-American spelling map comes with the Whisper tokenizer
+    files, not offline, so spellings are left as written. Other languages get
+    ``BasicTextNormalizer`` (lower case, punctuation and bracketed text removed).
+    """
+    from transformers.models.whisper.english_normalizer import (
+        BasicTextNormalizer,
+        EnglishTextNormalizer,
+    )
+
+    text = text.translate(_STRAIGHT_QUOTES)
+    normalizer = EnglishTextNormalizer({}) if english else BasicTextNormalizer()
+    return " ".join(normalizer(text).split())
 
 
 def _load_pretrained(name_or_path: str) -> nn.Module:

@@ -18,10 +18,12 @@ from __future__ import annotations
 import csv
 import math
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -42,6 +44,13 @@ __all__ = ["SAMPLE_RATE", "Clip", "SpeechCollator", "SpeechDataError", "SpeechDa
            "resample"]
 
 SPLIT_DIRS = {"train": ("train",), "val": ("validation", "val", "valid", "dev", "test")}
+#: Peak amplitude below which a clip counts as silent (about -80 dBFS).
+SILENT_PEAK = 1e-4
+
+
+def speech_warning(message: str) -> None:
+    """A data problem that does not stop the run but likely spoils it: one line on stderr."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 # ------------------------------------------------------------------------ metadata
@@ -59,22 +68,47 @@ def read_metadata(folder: Path, text_column: str = "transcription") -> list[Clip
     if not meta.is_file():
         raise SpeechDataError(f"{meta} not found: a speech folder needs metadata.csv "
                               f"with columns file_name,{text_column}")
-    with meta.open(newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        columns = reader.fieldnames or []
-        for column in ("file_name", text_column):
-            if column not in columns:
-                raise SpeechDataError(f"{meta}: no {column!r} column (columns: {', '.join(columns)})")
-        clips = []
-        for line, row in enumerate(reader, start=2):
-            name = (row["file_name"] or "").strip()
-            path = folder / name
-            if not name or not path.is_file():
-                raise SpeechDataError(f"{meta} line {line}: audio file {name!r} not found in {folder}")
-            clips.append(Clip(path, (row[text_column] or "").strip()))
+    root = folder.resolve()
+    # utf-8-sig: Excel's "CSV UTF-8" starts the file with a byte-order mark, which plain
+    # utf-8 would glue to the first column's name.
+    try:
+        with meta.open(newline="", encoding="utf-8-sig") as f:
+            reader = csv.DictReader(f)
+            rows = list(reader)
+            columns = list(reader.fieldnames or [])
+    except UnicodeDecodeError:
+        raise SpeechDataError(f"{meta}: not UTF-8 text (save it as CSV UTF-8, with columns "
+                              f"file_name,{text_column})") from None
+    for column in ("file_name", text_column):
+        if column not in columns:
+            raise SpeechDataError(f"{meta}: no {column!r} column (columns: {', '.join(columns)})")
+    clips, untranscribed = [], []
+    for line, row in enumerate(rows, start=2):
+        name = (row["file_name"] or "").strip()
+        path = folder / name
+        # A row must name a file inside the folder: launch ships only the folder, and a
+        # transcript file should not reach elsewhere on the disk.
+        if name and not (folder / name).resolve().is_relative_to(root):
+            raise SpeechDataError(f"{meta} line {line}: audio file {name!r} is outside {folder}; "
+                                  "copy it into the folder and name it relative to it")
+        if not name or not path.is_file():
+            raise SpeechDataError(f"{meta} line {line}: audio file {name!r} not found in {folder}")
+        text = (row[text_column] or "").strip()
+        if not text:
+            untranscribed.append(f"line {line} ({name})")
+        clips.append(Clip(path, text))
     if not clips:
         raise SpeechDataError(f"{meta} lists no recordings")
+    if untranscribed:
+        speech_warning(f"{meta}: {len(untranscribed)} clip(s) with an empty transcript (they teach "
+                       f"the model silence): {_listing(untranscribed)}")
     return clips
+
+
+def _listing(items: list[str], most: int = 10) -> str:
+    """``items`` joined, the first ``most`` of them and a count of the rest."""
+    shown = ", ".join(items[:most])
+    return shown if len(items) <= most else f"{shown} and {len(items) - most} more"
 
 
 def find_splits(
@@ -86,6 +120,9 @@ def find_splits(
     with one ``metadata.csv`` a seeded ``val_fraction`` of the clips is held out.
     """
     root = Path(directory)
+    if root.exists() and not root.is_dir():
+        raise SpeechDataError(f"speech data {root} is a file, not a folder: --data takes a folder "
+                              "holding metadata.csv and the recordings")
     if not root.is_dir():
         raise SpeechDataError(f"speech data folder {root} does not exist")
     train_dir = root / "train"
@@ -94,6 +131,11 @@ def find_splits(
         for name in SPLIT_DIRS["val"]:
             if (root / name / "metadata.csv").is_file():
                 return train, read_metadata(root / name, text_column)
+        others = sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != "train"
+                        and (p / "metadata.csv").is_file())
+        if others:
+            speech_warning(f"{root}: folder {others[0]}/ is not used as validation data; name it "
+                           f"one of {', '.join(SPLIT_DIRS['val'])} (no WER is measured without one)")
         return train, []
     clips = read_metadata(root, text_column)
     if not 0 <= val_fraction < 1:
@@ -127,27 +169,76 @@ class SpeechDataset(Dataset):
     """
 
     def __init__(self, clips: list[Clip], feature_extractor: Any, tokenizer: Any,
-                 max_label_tokens: int | None = None, cache_dir: str | Path | None = None) -> None:
-        self.clips = clips
+                 max_label_tokens: int | None = None, cache_dir: str | Path | None = None,
+                 skip_long_clips: bool = False) -> None:
         self.feature_extractor = feature_extractor
         self.max_seconds = feature_extractor.n_samples / feature_extractor.sampling_rate
         self.cache = FeatureCache(cache_dir, feature_extractor) if cache_dir is not None else None
         self._keys: dict[int, str] = {}  # cache keys (64 characters a clip), so files are hashed once
-        self.labels = [tokenizer(c.text).input_ids for c in clips]
-        for index, (clip, ids) in enumerate(zip(clips, self.labels, strict=True)):
+        labels = [tokenizer(c.text).input_ids for c in clips]
+        for clip, ids in zip(clips, labels, strict=True):
             if max_label_tokens is not None and len(ids) > max_label_tokens:
                 raise SpeechDataError(f"{clip.path}: transcript is {len(ids)} tokens; the model "
                                       f"decodes at most {max_label_tokens}")
-            self._check_recording(index)
+        # Every clip is checked before the first is refused, so one message lists them all.
+        self.clips, self.labels = clips, labels
+        seconds = [self._check_recording(index) for index in range(len(clips))]
+        long = [(c, s) for c, s in zip(clips, seconds, strict=True) if s > self.max_seconds + 1e-3]
+        silent = [c for c, s in zip(clips, seconds, strict=True) if s < 0]
+        if long and not skip_long_clips:
+            raise SpeechDataError(
+                f"{len(long)} clip(s) longer than the {self.max_seconds:.0f} s the model hears: "
+                + _listing([f"{c.path} ({s:.1f} s)" for c, s in long])
+                + f"; split them into pieces of at most {self.max_seconds:.0f} s (e.g. sox IN.wav "
+                  f"OUT.wav trim 0 {self.max_seconds:.0f} : newfile : restart, with a transcript per "
+                  "piece), or skip them with --set task_options.skip_long_clips=true")
+        if long:
+            speech_warning(f"skipped {len(long)} clip(s) longer than {self.max_seconds:.0f} s "
+                           f"(task_options.skip_long_clips): {_listing([str(c.path) for c, _ in long])}")
+            kept = [i for i, s in enumerate(seconds) if s <= self.max_seconds + 1e-3]
+            self.clips, self.labels = [clips[i] for i in kept], [labels[i] for i in kept]
+            self._keys = {}  # indices changed
+            if not self.clips:
+                raise SpeechDataError("every clip is longer than the model hears: nothing left to train on")
+        if silent:
+            speech_warning(f"{len(silent)} silent clip(s) (peak below {SILENT_PEAK:g}): "
+                           + _listing([str(c.path) for c in silent]))
 
-    def _check_recording(self, index: int) -> None:
+    def _check_recording(self, index: int) -> float:
+        """The clip's length in seconds, negative when it is silent; raises for a clip
+        without a single sample."""
         path = self.clips[index].path
         try:
-            seconds = wav_format(path).seconds
+            fmt = wav_format(path)
         except UnsupportedWav:
-            self.features(index)  # not a WAV the header tells about: decode it now
-            return
-        self._check_length(path, seconds)
+            if self._cached(index):  # decoded and checked by an earlier run
+                return 0.0
+            # Not a WAV the header tells about: decode it now (its features are cached).
+            audio = read_audio(path, self.feature_extractor.sampling_rate)
+            seconds = len(audio) / self.feature_extractor.sampling_rate
+            self._check_empty(path, len(audio))
+            if seconds <= self.max_seconds + 1e-3:
+                self.features(index, audio)
+            return -seconds if float(abs(audio).max()) < SILENT_PEAK else seconds
+        self._check_empty(path, fmt.frames)
+        if fmt.seconds > self.max_seconds + 1e-3:
+            return fmt.seconds
+        audio, _ = read_wav(path)
+        return -fmt.seconds if float(abs(audio).max()) < SILENT_PEAK else fmt.seconds
+
+    def _cached(self, index: int) -> bool:
+        if self.cache is None:
+            return False
+        key = self._keys.get(index)
+        if key is None:
+            key = self._keys[index] = self.cache.key(self.clips[index].path)
+        return self.cache.path(key).is_file()
+
+    @staticmethod
+    def _check_empty(path: Path, frames: int) -> None:
+        if frames == 0:
+            raise SpeechDataError(f"{path}: the recording holds no audio (0 samples); re-export it "
+                                  "or remove its row from metadata.csv")
 
     def _check_length(self, path: Path, seconds: float) -> None:
         if seconds > self.max_seconds + 1e-3:
@@ -157,8 +248,9 @@ class SpeechDataset(Dataset):
     def __len__(self) -> int:
         return len(self.clips)
 
-    def features(self, index: int) -> torch.Tensor:
-        """Log-mel features of clip ``index``: from the disk cache, else computed (and cached)."""
+    def features(self, index: int, audio: np.ndarray | None = None) -> torch.Tensor:
+        """Log-mel features of clip ``index``: from the disk cache, else computed (and cached)
+        from ``audio`` when the caller has decoded it already."""
         clip = self.clips[index]
         key = None
         if self.cache is not None:
@@ -169,7 +261,8 @@ class SpeechDataset(Dataset):
             if cached is not None:
                 return torch.from_numpy(cached)
         rate = self.feature_extractor.sampling_rate
-        audio = read_audio(clip.path, rate)
+        if audio is None:
+            audio = read_audio(clip.path, rate)
         self._check_length(clip.path, len(audio) / rate)
         features = self.feature_extractor(audio, sampling_rate=rate, return_tensors="np")["input_features"][0]
         if self.cache is not None and key is not None:

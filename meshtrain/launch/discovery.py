@@ -24,6 +24,7 @@ from typing import Any
 import paramiko
 import yaml
 
+from meshtrain import yaml12
 from meshtrain.errors import InputError
 from meshtrain.launch.inventory import Host, Inventory, parse_inventory
 
@@ -208,7 +209,7 @@ def inventory_text(raw: dict[str, Any], found: list[Found], checks: dict[str, Ke
         lines.append(f"  # {note}")
         lines.append(_indent(yaml.safe_dump([entry], sort_keys=False)))
     text = "\n".join(lines) + "\n"
-    parse_inventory(yaml.safe_load(text), where)  # raises InventoryError: never write what cannot load
+    parse_inventory(yaml12.load(text), where)  # raises InventoryError: never write what cannot load
     return text
 
 

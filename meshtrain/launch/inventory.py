@@ -23,7 +23,9 @@ from typing import Any
 import paramiko
 import yaml
 
+from meshtrain import yaml12
 from meshtrain.errors import InputError
+from meshtrain.settings import MAX_THREADS
 
 # Keys a host entry may set; every one except name/host/advertise may also go in defaults.
 HOST_ONLY_KEYS = ("name", "host", "advertise")
@@ -105,7 +107,7 @@ def load_inventory(path: str | os.PathLike[str]) -> Inventory:
     if not path.is_file():
         raise InventoryError(f"{path}: inventory file not found")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml12.load(path.read_text())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
@@ -122,6 +124,7 @@ def parse_inventory(raw: Any, path: Path) -> Inventory:
     if not isinstance(defaults, dict):
         raise InventoryError(f"{path}: 'defaults' must be a mapping")
     _check_keys(defaults, SHARED_KEYS, f"{path}: defaults")
+    _check_env_mapping(defaults.get("env"), f"{path}: defaults")
     rendezvous = _parse_rendezvous(raw.get("rendezvous") or {}, path)
 
     entries = raw.get("hosts")
@@ -173,8 +176,9 @@ def _parse_rendezvous(raw: Any, path: Path) -> Rendezvous:
 
 def parse_threads(value: Any, where: str) -> int:
     """A thread count: a whole number >= 1 (``where`` names the file, host and key)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InventoryError(f"{where}: expected a whole number of threads >= 1, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_THREADS:
+        raise InventoryError(f"{where}: expected a whole number of threads from 1 to {MAX_THREADS}, "
+                             f"got {value!r}")
     return value
 
 
@@ -204,6 +208,7 @@ def _remote_path(value: Any, where: str) -> str:
 
 def _parse_host(defaults: dict[str, Any], entry: dict[str, Any], rank: int, where: str) -> Host:
     merged = {**defaults, **entry}
+    _check_env_mapping(entry.get("env"), where)
     merged["env"] = {**(defaults.get("env") or {}), **(entry.get("env") or {})}
     name = merged.get("name")
     if name is None:
@@ -253,6 +258,15 @@ def _parse_host(defaults: dict[str, Any], entry: dict[str, Any], rank: int, wher
         known_hosts=known_hosts, python=python, workdir=workdir, device=device, env=env, iface=iface,
         threads=threads,
     )
+
+
+def _check_env_mapping(env: Any, where: str) -> None:
+    """``env`` must be a mapping: a YAML list (``- NAME=value``) is the usual slip."""
+    if env is not None and not isinstance(env, dict):
+        kinds: dict[type, str] = {list: "a list", str: "text"}
+        kind = kinds.get(type(env), type(env).__name__)
+        raise InventoryError(f"{where}: key 'env' must be a mapping of NAME: value (one per line), "
+                             f"got {kind} {env!r}")
 
 
 def _parse_env(env: Any, where: str) -> dict[str, str]:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from meshtrain import yaml12
 from meshtrain.launch.inventory import Inventory, InventoryError, parse_inventory
 from meshtrain.run_dir import atomic_write
 
@@ -37,7 +38,7 @@ class InventoryEdit:
 def set_python(path: Path, wanted: dict[str, str], *, write: bool = True) -> InventoryEdit:
     """Make host ``name``'s interpreter ``wanted[name]`` in the inventory at ``path``."""
     text = path.read_text()
-    inventory = parse_inventory(yaml.safe_load(text), path)
+    inventory = parse_inventory(yaml12.load(text), path)
     current = {h.name: h.python for h in inventory.hosts}
     edit = InventoryEdit(changed=[n for n, v in wanted.items() if current.get(n) != v])
     if not edit.changed:
@@ -100,7 +101,7 @@ def _scalar(value: str, style: str | None) -> str:
 def _only_python_changed(before: Inventory, new_text: str, path: Path, wanted: dict[str, str]) -> bool:
     """The edited text parses to the same inventory with the wanted interpreters."""
     try:
-        after = parse_inventory(yaml.safe_load(new_text), path)
+        after = parse_inventory(yaml12.load(new_text), path)
     except (yaml.YAMLError, InventoryError):
         return False
     expected = tuple(dataclasses.replace(h, python=wanted.get(h.name, h.python)) for h in before.hosts)

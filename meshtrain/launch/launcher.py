@@ -89,6 +89,9 @@ class LaunchOptions:
     # (what, path) every host must already hold, relative to its workdir (launch --no-ship)
     required_paths: list[tuple[str, str]] = field(default_factory=list)
     copy_limits: CopyLimits = field(default_factory=CopyLimits)  # what rank 0's host may send back
+    # the program a script command runs (not python, not an upload): found on every host
+    # before any rank starts, so `-- nosuchprog` is bad input rather than N failed ranks
+    program: str | None = None
 
     def __post_init__(self) -> None:
         check_run_id(self.run_id)  # a folder name on every host, in remote commands: never shell text
@@ -286,12 +289,16 @@ def preflight(inventory: Inventory, options: LaunchOptions) -> list[paramiko.SSH
         client = connect(host, accept_new_host_keys=options.accept_new_host_keys,
                          timeout=options.connect_timeout)
         try:
-            check = run(client, sh(shell_line(
+            words: list[str] = [
                 "test", "-x", HostPath(host.python), Shell("|| exit 41;"),
                 "mkdir", "-p", HostPath(host.workdir), Shell("|| exit 42;"),
                 HostPath(host.python), "-c", CHECK_WORKDIR, HostPath(host.workdir), Shell("|| exit 43;"),
                 "mkdir", "-p", HostPath(f"{host.workdir}/{REMOTE_RUNS}"), Shell("|| exit 42"),
-            )), timeout=options.connect_timeout)
+            ]
+            if options.program:  # where the rank runs it: in the workdir, on the login PATH
+                words += [Shell("; cd"), HostPath(host.workdir), Shell("&& command -v"), options.program,
+                          Shell(">/dev/null 2>&1 || exit 44")]
+            check = run(client, sh(shell_line(*words)), timeout=options.connect_timeout)
         except Exception:
             client.close()
             raise
@@ -305,6 +312,9 @@ def preflight(inventory: Inventory, options: LaunchOptions) -> list[paramiko.SSH
                 why = (check.stderr.strip().splitlines() or ["is not private"])[-1]
                 raise SSHError(host, f"refusing workdir {host.workdir}: it {why}; another user could "
                                      "plant files there (use a folder of your own)")
+            if check.status == 44:
+                raise SSHError(host, f"program {options.program!r} not found there (in workdir "
+                                     f"{host.workdir} or on PATH): install it, or --upload it")
             raise SSHError(host, f"cannot create workdir {host.workdir}: {check.stderr.strip()}")
         try:
             _check_required_paths(client, host, options)

@@ -89,6 +89,38 @@ def known_hosts_name(host: Host) -> str:
     return host.hostname if host.port == 22 else f"[{host.hostname}]:{host.port}"
 
 
+# First words of an OpenSSH public key line (the .pub half of a key pair).
+_PUBLIC_KEY_TYPES = ("ssh-", "ecdsa-", "sk-ssh-", "sk-ecdsa-")
+
+
+def identity_file_problem(path: str) -> str | None:
+    """Why ``path`` cannot be the private key of a login, or None when it looks like one.
+
+    Checked before connecting so that a public key, random bytes or a folder is one line
+    naming the file (paramiko would fail later with a decode error or no reason at all).
+    """
+    file = Path(path)
+    if not file.exists():
+        return f"identity_file {path} does not exist"
+    if not file.is_file():
+        return f"identity_file {path} is a folder, not a private key file"
+    try:
+        text = file.read_bytes().decode("utf-8")
+    except OSError as exc:
+        return f"identity_file {path}: cannot read it ({exc.strerror})"
+    except UnicodeDecodeError:
+        return (f"identity_file {path}: not an SSH private key (binary data; a key file starts "
+                "with -----BEGIN ... PRIVATE KEY-----)")
+    words = text.split()
+    if words and words[0].startswith(_PUBLIC_KEY_TYPES):
+        private = path.removesuffix(".pub") if path.endswith(".pub") else "the file without .pub"
+        return f"identity_file {path}: this is a public key; give the private key file ({private})"
+    if "PRIVATE KEY-----" not in text:
+        return (f"identity_file {path}: not an SSH private key (no -----BEGIN ... PRIVATE KEY----- "
+                "line)")
+    return None
+
+
 def connect(
     host: Host, *, accept_new_host_keys: bool = False, timeout: float = CONNECT_TIMEOUT
 ) -> paramiko.SSHClient:
@@ -97,8 +129,10 @@ def connect(
     Raises :class:`SSHError` with a one-line reason and fix for every usual failure:
     unreachable, unknown or changed host key, authentication refused, missing key file.
     """
-    if host.identity_file is not None and not Path(host.identity_file).is_file():
-        raise SSHError(host, f"identity_file {host.identity_file} does not exist")
+    if host.identity_file is not None:
+        problem = identity_file_problem(host.identity_file)
+        if problem:
+            raise SSHError(host, problem)
     client = paramiko.SSHClient()
     try:
         known = load_known_hosts(host.known_hosts)

@@ -163,6 +163,10 @@ class Strategy:
         for module in self.modules:
             module.setup(self)
 
+    def check_nodes(self, nodes: int) -> None:
+        """Raise ``ValueError`` when this strategy's settings do not fit a run of ``nodes``
+        nodes (called before anything trains)."""
+
     def build_optimizer(self) -> torch.optim.Optimizer | None:
         return self.optim.build(self.params, self.lr)
 

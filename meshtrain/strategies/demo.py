@@ -114,6 +114,12 @@ class DeMo(Strategy):
     ) -> None:
         if compression_topk < 1 or compression_chunk < 1:
             raise ValueError("compression_topk and compression_chunk must be >= 1")
+        if compression_topk > compression_chunk**2:
+            # A chunk holds at most chunk x chunk coefficients: more cannot be sent.
+            raise ValueError(f"compression_topk ({compression_topk}) must not exceed the "
+                             f"coefficients of a chunk, compression_chunk^2 = {compression_chunk**2}")
+        if not 0 <= compression_decay <= 1:
+            raise ValueError(f"compression_decay must be in [0, 1], got {compression_decay}")
         self.compression_decay = compression_decay
         self.compression_topk = compression_topk
         self.compression_chunk = compression_chunk

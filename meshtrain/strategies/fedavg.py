@@ -145,3 +145,18 @@ class FedAvg(Strategy):
             return None
         return (f"strategy fedavg with island_size={self.island_size}: between full "
                 "averages the nodes differ, so a lost node takes its part of the global model with it")
+
+    def check_nodes(self, nodes: int) -> None:
+        # An island larger than the cluster is no island at all: a mistake, not a setting.
+        if self.island_size is not None and self.island_size > nodes:
+            raise ValueError(f"island_size={self.island_size} exceeds the {nodes} nodes: give at "
+                             f"most {nodes}, or drop island_size to average all nodes")
+
+    def uneven_islands(self, nodes: int) -> str | None:
+        """What happens when ``island_size`` does not divide ``nodes`` (None when it does)."""
+        if self.island_size is None or self.island_size >= nodes or nodes % self.island_size == 0:
+            return None
+        rest = nodes % self.island_size
+        alone = " (that node averages with no one that round)" if rest == 1 else ""
+        return (f"island_size={self.island_size} does not divide the {nodes} nodes: each round has "
+                f"{nodes // self.island_size} island(s) of {self.island_size} and one of {rest}{alone}")

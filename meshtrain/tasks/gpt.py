@@ -79,6 +79,8 @@ def build(opts: TaskOptions) -> TaskBundle:
     if not opts.data:
         raise TaskError("task 'gpt' needs a text file: --data FILE")
     path = Path(opts.data).expanduser()
+    if path.is_dir():
+        raise TaskError(f"task 'gpt': {path} is a folder; --data takes one text file")
     if not path.is_file():
         raise TaskError(f"task 'gpt': data file {path} does not exist")
     raw = path.read_bytes()

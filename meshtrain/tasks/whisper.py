@@ -26,6 +26,9 @@ OPTIONS: dict[str, Any] = {
     # Features on disk, computed once (~1 MB a clip for real Whisper): "auto" is
     # ~/.cache/meshtrain/features ($MESHTRAIN_CACHE), or a folder; null computes them every epoch.
     "feature_cache": "auto",
+    # Clips longer than the model hears (30 s for Whisper) stop the run, listed; true skips
+    # them instead (each named in a warning).
+    "skip_long_clips": False,
 }
 
 
@@ -68,8 +71,9 @@ def build(opts: TaskOptions) -> TaskBundle:
         model.feature_extractor = feature_extractor_for(config, o["model"])
         limit = getattr(config, "max_target_positions", None)
         cache, extractor = _cache_dir(o["feature_cache"]), model.feature_extractor
-        train = SpeechDataset(train_clips, extractor, tokenizer, limit, cache)
-        val = SpeechDataset(val_clips, extractor, tokenizer, limit, cache) if val_clips else None
+        skip = bool(o["skip_long_clips"])
+        train = SpeechDataset(train_clips, extractor, tokenizer, limit, cache, skip)
+        val = SpeechDataset(val_clips, extractor, tokenizer, limit, cache, skip) if val_clips else None
         check_generation(model, train[0]["input_features"], o["model"])
     except (SpeechDataError, TokenizerError, ModelLoadError, DecodingError) as exc:
         raise TaskError(str(exc)) from exc

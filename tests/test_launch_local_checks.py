@@ -1,0 +1,138 @@
+"""`meshtrain launch` checks locally what it can before any rank starts: settings as every
+rank resolves them, simulated faults, empty data, an unwritable --out (no host contacted at
+all), and a script's program (found on every host in preflight). Each is one line, exit 2."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+from ssh_fixtures import SshWorld, loopback_world, meshtrain
+from typer.testing import CliRunner
+
+from meshtrain.cli.main import app
+
+pytestmark = pytest.mark.slow
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def loopback_ssh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshWorld]:
+    yield from loopback_world(tmp_path_factory)
+
+
+def two_ranks(world: SshWorld, tmp_path: Path) -> Path:
+    port = world.servers[0].port
+    return world.inventory(tmp_path / "inv.yaml", [
+        {"name": "alpha", "host": "127.0.0.1", "port": port},
+        {"name": "beta", "host": "127.0.0.1", "port": port},
+    ], workdir=str(tmp_path / "remote"))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--set", "H=-1"], "strategy 'diloco': H must be >= 1, got -1"),
+        (["--set", "fail=node=1,step=5"], "--fail and --straggler simulate faults: use them with "
+                                          "meshtrain simulate"),
+        (["--strategy", "fedavg", "--set", "island_size=3"], "island_size=3 exceeds the 2 nodes"),
+        (["--task", "gpt", "--data", "{empty}"], "--data {empty}: the folder holds no files"),
+        (["--out", "/proc/x"], "--out /proc/x: cannot write into /proc"),
+        (["--set", "steps="], "--set steps=: empty value"),
+    ],
+)
+def test_bad_launch_input_stops_before_any_host_is_contacted(
+    loopback_ssh: SshWorld, tmp_path: Path, args: list[str], message: str
+) -> None:
+    inv = two_ranks(loopback_ssh, tmp_path)
+    (tmp_path / "empty").mkdir()
+    args = [a.replace("{empty}", str(tmp_path / "empty")) for a in args]
+    message = message.replace("{empty}", str(tmp_path / "empty"))
+    result = runner.invoke(app, ["launch", str(inv), "--out", str(tmp_path / "runs"), *args])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.output
+    # Preflight creates every workdir: its absence proves no host was contacted, no rank ran.
+    assert not (tmp_path / "remote").exists()
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_program_missing_on_the_hosts_starts_no_rank(loopback_ssh: SshWorld, tmp_path: Path) -> None:
+    inv = two_ranks(loopback_ssh, tmp_path)
+    result = meshtrain(loopback_ssh, "launch", str(inv), "--", "nosuchprog", "--flag", cwd=tmp_path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2  # one line per host
+    assert all("program 'nosuchprog' not found there" in e for e in errors)
+    assert "nothing was started" in result.stderr
+    # A program the launch uploads is not looked up before it is there: it runs.
+    script = tmp_path / "mark.sh"
+    script.write_text("#!/bin/sh\ntouch \"started-$RANK\"\n")
+    script.chmod(0o755)
+    ran = meshtrain(loopback_ssh, "launch", str(inv), "--upload", str(script), "--", "./mark.sh",
+                    cwd=tmp_path)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert {p.name for p in (tmp_path / "remote").glob("started-*")} == {"started-0", "started-1"}
+
+
+def test_launch_sends_the_resolved_profile_not_its_name(loopback_ssh: SshWorld, tmp_path: Path) -> None:
+    """A profile that exists only here (a relative path, with a base: chain) reaches every
+    rank as its resolved settings: the hosts' workdirs hold no such file."""
+    inv = two_ranks(loopback_ssh, tmp_path)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "base.yaml").write_text("task: digits\nstrategy: fedavg\nsteps: 50\n")
+    (tmp_path / "mine" / "quick.yaml").write_text("base: mine/base.yaml\nsteps: 3\nlr: 5e-2\n"
+                                                  "strategy_options: {H: 1}\n")
+    result = meshtrain(loopback_ssh, "launch", str(inv), "--profile", "mine/quick.yaml", "--threads", "1",
+                       "--plain", "--run-id", "profiled", "--out", str(tmp_path / "runs"), cwd=tmp_path,
+                       timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    config = yaml.safe_load((tmp_path / "runs" / "profiled" / "config.yaml").read_text())
+    assert (config["spec"]["strategy"], config["spec"]["steps"], config["spec"]["lr"]) == ("fedavg", 3, 0.05)
+    assert not (tmp_path / "remote" / "mine").exists()
+    shipped = list((tmp_path / "remote").glob("profile-*.yaml"))
+    assert len(shipped) == 1 and "base" not in yaml.safe_load(shipped[0].read_text())
+
+
+RANK_SCRIPT = """
+import os
+import torch
+from torch.utils.data import TensorDataset
+from meshtrain import Trainer
+from meshtrain.strategies import DiLoCo
+
+x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+model = torch.nn.Linear(4, 1)
+data = TensorDataset(x, x.sum(dim=1))
+loss = lambda batch: torch.nn.functional.mse_loss(model(batch[0]).squeeze(-1), batch[1])
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = model
+    def forward(self, batch):
+        return loss(batch)
+# No nodes=: a launched fit is one rank of WORLD_SIZE.
+result = Trainer(Model(), data).fit(strategy=DiLoCo(H=2), max_steps=4, batch_size=8, progress=False)
+print(f"rank {os.environ['RANK']} history {len(result.history)} run_dir {result.run_dir is not None}")
+try:
+    Trainer(Model(), data).fit(strategy=DiLoCo(H=2), nodes=4, max_steps=4, batch_size=8, progress=False)
+except ValueError as exc:
+    print(f"rank {os.environ['RANK']} refused: {exc}")
+"""
+
+
+def test_a_launched_fit_is_one_rank_and_only_rank_0_keeps_history(loopback_ssh: SshWorld,
+                                                                   tmp_path: Path) -> None:
+    """What the README says of Trainer.fit under a launch."""
+    inv = two_ranks(loopback_ssh, tmp_path)
+    script = tmp_path / "fit_rank.py"
+    script.write_text(RANK_SCRIPT)
+    result = meshtrain(loopback_ssh, "launch", str(inv), "--upload", str(script), "--plain",
+                       "--out", str(tmp_path / "runs"), "--", "python", "fit_rank.py", cwd=tmp_path,
+                       timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rank 0 history 4 run_dir True" in result.stdout
+    assert "rank 1 history 0 run_dir False" in result.stdout
+    assert "rank 1 refused: nodes=4 but this launched run has WORLD_SIZE=2" in result.stdout

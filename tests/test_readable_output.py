@@ -1,0 +1,74 @@
+"""Output a person can read: whole tables when piped, help text that keeps its brackets and
+says the real defaults, plurals, and errors that name the file and what kind it is."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from meshtrain.cli.main import app
+
+runner = CliRunner()
+
+
+def piped(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """``meshtrain ARGS`` with stdout a pipe and no COLUMNS: what `| tee log` sees."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "RANK", "WORLD_SIZE")}
+    return subprocess.run([sys.executable, "-m", "meshtrain", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_piped_tables_are_not_cut_at_80_columns(tmp_path: Path) -> None:
+    listed = piped("profiles", cwd=tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    row = next(line for line in listed.stdout.splitlines() if "whisper-tiny-random-lora " in line)
+    assert row.rstrip().endswith("whisper-tiny-random-lora.yaml │")  # name, description, path: one line
+    assert "(python -m meshtrain.hf.tiny)" in row
+
+    ran = piped("simulate", "--steps", "2", "--nodes", "1", "--no-progress", "--run-id",
+                "a-run-with-a-rather-long-name-to-show", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert "diloco on 1 node\n" in ran.stdout or "diloco on 1 node " in ran.stdout
+    assert "1 nodes" not in ran.stdout
+    runs = piped("runs", cwd=tmp_path)
+    assert runs.returncode == 0, runs.stderr
+    row = next(line for line in runs.stdout.splitlines() if "a-run-with-a-rather-long-name-to-show" in line)
+    assert len(row) > 80 and "DiLoCo H=25" in row and row.rstrip().endswith("s │")  # one row, every column
+
+
+def test_help_keeps_brackets_and_names_the_task_defaults() -> None:
+    result = runner.invoke(app, ["simulate", "--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"})
+    assert result.exit_code == 0
+    text = " ".join(result.output.replace("│", " ").split())
+    assert "pip install 'meshtrain[wandb]'" in text
+    assert "pip install 'meshtrain[tensorboard]'" in text
+    assert "default: the task's suggestion, digits 300, gpt 200, whisper 200" in text
+    listed = runner.invoke(app, ["settings"])
+    assert "pip install 'meshtrain[wandb]'" in " ".join(listed.output.replace("│", " ").split())
+
+
+def test_wrong_kind_and_undecodable_files_are_named(tmp_path: Path) -> None:
+    folder = tmp_path / "text-folder"
+    folder.mkdir()
+    result = runner.invoke(app, ["simulate", "--task", "gpt", "--data", str(folder), "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.output.strip() == f"error: task 'gpt': {folder} is a folder; --data takes one text file"
+
+    ran = runner.invoke(app, ["simulate", "--steps", "2", "--nodes", "1", "--no-progress",
+                              "--out", str(tmp_path / "runs"), "--run-id", "r"])
+    assert ran.exit_code == 0, ran.output
+    broken = tmp_path / "runs" / "broken"
+    shutil.copytree(tmp_path / "runs" / "r", broken)
+    (broken / "summary.json").write_text('{"strategy": "diloco",')
+    plotted = runner.invoke(app, ["plot", str(broken), "--out", str(tmp_path / "plots")])
+    assert plotted.exit_code == 2
+    assert plotted.output.startswith(f"error: {broken / 'summary.json'}: not valid JSON (line 1: ")
+    (broken / "summary.json").write_bytes(b"\xff\xfe\x00garbage")
+    plotted = runner.invoke(app, ["plot", str(broken), "--out", str(tmp_path / "plots")])
+    assert plotted.output.strip() == (f"error: {broken / 'summary.json'}: not UTF-8 text (damaged?); "
+                                      "not a finished run")
