@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from typing import Any
@@ -34,7 +35,34 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
-def _node_process(job: NodeJob, rank: int, port: int, results: Any) -> None:
+# What every node imports anyway: torch, meshtrain, torch._dynamo (the optimizers load it at
+# their first step) and pyplot (rank 0 draws loss.png); the backend is still chosen later.
+PRELOAD = ["torch", "torch._dynamo", "meshtrain.runtimes.launched", "matplotlib.pyplot"]
+
+
+def node_context() -> Any:
+    """The multiprocessing context that starts node processes.
+
+    On Linux a forkserver that has imported :data:`PRELOAD` once: each node forks from it
+    in milliseconds instead of importing torch again (~2.4 s per process on 2 cores). A
+    node still gets a fresh interpreter state, never a copy of the caller's (like spawn).
+    Elsewhere spawn: macOS forbids forking a process that may have started system
+    frameworks, and Windows cannot fork.
+    """
+    if sys.platform.startswith("linux") and "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        return ctx
+    return mp.get_context("spawn")
+
+
+def _node_process(job: NodeJob, rank: int, port: int, results: Any,
+                  environ: dict[str, str] | None = None) -> None:
+    if environ is not None:
+        # The forkserver's environment is the caller's as it was when the server started:
+        # the node takes the caller's environment of now, as a spawned process would.
+        os.environ.clear()
+        os.environ.update(environ)
     torch.set_num_threads(job.config.threads or 1)  # N processes share the cores: 1 each by default
     loopback = loopback_interface()
     if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
@@ -67,12 +95,12 @@ def _to_bytes(state: dict[str, torch.Tensor]) -> bytes:
 def run_processes(job: NodeJob) -> FitResult:
     """Spawn ``job.config.nodes`` processes and return rank 0's result."""
     n = job.config.nodes
-    ctx = mp.get_context("spawn")
+    ctx = node_context()
     results = ctx.Queue()
     # The rendezvous store lives here, in the parent, listening on loopback only.
     store, port = host_loopback_store(job.config.timeout_s)
     procs = [
-        ctx.Process(target=_node_process, args=(job, r, port, results),
+        ctx.Process(target=_node_process, args=(job, r, port, results, dict(os.environ)),
                     name=f"meshtrain-node-{r}", daemon=True)
         for r in range(n)
     ]
