@@ -67,9 +67,19 @@ def _node_process(job: NodeJob, rank: int, port: int, results: Any,
     loopback = loopback_interface()
     if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback  # gloo listens on loopback only
+    reported = False
+
+    def report(exc: BaseException) -> None:
+        nonlocal reported
+        # With the time it failed: the parent blames the node whose error came first.
+        text = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        results.put((rank, "error", (time.monotonic(), text)))
+        reported = True
+
     try:
         result = join_and_train(job, rank, job.config.nodes, "127.0.0.1", port,
-                                job.config.timeout_s, verify_replicas=False, external_store=True)
+                                job.config.timeout_s, verify_replicas=False, external_store=True,
+                                on_failure=report)
         payload = None
         if rank == 0:
             payload = {
@@ -82,7 +92,8 @@ def _node_process(job: NodeJob, rank: int, port: int, results: Any,
             }
         results.put((rank, "done", payload))
     except BaseException as exc:  # noqa: BLE001 - sent to the parent
-        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        if not reported:
+            report(exc)
         raise SystemExit(1) from None
 
 
@@ -138,7 +149,7 @@ def run_processes(job: NodeJob) -> FitResult:
 
 
 def _first_failure(
-    procs: list[Any], results: Any, done: dict[int, Any], errors: dict[int, str]
+    procs: list[Any], results: Any, done: dict[int, Any], errors: dict[int, tuple[float, str]]
 ) -> NodeFailed:
     """The failure that caused the others. A node that dies without a word (killed, out of
     memory, os._exit) makes its peers' collectives fail too, and their reports may arrive
@@ -161,8 +172,11 @@ def _first_failure(
               if r not in done and r not in errors and p.exitcode not in (None, 0)]
     if silent:
         return NodeFailed(silent[0], f"process exited with code {procs[silent[0]].exitcode}")
-    first = next(iter(errors))  # the first error to arrive
-    summary, _, node_traceback = errors[first].partition("\n")
+    # The first error by when it happened: a node reports its own error before it closes the
+    # group, so its peers' errors (the closing's consequence) are later, though on a loaded
+    # machine their reports may arrive first.
+    first = min(errors, key=lambda r: errors[r][0])
+    summary, _, node_traceback = errors[first][1].partition("\n")
     return NodeFailed(first, summary, node_traceback)
 
 
