@@ -20,3 +20,27 @@ def pytest_configure(config) -> None:  # noqa: ANN001 - pytest's hook signature
         cache = tempfile.mkdtemp(prefix="meshtrain-test-cache-")
         os.environ["MESHTRAIN_CACHE"] = cache
         atexit.register(shutil.rmtree, cache, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- shared worlds
+# One loopback sshd and one two-host namespace world per test session (per xdist worker):
+# the launch tests of several modules log in to the same servers. A test that unplugs a
+# host's cable plugs it back in before it ends; one that adds a qdisc removes it again.
+import pytest  # noqa: E402 - after the environment settings above
+
+
+@pytest.fixture(scope="session")
+def loopback_ssh(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - Iterator[SshWorld]
+    """One sshd on 127.0.0.1 (see ssh_fixtures.loopback_world)."""
+    from ssh_fixtures import loopback_world
+
+    yield from loopback_world(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def netns_hosts(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - Iterator[(SshWorld, Namespaces)]
+    """Two namespace hosts with their own sshd, and the launcher's namespace (see
+    ssh_fixtures.netns_world)."""
+    from ssh_fixtures import netns_world
+
+    yield from netns_world(tmp_path_factory)

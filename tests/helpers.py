@@ -137,6 +137,19 @@ class SleepOnRank(FailOnRank):
         return super().forward(batch)
 
 
+class NeedsEnvironment(MLP):
+    """An MLP whose training steps fail unless the node's environment has :attr:`VARIABLE`."""
+
+    VARIABLE = "MESHTRAIN_TEST_NODE_ENV"
+
+    def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        import os
+
+        if self.training and self.VARIABLE not in os.environ:
+            raise RuntimeError(f"{self.VARIABLE} is not set in this node")
+        return super().forward(batch)
+
+
 class IndexData(Dataset):
     """Item i is the tensor [i] (to see exactly which samples a node reads)."""
 

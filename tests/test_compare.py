@@ -169,7 +169,8 @@ def test_plot_draws_any_finished_runs_and_names_a_bad_directory(compared, tmp_pa
     assert result.exit_code == 2 and "missing: no such run directory" in result.output
 
 
-def test_runs_lists_finished_runs_and_marks_unfinished_ones(compared, tmp_path: Path) -> None:
+def test_runs_lists_finished_runs_and_marks_unfinished_ones(compared, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     folder, _ = compared
     shutil.copytree(folder, tmp_path / folder.name)
     shutil.copytree(folder / "ddp", tmp_path / "20261123-100000-ddp-4n")
@@ -180,6 +181,11 @@ def test_runs_lists_finished_runs_and_marks_unfinished_ones(compared, tmp_path: 
     assert sorted(str(r.path.relative_to(tmp_path)) for r in listing.finished) == sorted(
         ["20261123-100000-ddp-4n", *(f"{folder.name}/{n}" for n in STRATEGIES)])
     assert len(listing.unfinished) == 2
+    # rich reads COLUMNS once, when the CLI's console is made (at import): a test worker with
+    # no terminal gets 80 columns and the table cuts its cells short. 200, as a terminal would.
+    from meshtrain.cli import main
+
+    monkeypatch.setattr(main.console, "_width", 200)
     result = CliRunner(env={"COLUMNS": "200"}).invoke(app, ["runs", str(tmp_path)])
     assert result.exit_code == 0, result.output
     ddp = json.loads((folder / "ddp" / "summary.json").read_text())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,7 @@ def test_federated_islands_example_averages_in_groups_of_4(tmp_path: Path) -> No
     assert summaries["islands"]["bytes_sent_per_node"] == pytest.approx(
         (2 * 2 * 3 / 4 + 2 * 15 / 16) * size)
     assert summaries["everyone"]["bytes_sent_per_node"] == pytest.approx(2 * (2 * 15 / 16) * size)
-    # Both runs are named <time>-fedavg-16n: tell them apart by what each recorded.
-    # (the second gets a -2 suffix when both start in the same second)
-    runs = [load_run(p) for p in tmp_path.iterdir() if "fedavg-16n" in p.name]
+    # Both runs are named <time>-fedavg-16n (the second -2 when both start within one second):
+    # tell them apart by what each recorded.
+    runs = [load_run(p) for p in tmp_path.iterdir() if re.search(r"-fedavg-16n(-\d+)?$", p.name)]
     assert sorted(str(r.config["strategy"]["island_size"]) for r in runs) == ["4", "None"]

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from speech_fixtures import SpeechAssets, speech_fixture  # noqa: F401 (the fixture)
-from ssh_fixtures import SshWorld, loopback_world, meshtrain
+from ssh_fixtures import SshWorld, meshtrain
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def loopback_ssh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshWorld]:
-    yield from loopback_world(tmp_path_factory)
 
 
 def test_launch_whisper_lora_profile_on_two_hosts(

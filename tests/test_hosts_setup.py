@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ssh_fixtures import SshWorld, free_port, loopback_world, meshtrain
+from ssh_fixtures import SshWorld, free_port, meshtrain
 
 from meshtrain.launch.inventory import load_inventory
 from meshtrain.launch.inventory_edit import set_python
@@ -51,11 +51,12 @@ hosts:
 """
 
 
-@pytest.fixture(scope="module")
-def loopback_ssh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshWorld]:
+@pytest.fixture(scope="module", name="loopback_ssh")
+def clean_host_ssh(loopback_ssh: SshWorld) -> SshWorld:
+    """The session's loopback sshd, where the host's base interpreter exists."""
     if not Path(BASE_PYTHON).is_file():
         pytest.skip(f"{BASE_PYTHON} (the clean host's base interpreter) is not installed")
-    yield from loopback_world(tmp_path_factory)
+    return loopback_ssh
 
 
 def write_inventory(world: SshWorld, folder: Path, workdir: Path, python: str = BASE_PYTHON) -> Path:
@@ -86,7 +87,10 @@ def installed(loopback_ssh: SshWorld, tmp_path_factory: pytest.TempPathFactory) 
     before = inventory.read_text()
     check_before = meshtrain(loopback_ssh, "hosts", "check", str(inventory), cwd=folder)
     started = time.monotonic()
-    first = meshtrain(loopback_ssh, "hosts", "setup", str(inventory), cwd=folder, timeout=900)
+    # --no-compile: pip skips byte-compiling torch's and transformers' thousands of modules
+    # (a large share of the install on 2 cores); the ranks compile what they import.
+    first = meshtrain(loopback_ssh, "hosts", "setup", str(inventory), "--pip-arg=--no-compile", cwd=folder,
+                      timeout=900)
     seconds = time.monotonic() - started
     print(f"first hosts setup (clean host, real pip install): {seconds:.1f} s")
     # Later runs ship this very wheel (--wheel): a checkout edited meanwhile is another

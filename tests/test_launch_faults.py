@@ -26,7 +26,6 @@ from ssh_fixtures import (
     Sshd,
     SshWorld,
     free_port,
-    loopback_world,
     processes_with,
     rank_processes,
     read_until,
@@ -58,8 +57,8 @@ SCRIPT = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshWorld]:
-    yield from loopback_world(tmp_path_factory)
+def world(loopback_ssh: SshWorld) -> SshWorld:
+    return loopback_ssh  # the session's loopback sshd (conftest.py)
 
 
 def start(world: SshWorld, tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], str]:

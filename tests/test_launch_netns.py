@@ -19,7 +19,6 @@ import subprocess
 import textwrap
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,6 @@ from ssh_fixtures import (
     Namespaces,
     SshWorld,
     meshtrain,
-    netns_world,
     rank_processes,
     read_until,
     start_meshtrain,
@@ -45,8 +43,8 @@ TRAINING = ["--task", "digits", "--strategy", "diloco", "--steps", "20", "--set"
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SshWorld, Namespaces]]:
-    yield from netns_world(tmp_path_factory)
+def world(netns_hosts: tuple[SshWorld, Namespaces]) -> tuple[SshWorld, Namespaces]:
+    return netns_hosts  # the session's two namespace hosts (conftest.py)
 
 
 def inventory(world: SshWorld, tmp_path: Path, extra_host: dict | None = None) -> Path:

@@ -14,7 +14,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+import uuid
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,6 @@ from ssh_fixtures import (
     Namespaces,
     SshWorld,
     meshtrain,
-    netns_world,
     processes_with,
     read_until,
     start_meshtrain,
@@ -36,8 +35,8 @@ TRAINING = ["--task", "digits", "--strategy", "diloco", "--steps", "300", "--set
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SshWorld, Namespaces]]:
-    yield from netns_world(tmp_path_factory)
+def world(netns_hosts: tuple[SshWorld, Namespaces]) -> tuple[SshWorld, Namespaces]:
+    return netns_hosts  # the session's two namespace hosts (conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +104,7 @@ def _start_restartable(ssh: SshWorld, tmp_path: Path, run_id: str) -> subprocess
 
 def test_killed_rank_restarts_from_the_checkpoint(world, tmp_path: Path, uninterrupted) -> None:
     ssh, _ = world
-    run_id = "killed"
+    run_id = f"killed-{uuid.uuid4().hex[:8]}"  # its ranks are found by it
     proc = _start_restartable(ssh, tmp_path, run_id)
     try:
         _wait_for_checkpoint(tmp_path / "box1", run_id)
@@ -119,7 +118,7 @@ def test_killed_rank_restarts_from_the_checkpoint(world, tmp_path: Path, uninter
 
 def test_host_cut_off_the_network_restarts_when_it_is_back(world, tmp_path: Path, uninterrupted) -> None:
     ssh, ns = world
-    run_id = "cut"
+    run_id = f"cut-{uuid.uuid4().hex[:8]}"
     proc = _start_restartable(ssh, tmp_path, run_id)
     try:
         _wait_for_checkpoint(tmp_path / "box1", run_id)

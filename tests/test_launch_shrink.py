@@ -19,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -142,7 +143,7 @@ def _stop_leftovers(run_id: str) -> None:
 @pytest.mark.slow
 def test_host_cut_off_for_good_the_run_continues_on_two(world, tmp_path: Path) -> None:
     ssh, ns = world
-    run_id = "shrink"
+    run_id = f"shrink-{uuid.uuid4().hex[:8]}"  # leftovers are found by it: unique on this machine
     proc = start_meshtrain(ssh, "launch", str(_inventory(ssh, tmp_path)), "--out", str(tmp_path / "runs"),
                            "--run-id", run_id, *DILOCO, "--checkpoint-every", "30",
                            "--keep", "20", "--max-restarts", "1", "--allow-shrink", "--restart-wait", "3",

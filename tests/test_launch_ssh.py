@@ -6,21 +6,15 @@ from __future__ import annotations
 
 import socket
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from ssh_fixtures import SshWorld, generate_key, loopback_world, meshtrain
+from ssh_fixtures import SshWorld, generate_key, meshtrain
 
 from meshtrain.launch.inventory import load_inventory
 from meshtrain.launch.ssh import SSHError, connect, run
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def loopback_ssh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshWorld]:
-    yield from loopback_world(tmp_path_factory)
 
 
 def two_ranks(world: SshWorld, tmp_path: Path, **defaults: object) -> Path:

@@ -16,7 +16,6 @@ import struct
 import subprocess
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -267,10 +266,8 @@ ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[()][0-9A-B]|\x1b[=>78]")
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[object, object]]:
-    from ssh_fixtures import netns_world
-
-    yield from netns_world(tmp_path_factory)
+def world(netns_hosts: tuple[object, object]) -> tuple[object, object]:
+    return netns_hosts  # the session's two namespace hosts (conftest.py)
 
 
 def _inventory(world, tmp_path: Path) -> Path:  # noqa: ANN001 - the fixture's SshWorld

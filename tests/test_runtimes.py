@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import io
-import multiprocessing as mp
+import sys
 import time
 
 import pytest
 import torch
-from helpers import MLP, assert_states_equal, regression_data, run_jobs_as_nodes, unequal_factory
+from helpers import (
+    MLP,
+    NeedsEnvironment,
+    assert_states_equal,
+    regression_data,
+    run_jobs_as_nodes,
+    unequal_factory,
+)
 
-from meshtrain import Trainer
+from meshtrain import NodeFailed, Trainer
 from meshtrain.comm.torch_dist import host_loopback_store
+from meshtrain.runtimes.processes import node_context
 from meshtrain.strategies import DDP, SPARTA, DeMo, DiLoCo, FedAvg, Optim, SPARTADiLoCo
 from meshtrain.trainer import NodeJob, TrainConfig
 
@@ -58,14 +66,15 @@ def _process_job(name: str, tmp_path) -> NodeJob:
 
 @pytest.fixture(scope="module")
 def process_states(tmp_path_factory):
-    """Run every configuration on NODES spawned node processes (started once for all)."""
+    """Run every configuration on NODES node processes (started once for all, as the runtime
+    starts its nodes)."""
     tmp_path = tmp_path_factory.mktemp("procs")
     names = list(CONFIGS)
     jobs = [_process_job(n, tmp_path) for n in names]
     # The parent hosts each job's rendezvous store on loopback, as run_processes does.
     stores = [host_loopback_store(timeout_s=120) for _ in names]
     ports = [port for _, port in stores]
-    ctx = mp.get_context("spawn")
+    ctx = node_context()
     results = ctx.Queue()
     procs = [ctx.Process(target=run_jobs_as_nodes, args=(jobs, ports, r, results), daemon=True)
              for r in range(NODES)]
@@ -114,6 +123,23 @@ def test_processes_runtime_end_to_end_with_dropout(tmp_path):
     plain = Trainer(MLP(dropout=0.0), regression_data()).fit(
         DiLoCo(H=3, lr=0.01), runtime="threads", out_dir=tmp_path / "n", **kwargs)
     assert plain.history[0]["train_loss"] != by_threads.history[0]["train_loss"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the forkserver is used on Linux only")
+def test_nodes_fork_from_a_preloaded_server_and_see_the_callers_environment(tmp_path, monkeypatch):
+    """The forkserver imported torch once; its environment is the caller's of when it started,
+    yet every node sees the caller's environment of now, as a spawned node would."""
+    import multiprocessing.forkserver
+
+    assert node_context().get_start_method() == "forkserver"
+    multiprocessing.forkserver.ensure_running()  # started before the variable below is set
+    monkeypatch.setenv(NeedsEnvironment.VARIABLE, "set after the server started")
+    kwargs = dict(nodes=2, max_steps=2, batch_size=BATCH, progress=False, runtime="processes")
+    result = Trainer(NeedsEnvironment(), regression_data()).fit(DDP("sgd", 0.1), out_dir=tmp_path, **kwargs)
+    assert result.summary["steps"] == 2
+    monkeypatch.delenv(NeedsEnvironment.VARIABLE)
+    with pytest.raises(NodeFailed, match="not set in this node"):
+        Trainer(NeedsEnvironment(), regression_data()).fit(DDP("sgd", 0.1), out_dir=tmp_path, **kwargs)
 
 
 @pytest.mark.parametrize("name", ["sparta-random", "ddp-dropout"])

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 from speech_fixtures import SpeechAssets, speech_fixture  # noqa: F401 (the fixture)
-from ssh_fixtures import PYTHON, SshWorld, loopback_world, meshtrain, start_sshd
+from ssh_fixtures import PYTHON, SshWorld, meshtrain, start_sshd
 
 from meshtrain.launch import shipping
 from meshtrain.launch.blobstore import BLOBS, INCOMING, TREES
@@ -26,11 +25,6 @@ from meshtrain.launch.shipping import ShipError, hash_path, ship_to_hosts
 from meshtrain.launch.ssh import connect
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def loopback_ssh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshWorld]:
-    yield from loopback_world(tmp_path_factory)
 
 
 def two_hosts(world: SshWorld, tmp_path: Path, port: int | None = None, **defaults: object) -> Path:

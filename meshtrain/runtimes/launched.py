@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import traceback
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -44,8 +45,12 @@ def run_launched_rank(job: NodeJob) -> FitResult:
 def join_and_train(
     job: NodeJob, rank: int, world: int, addr: str, port: int, timeout_s: float,
     *, verify_replicas: bool, external_store: bool = False,
+    on_failure: Callable[[BaseException], None] | None = None,
 ) -> FitResult:
-    """Join the group as ``rank`` and train; used by launched ranks and local processes."""
+    """Join the group as ``rank`` and train; used by launched ranks and local processes.
+
+    ``on_failure`` hears of this rank's own error before the group closes: the errors of the
+    peers that the closing causes come after it."""
     device = resolve_device(job.config.device)
     # MKL and OpenMP round a matmul differently at different thread counts: results match
     # another runtime bit for bit only at the same count, so it is a setting, set here.
@@ -57,7 +62,9 @@ def join_and_train(
         comm = TorchDistCommunicator()
         result = train_node(job, comm, verify_replicas=verify_replicas)
         _barrier(comm)  # every rank is done with gloo
-    except BaseException:
+    except BaseException as exc:
+        if on_failure is not None:
+            on_failure(exc)
         dist.destroy_process_group()
         raise
     leave_in_order(rank, world, timeout_s)
