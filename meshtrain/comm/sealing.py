@@ -32,6 +32,50 @@ GLOO_HINT = ("gloo failed; if connections from outside the run reached gloo's po
 _DROP_ALL = struct.pack("HBBI", 0x06, 0, 0, 0)
 
 
+#: The address other ranks reach this rank at (the inventory's ``advertise``), set by the launcher.
+ADVERTISE_ENV = "MESHTRAIN_ADVERTISE"
+# ioctl that reads an interface's IPv4 address: Linux <linux/sockios.h>, macOS <sys/sockio.h>.
+_SIOCGIFADDR = {"linux": 0x8915, "darwin": 0xC0206921}
+
+
+def interface_with_address(address: str) -> str | None:
+    """The name of this machine's network interface that holds IPv4 ``address`` (a name is
+    resolved first), or None when none does or this system cannot tell."""
+    request = _SIOCGIFADDR.get("darwin" if sys.platform == "darwin" else sys.platform[:5])
+    try:
+        import fcntl
+
+        wanted = socket.gethostbyname(address)
+        names = [name for _, name in socket.if_nameindex()]
+    except (ImportError, OSError):
+        return None
+    if request is None:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for name in names:
+            try:
+                answer = fcntl.ioctl(probe.fileno(), request, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on this interface
+                continue
+            if socket.inet_ntoa(answer[20:24]) == wanted:
+                return name
+    return None
+
+
+def bind_gloo_to_advertise() -> str | None:
+    """Make gloo listen on this rank's advertised address only: without an ``iface`` in the
+    inventory, gloo would take the address the host's name resolves to (often 127.0.0.1, or
+    every interface's). Sets ``GLOO_SOCKET_IFNAME`` to the interface holding that address;
+    returns it (None: left as it was)."""
+    advertise = os.environ.get(ADVERTISE_ENV)
+    if not advertise or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    name = interface_with_address(advertise)
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+    return name
+
+
 def raise_open_file_limit() -> tuple[int, int]:
     """Raise this process's soft limit on open files to its hard limit: (soft, hard) after.
 

@@ -37,7 +37,7 @@ DEVICES = ("auto", "cpu", "mps", "cuda")
 # The launcher sets these on every rank; an inventory setting them would break the run.
 RESERVED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "MESHTRAIN_TIMEOUT", "MESHTRAIN_RUN_ID", "GLOO_SOCKET_IFNAME", "MESHTRAIN_HEARTBEAT",
-                "MESHTRAIN_HEARTBEAT_FD", "MESHTRAIN_PEERS", "MESHTRAIN_SECRET_FILE")
+                "MESHTRAIN_HEARTBEAT_FD", "MESHTRAIN_PEERS", "MESHTRAIN_SECRET_FILE", "MESHTRAIN_ADVERTISE")
 SECRET_WORDS = ("password", "passphrase", "secret")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

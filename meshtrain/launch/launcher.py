@@ -32,7 +32,7 @@ from pathlib import Path
 import paramiko
 
 from meshtrain.comm.rendezvous import PEERS_ENV, SECRET_FILE_ENV, SECRET_FOLDER_PREFIX, new_secret
-from meshtrain.comm.sealing import GLOO_HINT
+from meshtrain.comm.sealing import ADVERTISE_ENV, GLOO_HINT
 from meshtrain.errors import InputError
 from meshtrain.heartbeat import HEARTBEAT_FD, heartbeat_interval
 from meshtrain.launch.inventory import Host, Inventory
@@ -247,6 +247,8 @@ def rank_env(inventory: Inventory, host: Host, run_id: str) -> dict[str, str]:
                                   for h in inventory.hosts if h.rank != 0)
     if host.iface:
         env["GLOO_SOCKET_IFNAME"] = host.iface
+    else:  # the rank finds the interface that holds this address, and gloo listens there only
+        env[ADVERTISE_ENV] = host.advertise
     if host.threads is not None:
         env["MESHTRAIN_THREADS"] = str(host.threads)
     # The rank proves it is alive (not stopped, not hung) by beating on fd 3: see heartbeat.py.

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from meshtrain.comm.sealing import GLOO_HINT, raise_open_file_limit
+from meshtrain.comm.sealing import GLOO_HINT, bind_gloo_to_advertise, raise_open_file_limit
 from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group, leave_in_order
 from meshtrain.devices import resolve_device
 from meshtrain.heartbeat import start_heartbeat
@@ -30,6 +30,7 @@ def run_launched_rank(job: NodeJob) -> FitResult:
         raise RuntimeError(f"launched rank is missing environment variables: {', '.join(missing)}")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     raise_open_file_limit()  # headroom for gloo, which holds a descriptor per connection
+    bind_gloo_to_advertise()  # gloo listens where the inventory says this host is reached
     start_heartbeat()  # no-op unless `meshtrain launch` started this rank
     timeout = float(os.environ.get("MESHTRAIN_TIMEOUT", job.config.timeout_s))
     try:
