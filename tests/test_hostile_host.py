@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import os
-import stat
 import tarfile
 import uuid
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from ssh_fixtures import PYTHON, SshWorld, meshtrain, new_world, start_sshd
+from tree_snapshot import snapshot
 
 pytestmark = pytest.mark.slow
 
@@ -67,22 +67,6 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileHost]:
 
 
 # --------------------------------------------------------------------------- helpers
-def snapshot(root: Path) -> dict[str, tuple[int, int, bytes | str | None]]:
-    """Every path under ``root``: mode, mtime and contents (or link target)."""
-    seen: dict[str, tuple[int, int, bytes | str | None]] = {}
-    for folder, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = Path(folder) / name
-            st = path.lstat()
-            content: bytes | str | None = None
-            if stat.S_ISLNK(st.st_mode):
-                content = os.readlink(path)
-            elif stat.S_ISREG(st.st_mode):
-                content = path.read_bytes()
-            seen[str(path.relative_to(root))] = (st.st_mode, st.st_mtime_ns, content)
-    return seen
-
-
 MAKE_RUN_DIR = """
 import os, sys
 run = os.path.join("runs", os.environ["MESHTRAIN_RUN_ID"])

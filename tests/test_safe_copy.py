@@ -11,6 +11,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from tree_snapshot import snapshot
 
 from meshtrain.launch.safe_copy import CopyLimits, UnsafeRunDirectory, checked_parts, unpack_tar
 
@@ -32,22 +33,6 @@ def entry(name: str, kind: bytes = tarfile.REGTYPE, data: bytes = b"", link: str
         info.size = len(data)
         return info, data
     return info, None
-
-
-def snapshot(root: Path) -> dict[str, tuple[int, bytes | str | None]]:
-    """Every path under ``root`` with its mode and contents (or link target)."""
-    seen: dict[str, tuple[int, bytes | str | None]] = {}
-    for folder, dirs, files in os.walk(root):
-        for name in dirs + files:
-            path = Path(folder) / name
-            st = path.lstat()
-            content: bytes | str | None = None
-            if stat.S_ISLNK(st.st_mode):
-                content = os.readlink(path)
-            elif stat.S_ISREG(st.st_mode):
-                content = path.read_bytes()
-            seen[str(path.relative_to(root))] = (st.st_mode, content)
-    return seen
 
 
 @pytest.fixture
@@ -99,11 +84,11 @@ def test_hostile_entries_are_refused_and_leave_nothing(
         info.name = info.name.replace("VICTIM", str(victim))
         info.linkname = info.linkname.replace("VICTIM", str(victim))
     message = message.replace("VICTIM", str(victim))
-    before = snapshot(out.parent)
+    before = snapshot(out.parent, mtimes=False)
     with pytest.raises(UnsafeRunDirectory) as refused:
         unpack_tar(io.BytesIO(tar_bytes(entry("ok.txt", data=b"fine"), *members)), out / "run")
     assert message in str(refused.value)
-    assert snapshot(out.parent) == before  # not even the half-made run directory is left
+    assert snapshot(out.parent, mtimes=False) == before  # not even the half-made run directory is left
 
 
 def test_the_default_caps_fit_real_runs() -> None:
