@@ -6,9 +6,11 @@ Used by ``meshtrain simulate`` (and each rank of ``meshtrain launch``) and by
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
+from meshtrain.cluster import get_cluster
 from meshtrain.config import (
     ConfigError,
     RunSpec,
@@ -20,7 +22,11 @@ from meshtrain.config import (
     strategy_class,
 )
 from meshtrain.devices import resolve_device
-from meshtrain.tasks import Task, TaskOptions, check_options, get_task
+from meshtrain.planning import Plan, Workload, measure_step_seconds, recommend, trainable_parameters
+from meshtrain.tasks import Task, TaskBundle, TaskOptions, check_options, get_task
+
+#: ``--strategy auto``: the planner chooses (:func:`choose_strategy`).
+AUTO = "auto"
 
 
 def build_run(
@@ -35,6 +41,13 @@ def build_run(
         resolve_device(spec.device)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if spec.strategy == AUTO:
+        if launched:
+            raise ConfigError("--strategy auto times the model on this machine: run `meshtrain plan` "
+                              "and launch with the strategy it chooses")
+        bundle = task.build(TaskOptions(spec.data, spec.seed, check_options(task, spec.task_options)))
+        choose_strategy(spec, task, bundle)
+        return spec, bundle, build_strategy(spec)
     strategy = build_strategy(spec)
     bundle = task.build(TaskOptions(spec.data, spec.seed, check_options(task, spec.task_options)))
     return spec, bundle, strategy
@@ -48,6 +61,14 @@ def resolve_run(flags: dict[str, Any], overrides: list[str], launched: bool) -> 
     ``flags`` holds the command's options (None: not given); its ``profile`` names the profile.
     """
     flags = dict(flags)
+    auto = flags.get("strategy") == AUTO
+    if auto:  # resolved as a DDP run; build_run puts the planner's choice in its place
+        flags["strategy"] = "ddp"
+        for item in overrides:
+            key = item.partition("=")[0].strip()
+            if key.split(".")[0] not in RunSpec.field_names() or key.startswith("strategy"):
+                raise ConfigError(f"--set {key}: --strategy auto chooses the strategy and its "
+                                  "parameters itself; drop it, or name a strategy")
     profile_name = flags.pop("profile", None)
     profile = load_profile(profile_name) if profile_name else {}
     chosen = flags.get("strategy") or profile.get("strategy")
@@ -66,7 +87,26 @@ def resolve_run(flags: dict[str, Any], overrides: list[str], launched: bool) -> 
     ])
     if launched:
         spec.nodes = int(os.environ["WORLD_SIZE"])
+    if auto:
+        spec.strategy, spec.strategy_options = AUTO, {}
     return spec, task
+
+
+def choose_strategy(spec: RunSpec, task: Task, bundle: TaskBundle) -> Plan:
+    """``--strategy auto``: the planner's choice for this model on ``spec.cluster`` with
+    ``spec.nodes`` hosts (:mod:`meshtrain.planning`), written into ``spec`` (strategy, its
+    options over the task's suggestions for it) and recorded under ``extra_config["plan"]``."""
+    cluster = get_cluster(spec.cluster)
+    step = spec.step_seconds
+    if step is None:  # time a throwaway copy: the run must start from the untouched model
+        step = measure_step_seconds(copy.deepcopy(bundle.model), bundle.train_data, spec.batch_size,
+                                    bundle.collate_fn) / cluster.speed
+    plan = recommend(Workload(trainable_parameters(bundle.model), step, spec.nodes), cluster)
+    spec.strategy = plan.choice.strategy
+    spec.strategy_options = merge(task_suggestions(task, spec.strategy)["strategy_options"],
+                                  plan.choice.options)
+    spec.extra_config = {**spec.extra_config, "plan": plan.as_config()}
+    return plan
 
 
 def task_suggestions(task: Task, strategy: str) -> dict[str, Any]:

@@ -41,6 +41,7 @@ def two_ranks(world: SshWorld, tmp_path: Path) -> Path:
         (["--task", "gpt", "--data", "{empty}"], "--data {empty}: the folder holds no files"),
         (["--out", "/proc/x"], "--out /proc/x: cannot write into /proc"),
         (["--set", "steps="], "--set steps=: empty value"),
+        (["--strategy", "auto"], "--strategy auto is for simulate (it times the model on this machine)"),
     ],
 )
 def test_bad_launch_input_stops_before_any_host_is_contacted(

@@ -3,6 +3,8 @@ the choices the rule makes on fast and slow links."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from meshtrain.cluster import CLUSTERS, Cluster
@@ -119,3 +121,47 @@ def test_plan_command_refuses_bad_input_in_one_line(args: list[str], message: st
     result = CliRunner().invoke(app, ["plan", *args])
     assert result.exit_code == 2
     assert message in result.output
+
+
+def _auto_run(tmp_path: Path, *args: str) -> tuple[str, dict]:
+    import yaml
+    from typer.testing import CliRunner
+
+    from meshtrain.cli.main import app
+
+    result = CliRunner().invoke(app, ["simulate", "--strategy", "auto", "--nodes", "2", "--steps", "20",
+                                      "--no-progress", "--out", str(tmp_path / "runs"), *args])
+    assert result.exit_code == 0, result.output
+    (run,) = (tmp_path / "runs").iterdir()
+    return result.output, yaml.safe_load((run / "config.yaml").read_text())
+
+
+def test_strategy_auto_takes_ddp_on_a_fast_link_and_records_why(tmp_path: Path) -> None:
+    output, config = _auto_run(tmp_path, "--cluster", "10gbe", "--step-seconds", "0.05")
+    assert "strategy auto: ddp on 10gbe" in output
+    assert config["spec"]["strategy"] == "ddp"  # a replay of config.yaml repeats the choice
+    assert config["plan"]["strategy"] == "ddp" and config["plan"]["communication_share"] <= COMM_BUDGET
+    assert "exact" in config["plan"]["reasons"][0]
+
+
+def test_strategy_auto_takes_diloco_within_budget_on_a_slow_link(tmp_path: Path) -> None:
+    slow = tmp_path / "slow.yaml"
+    slow.write_text("bandwidth: 6.25e6\nlatency: 1e-3\n")  # ~50 Mbit/s, written as researchers do
+    output, config = _auto_run(tmp_path, "--cluster", str(slow), "--step-seconds", "0.001")
+    plan = config["plan"]
+    assert config["spec"]["strategy"] == plan["strategy"] == "diloco"
+    assert config["spec"]["strategy_options"]["H"] == plan["strategy_options"]["H"]
+    assert plan["communication_share"] <= COMM_BUDGET
+    assert plan["trainable_parameters"] == 9610  # the digits MLP the run trained
+    assert f"strategy auto: diloco (H={plan['strategy_options']['H']})" in output
+
+
+def test_strategy_auto_refuses_strategy_parameters(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from meshtrain.cli.main import app
+
+    result = CliRunner().invoke(app, ["simulate", "--strategy", "auto", "--set", "H=5",
+                                      "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "--strategy auto chooses the strategy and its parameters itself" in result.output

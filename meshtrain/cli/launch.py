@@ -19,7 +19,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from meshtrain.build import resolve_run
+from meshtrain.build import AUTO, resolve_run
 from meshtrain.checkpoint import fewer_nodes_refusal
 from meshtrain.cli import dashboard as dashboard_cli
 from meshtrain.cli.console import errors, fail, fail_on
@@ -323,6 +323,9 @@ def _check_training_flags(flags: dict[str, Any], overrides: list[str], world_siz
     host is contacted: a bad value must not start ``world_size`` ranks that each fail."""
     try:
         spec, task = resolve_run(flags, overrides, launched=False)
+        if spec.strategy == AUTO:
+            raise fail("--strategy auto is for simulate (it times the model on this machine): run "
+                       f"`meshtrain plan --hosts {world_size} --cluster CLUSTER` and launch with its choice")
         # As a launched rank sees it: one node per host, simulated faults not allowed.
         config = dataclasses.replace(spec.train_config(), nodes=world_size, runtime="launched")
         config.validate()

@@ -167,7 +167,12 @@ def simulate(
         uneven = getattr(strat, "uneven_islands", lambda nodes: None)(spec.nodes)
         if uneven:
             errors.print(f"note: {uneven}", highlight=False, soft_wrap=True, markup=False)
-        config = spec.train_config(extra_config={"spec": spec.to_dict()})
+        if "plan" in spec.extra_config:  # --strategy auto: say what was chosen, and why
+            plan = spec.extra_config["plan"]
+            chosen = ", ".join(f"{k}={v}" for k, v in plan["strategy_options"].items())
+            console.print(f"strategy auto: {spec.strategy}{f' ({chosen})' if chosen else ''} on "
+                          f"{plan['cluster']}; {'; '.join(plan['reasons'])}", highlight=False, markup=False)
+        config = spec.train_config(extra_config={"spec": spec.to_dict(), **spec.extra_config})
         trainer = Trainer(bundle.model, bundle.train_data, bundle.val_data, bundle.collate_fn)
         job = trainer.prepare(strat, config=config)
     except (ValueError, FileExistsError) as exc:  # ConfigError, TaskError, SettingError
