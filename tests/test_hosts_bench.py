@@ -214,3 +214,14 @@ def test_simulate_projects_onto_the_benched_cluster(benched) -> None:
     # DDP: one all-reduce per step over 2 nodes (2 messages each), bytes over the measured B.
     expected = 3 * 2 * cluster["latency"] + summary["bytes_sent_per_node"] / cluster["bandwidth"]
     assert projected["communication_seconds"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_fit_that_misses_a_measurement_is_flagged() -> None:
+    from meshtrain.launch.bench import fit_warning
+
+    good = synthetic(3e-4, 2.5e7, 2, bench_sizes(4096, 16 * 2**20, 6))
+    assert fit_warning(good, fitted_cluster(fit_alpha_beta(good), "x", "synthetic")) is None
+    # One size ten times slower than the line through the others (a busy link): flagged, named.
+    bad = [*good[:-1], Sample(good[-1].payload_bytes, 2, good[-1].seconds * 10)]
+    line = fit_warning(bad, fitted_cluster(fit_alpha_beta(bad), "x", "busy"))
+    assert line is not None and "misses the" in line and "measure again" in line

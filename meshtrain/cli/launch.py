@@ -41,6 +41,7 @@ from meshtrain.launch.bench import (
     BenchError,
     bench_sizes,
     fit_alpha_beta,
+    fit_warning,
     fitted_cluster,
     model_seconds,
     parse_size,
@@ -208,11 +209,15 @@ def hosts_bench(
         table.add_row(human_bytes(s.payload_bytes), human_bytes(s.moved_bytes), f"{s.seconds * 1e3:.3f} ms",
                       f"{predicted * 1e3:.3f} ms", f"{(predicted - s.seconds) / s.seconds:+.0%}")
     console.print(table)
+    doubt = fit_warning(samples, cluster)
+    if doubt:
+        errors.print(f"warning: {doubt}", style="bold yellow", highlight=False, markup=False, soft_wrap=True)
     shared = " (shared by the hosts)" if shared_medium else " per link"
     console.print(f"fitted: latency {cluster.latency * 1e3:.3f} ms per message, bandwidth "
                   f"{human_bytes(cluster.bandwidth)}/s{shared}", highlight=False)
     atomic_write_text(out, cluster_file_text(
-        cluster, f"meshtrain hosts bench {inventory}: {len(samples)} sizes x {repeats} repeats"))
+        cluster, f"meshtrain hosts bench {inventory}: {len(samples)} sizes x {repeats} repeats"
+                 + (f"\nWARNING: {doubt}" if doubt else "")))
     console.print(f"wrote {out}; use it with: meshtrain simulate --cluster {out}", highlight=False)
 
 

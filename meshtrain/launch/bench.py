@@ -195,6 +195,22 @@ def model_seconds(sample: Sample, cluster: Cluster) -> float:
     return collective_seconds(sample.record, cluster)
 
 
+#: A fitted model that misses a measured size by more than this is not trusted silently.
+FIT_TOLERANCE = 0.5
+
+
+def fit_warning(samples: Sequence[Sample], cluster: Cluster, tolerance: float = FIT_TOLERANCE) -> str | None:
+    """One line when ``cluster`` misses some measured size by more than ``tolerance``
+    (relative): projections from it would be off by as much. None when it fits."""
+    worst = max(samples, key=lambda s: abs(model_seconds(s, cluster) - s.seconds) / s.seconds)
+    error = (model_seconds(worst, cluster) - worst.seconds) / worst.seconds
+    if abs(error) <= tolerance:
+        return None
+    return (f"the fitted model misses the {worst.payload_bytes:,}-byte all-reduce by {error:+.0%}: "
+            "the link was busy, or the sizes do not separate latency from bandwidth; measure again "
+            "(more --repeats, a wider size range) before trusting projections from this cluster")
+
+
 # --------------------------------------------------------------------------- JSON
 def samples_to_json(samples: Sequence[Sample]) -> str:
     """The samples as JSON text (what rank 0 writes)."""
