@@ -48,17 +48,22 @@ def one_host(world: SshWorld, tmp_path: Path, workdir: Path) -> Host:
     return load_inventory(one_host_inventory(world, tmp_path, workdir)).hosts[0]
 
 
+def deliver(host: Host, secret: str) -> None:
+    """The launcher's secret delivery to ``host`` for run r1, over a real SSH connection."""
+    client = connect(host)
+    try:
+        deliver_secret(client, host, "r1", secret, timeout=10)
+    finally:
+        client.close()
+
+
 def test_the_secret_lands_in_a_private_folder_and_the_rank_removes_both(
         loopback_ssh: SshWorld, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     workdir = tmp_path / "work"
     workdir.mkdir()
     host = one_host(loopback_ssh, tmp_path, workdir)
     secret = new_secret()
-    client = connect(host)
-    try:
-        deliver_secret(client, host, "r1", secret, timeout=10)
-    finally:
-        client.close()
+    deliver(host, secret)
     folder, file = workdir / secret_folder_name("r1", 0), workdir / secret_file_name("r1", 0)
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700
     assert stat.S_IMODE(file.stat().st_mode) == 0o600
@@ -76,12 +81,8 @@ def test_a_planted_symlink_at_the_secrets_path_is_refused(loopback_ssh: SshWorld
     elsewhere.mkdir(mode=0o777)
     (workdir / secret_folder_name("r1", 0)).symlink_to(elsewhere)
     host = one_host(loopback_ssh, tmp_path, workdir)
-    client = connect(host)
-    try:
-        with pytest.raises(SSHError) as info:
-            deliver_secret(client, host, "r1", new_secret(), timeout=10)
-    finally:
-        client.close()
+    with pytest.raises(SSHError) as info:
+        deliver(host, new_secret())
     message = str(info.value)
     assert message.startswith("alpha (root@127.0.0.1:") and "\n" not in message, message
     assert "already exists and is not a private folder of this user's" in message, message
@@ -100,11 +101,7 @@ def test_a_link_at_the_secret_files_name_is_replaced_not_followed(
     (folder / "secret").symlink_to(elsewhere / "stolen")
     host = one_host(loopback_ssh, tmp_path, workdir)
     secret = new_secret()
-    client = connect(host)
-    try:
-        deliver_secret(client, host, "r1", secret, timeout=10)
-    finally:
-        client.close()
+    deliver(host, secret)
     assert list(elsewhere.iterdir()) == []
     assert not (folder / "secret").is_symlink() and (folder / "secret").read_text() == secret
     assert stat.S_IMODE((folder / "secret").stat().st_mode) == 0o600

@@ -16,16 +16,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from meshtrain import observers
+from meshtrain.cli.console import console, errors, fail
 
 if TYPE_CHECKING:
     from meshtrain.dashboard.state import LiveRun
 
-console = Console()
-errors = Console(stderr=True)
 LOCALHOST = "127.0.0.1"
 EXTRA_HINT = "pip install 'meshtrain[dashboard]'"
 
@@ -34,11 +32,6 @@ DASHBOARD_FLAG = typer.Option(
     False, "--dashboard", rich_help_panel="Output",
     help="Serve a live web dashboard of this run on 127.0.0.1 (a free port; the URL, token included, "
          "is printed). Needs the dashboard extra: pip install meshtrain\\[dashboard].")
-
-
-def fail(message: str, code: int = 2) -> typer.Exit:
-    errors.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    return typer.Exit(code)
 
 
 def require_extra(asked_by: str) -> None:

@@ -315,11 +315,6 @@ def sh(line: str) -> str:
     return shell_line("/bin/sh", "-c", line)
 
 
-def remote_path(path: str) -> str:
-    """A host path quoted for sh, a leading ``~`` left to expand: ``shell_line(HostPath(path))``."""
-    return shell_line(HostPath(path))
-
-
 class RemoteProcess:
     """A command running on a host under a pty, its output delivered line by line.
 
