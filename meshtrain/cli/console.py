@@ -16,6 +16,9 @@ from meshtrain.errors import MeshtrainError
 #: A terminal's own width rules, and so does COLUMNS where it is set.
 PIPED_WIDTH = 1000
 console = Console(width=None if sys.stdout.isatty() or os.environ.get("COLUMNS") else PIPED_WIDTH)
+# The hosts and launch commands' tables: piped output (CI logs, tests) gets room for the
+# whole table rather than 80 columns.
+wide_console = Console(width=None if sys.stdout.isatty() else 160)
 errors = Console(stderr=True)
 
 

@@ -17,7 +17,8 @@ import typer
 from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
-from meshtrain.cli.console import console, errors, fail
+from meshtrain.cli.console import errors, fail
+from meshtrain.cli.console import wide_console as console  # the hosts commands' output
 from meshtrain.launch.inventory import Host, InventoryError, load_inventory
 from meshtrain.launch.inventory_edit import set_python
 from meshtrain.launch.local_install import LocalInstallError, local_install, make_workdir

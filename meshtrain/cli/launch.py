@@ -22,7 +22,8 @@ from rich.text import Text
 from meshtrain.build import AUTO, resolve_run
 from meshtrain.checkpoint import fewer_nodes_refusal
 from meshtrain.cli import dashboard as dashboard_cli
-from meshtrain.cli.console import console, errors, fail, fail_on
+from meshtrain.cli.console import errors, fail, fail_on
+from meshtrain.cli.console import wide_console as console  # the hosts commands' output
 from meshtrain.cli.flags import TRAINING_FLAGS as F
 from meshtrain.cli.hosts_setup import hosts_setup
 from meshtrain.cluster import cluster_file_text
