@@ -27,10 +27,9 @@ pytestmark = pytest.mark.slow
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 HOSTS = ["alpha", "beta"]
 SCREENSHOT = os.environ.get("MESHTRAIN_DASHBOARD_SCREENSHOT")
-# DiLoCo on digits: enough steps that the curves grow for a few seconds with the page open
-# (more for the screenshot, taken when the curves have some length).
-# Long enough that an idle machine still sends several status frames (2 a second) while the
-# page is watched: 1,200 steps finished in ~2 s on an idle machine, before the curve could grow.
+# DiLoCo on digits: enough steps that the curves grow for several seconds with the page open,
+# even on an idle machine (ranks send 2 statuses a second; 1,200 steps took ~2 s there, too
+# short for the curve to grow); more for the screenshot, taken when the curves have some length.
 TRAINING = ["--task", "digits", "--strategy", "diloco", "--steps", "8000" if SCREENSHOT else "4000",
             "--set", "H=20", "--batch-size", "16", "--threads", "1", "--no-progress"]
 
