@@ -78,12 +78,12 @@ def run_one(mode: str, nodes: int, size: str, batch: int, microbatch: int | None
             opt.step()
             opt.zero_grad()
     else:
-        import meshtrain.node
+        import meshtrain.engine.loop
         from meshtrain import Trainer
         from meshtrain.strategies import DiLoCo
 
         if mode == "unshared":
-            meshtrain.node.node_replica = copy.deepcopy  # every node copies the whole model
+            meshtrain.engine.loop.node_replica = copy.deepcopy  # every node copies the whole model
         with tempfile.TemporaryDirectory() as out:
             Trainer(model, data(batch * steps * nodes)).fit(
                 DiLoCo(H=2), nodes=nodes, max_steps=steps, batch_size=batch, microbatch_size=microbatch,

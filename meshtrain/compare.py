@@ -28,11 +28,11 @@ from typing import Any
 
 from meshtrain.build import build_run  # the one resolution of settings layers
 from meshtrain.config import ConfigError, RunSpec, strategy_class
+from meshtrain.engine.trainer import Trainer, run_job
 from meshtrain.plots import plot_runs
 from meshtrain.run_dir import atomic_write_text
 from meshtrain.runs import FinishedRun, load_run, strategy_label
 from meshtrain.strategies import STRATEGIES
-from meshtrain.trainer import Trainer, run_job
 
 DEFAULT_STRATEGIES = ("ddp", "diloco", "sparta")
 

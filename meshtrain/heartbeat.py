@@ -186,7 +186,7 @@ class StatusReporter:
     the program's text. It is JSON with a version field: never pickle, and a launcher
     ignores a version it does not know. The program could still write a frame itself:
     statuses only feed the live view, and the exit status travels in its own keyed frame
-    (see :mod:`~meshtrain.launch.host_output`).
+    (see :mod:`~meshtrain.hosts.host_output`).
 
     Statuses go out at most every ``interval`` seconds (each step when steps are slower),
     plus the announcement, the first step and the last, so they cost nothing next to a training step.

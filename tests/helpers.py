@@ -182,7 +182,7 @@ def run_jobs_as_nodes(jobs: list, ports: list[int], rank: int, results: object) 
     intra-op thread, a fresh gloo group, the node seed), so only the process start-up
     is shared between jobs.
     """
-    from meshtrain.runtimes.processes import _node_process
+    from meshtrain.engine.runtimes.processes import _node_process
 
     for job, port in zip(jobs, ports, strict=True):
         _node_process(job, rank, port, results)

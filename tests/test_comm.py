@@ -13,7 +13,7 @@ from helpers import ORDER_VALUES, comm_script, gloo_comm_worker
 from torch.testing import assert_close
 
 from meshtrain.comm import NodeAborted, ThreadCommunicator, ThreadHub, ring_all_reduce_bytes, ring_reduce
-from meshtrain.runtimes.processes import free_loopback_port
+from meshtrain.engine.runtimes.processes import free_loopback_port
 
 
 def on_threads(world: int, fn, timeout: float = 30.0) -> list:

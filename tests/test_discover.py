@@ -30,8 +30,8 @@ from ssh_fixtures import (
 from typer.testing import CliRunner
 
 from meshtrain.cli.main import app
-from meshtrain.launch.discovery import Found, host_name, inventory_dict, inventory_text
-from meshtrain.launch.inventory import load_inventory, parse_inventory
+from meshtrain.hosts.discovery import Found, host_name, inventory_dict, inventory_text
+from meshtrain.hosts.inventory import load_inventory, parse_inventory
 
 pytest.importorskip("zeroconf", reason="pip install 'meshtrain[discover]' (the test extra includes it)")
 

@@ -19,7 +19,7 @@ runner = CliRunner()
 
 #: paramiko's host-key policy must raise paramiko's own exception type; connect() turns
 #: these two into one SSHError line (a RunFailure) before anyone else sees them.
-OUTSIDE_THE_ROOT = {"meshtrain.launch.ssh.UnknownHostKey", "meshtrain.launch.ssh.RevokedHostKey"}
+OUTSIDE_THE_ROOT = {"meshtrain.hosts.ssh.UnknownHostKey", "meshtrain.hosts.ssh.RevokedHostKey"}
 
 
 def package_exceptions() -> dict[str, type[Exception]]:
@@ -47,7 +47,7 @@ def test_every_error_of_the_package_has_the_one_root_and_a_kind() -> None:
 
 def test_the_kinds_keep_the_builtin_bases_callers_catch() -> None:
     from meshtrain.config import ConfigError
-    from meshtrain.job import NodeFailed
+    from meshtrain.engine.job import NodeFailed
     from meshtrain.launch.launcher import PreflightError
 
     assert issubclass(InputError, ValueError) and InputError.exit_code == 2

@@ -62,7 +62,7 @@ def test_gloo_listens_on_the_advertised_address_only() -> None:
 
 
 def test_the_launcher_tells_a_rank_without_iface_its_address() -> None:
-    from meshtrain.launch.inventory import parse_inventory
+    from meshtrain.hosts.inventory import parse_inventory
     from meshtrain.launch.launcher import rank_env
 
     inventory = parse_inventory({"hosts": [

@@ -291,9 +291,9 @@ def test_metacharacters_in_every_inventory_value_run_nothing(hostile: HostileHos
 
 
 def test_host_answers_are_bounded_and_listings_strict(hostile: HostileHost, tmp_path: Path) -> None:
-    from meshtrain.launch.inventory import load_inventory
+    from meshtrain.hosts.inventory import load_inventory
+    from meshtrain.hosts.ssh import OutputTooLarge, connect, run
     from meshtrain.launch.launcher import LaunchOptions, _Rank, common_checkpoint
-    from meshtrain.launch.ssh import OutputTooLarge, connect, run
 
     hostile.disarm_tar()
     host = load_inventory(box2(hostile, tmp_path)).hosts[0]
@@ -312,9 +312,9 @@ def test_host_answers_are_bounded_and_listings_strict(hostile: HostileHost, tmp_
 
 def test_a_malformed_shipping_answer_is_one_line(hostile: HostileHost, tmp_path: Path) -> None:
     """The host's blobstore answers with files it was never asked about: refused, named."""
-    from meshtrain.launch.inventory import load_inventory
-    from meshtrain.launch.shipping import ShipError, _host_call
-    from meshtrain.launch.ssh import connect
+    from meshtrain.hosts.inventory import load_inventory
+    from meshtrain.hosts.shipping import ShipError, _host_call
+    from meshtrain.hosts.ssh import connect
 
     fake = tmp_path / "py"  # the host's "python" prints whatever it likes
     fake.write_text('#!/bin/sh\necho \'{"missing": ["/etc/passwd"], "free": 1, "trees_ok": true}\'\n')

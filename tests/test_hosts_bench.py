@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from meshtrain.cli.main import app
 from meshtrain.cluster import CLUSTERS, Cluster, cluster_file_text, get_cluster
-from meshtrain.launch.bench import (
+from meshtrain.hosts.bench import (
     BenchError,
     Sample,
     bench_sizes,
@@ -217,7 +217,7 @@ def test_simulate_projects_onto_the_benched_cluster(benched) -> None:
 
 
 def test_a_fit_that_misses_a_measurement_is_flagged() -> None:
-    from meshtrain.launch.bench import fit_warning
+    from meshtrain.hosts.bench import fit_warning
 
     good = synthetic(3e-4, 2.5e7, 2, bench_sizes(4096, 16 * 2**20, 6))
     assert fit_warning(good, fitted_cluster(fit_alpha_beta(good), "x", "synthetic")) is None

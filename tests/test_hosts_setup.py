@@ -25,9 +25,9 @@ import pytest
 import yaml
 from ssh_fixtures import SshWorld, free_port, meshtrain
 
-from meshtrain.launch.inventory import load_inventory
-from meshtrain.launch.inventory_edit import set_python
-from meshtrain.launch.local_install import dependency_pins, installed_distribution, wheel_digest
+from meshtrain.hosts.inventory import load_inventory
+from meshtrain.hosts.inventory_edit import set_python
+from meshtrain.hosts.local_install import dependency_pins, installed_distribution, wheel_digest
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from meshtrain.launch.inventory import InventoryError, load_inventory
+from meshtrain.hosts.inventory import InventoryError, load_inventory
 from meshtrain.launch.launcher import rank_command, rank_env, training_argv
 
 REPO = Path(__file__).resolve().parent.parent

@@ -12,8 +12,8 @@ from ssh_fixtures import generate_key
 from typer.testing import CliRunner
 
 from meshtrain.cli.main import app
-from meshtrain.launch.inventory import InventoryError, load_inventory
-from meshtrain.launch.ssh import identity_file_problem
+from meshtrain.hosts.inventory import InventoryError, load_inventory
+from meshtrain.hosts.ssh import identity_file_problem
 
 runner = CliRunner()
 

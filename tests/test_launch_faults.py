@@ -175,7 +175,7 @@ def test_killed_launcher_leaves_nothing_behind(world: SshWorld, tmp_path: Path) 
 
 # --------------------------------------------------------------------------- known_hosts
 def _host(world: SshWorld, tmp_path: Path, known: Path):
-    from meshtrain.launch.inventory import load_inventory
+    from meshtrain.hosts.inventory import load_inventory
 
     port = world.servers[0].port
     inv = world.inventory(tmp_path / "kh.yaml", [{"name": "alpha", "host": "127.0.0.1", "port": port}],
@@ -194,7 +194,7 @@ def _other_key_line(tmp_path: Path, name: str) -> str:
 def test_accepting_a_key_into_known_hosts_without_final_newline(world: SshWorld, tmp_path: Path) -> None:
     """The new key goes on its own line; before, it was glued to the last one and every host
     was then refused with 'Incorrect padding'."""
-    from meshtrain.launch.ssh import connect
+    from meshtrain.hosts.ssh import connect
 
     other = _other_key_line(tmp_path, "other.example")
     known = tmp_path / "known_hosts"
@@ -206,7 +206,7 @@ def test_accepting_a_key_into_known_hosts_without_final_newline(world: SshWorld,
 
 
 def test_marker_lines_and_a_broken_line_do_not_break_known_hosts(world: SshWorld, tmp_path: Path) -> None:
-    from meshtrain.launch.ssh import connect
+    from meshtrain.hosts.ssh import connect
 
     known = tmp_path / "known_hosts"
     ca = _other_key_line(tmp_path, "*.example.org").split(" ", 1)
@@ -218,7 +218,7 @@ def test_marker_lines_and_a_broken_line_do_not_break_known_hosts(world: SshWorld
 
 
 def test_revoked_host_key_is_refused_with_a_clear_message(world: SshWorld, tmp_path: Path) -> None:
-    from meshtrain.launch.ssh import SSHError, connect
+    from meshtrain.hosts.ssh import SSHError, connect
 
     line = world.servers[0].known_hosts_line()
     kind_blob = line.split(" ", 1)[1]
@@ -410,9 +410,9 @@ def no_sftp_port(world: SshWorld) -> Iterator[int]:
 def test_host_without_sftp_is_reported_and_copied_with_tar(world: SshWorld, no_sftp_port: int,
                                                             tmp_path: Path) -> None:
     """Before, the upload and the copy-back ended in paramiko's "Channel closed" traceback."""
-    from meshtrain.launch.inventory import load_inventory
-    from meshtrain.launch.ssh import connect
-    from meshtrain.launch.transfer import has_sftp
+    from meshtrain.hosts.inventory import load_inventory
+    from meshtrain.hosts.ssh import connect
+    from meshtrain.hosts.transfer import has_sftp
 
     command, run_id = launch_writer(world, tmp_path, port=no_sftp_port)
     inv = tmp_path / "inv.yaml"

@@ -19,7 +19,8 @@ import pytest
 from ssh_fixtures import SshWorld, loopback_world
 
 from meshtrain.comm.rendezvous import SECRET_FILE_ENV, new_secret, take_secret
-from meshtrain.launch.inventory import Host, load_inventory
+from meshtrain.hosts.inventory import Host, load_inventory
+from meshtrain.hosts.ssh import SSHError, connect
 from meshtrain.launch.launcher import (
     LaunchOptions,
     PreflightError,
@@ -28,7 +29,6 @@ from meshtrain.launch.launcher import (
     secret_file_name,
     secret_folder_name,
 )
-from meshtrain.launch.ssh import SSHError, connect
 
 pytestmark = pytest.mark.slow
 NOBODY = 65534

@@ -32,7 +32,7 @@ def test_terminal_output_is_coloured_and_tails_are_kept() -> None:
 
 
 def test_a_flood_without_newline_is_read_in_bounded_memory() -> None:
-    from meshtrain.launch.host_output import LINE_LIMIT, TAIL_KEPT, LineSplitter
+    from meshtrain.hosts.host_output import LINE_LIMIT, TAIL_KEPT, LineSplitter
 
     lines = LineSplitter()
     chunk = b"y" * 65536
@@ -54,7 +54,7 @@ def test_control_characters_are_made_visible_and_printed_once() -> None:
 
 
 def test_only_the_keyed_exit_frame_counts() -> None:
-    from meshtrain.launch.host_output import take_exit_status
+    from meshtrain.hosts.host_output import take_exit_status
 
     key = "ab" * 16
     assert take_exit_status(f"done\x02MESHTRAIN_EXIT {key} 0\x03", key) == ("done", 0)

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from ssh_fixtures import SshWorld, generate_key, meshtrain
 
-from meshtrain.launch.inventory import load_inventory
-from meshtrain.launch.ssh import SSHError, connect, run
+from meshtrain.hosts.inventory import load_inventory
+from meshtrain.hosts.ssh import SSHError, connect, run
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from meshtrain.node import node_replica
+from meshtrain.engine.loop import node_replica
 
 
 def frozen_base_model() -> nn.Module:

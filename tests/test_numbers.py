@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from meshtrain import yaml12
 from meshtrain.cli.main import app
 from meshtrain.cluster import load_cluster_file
-from meshtrain.launch.inventory import load_inventory
+from meshtrain.hosts.inventory import load_inventory
 
 runner = CliRunner()
 

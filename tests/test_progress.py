@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from meshtrain.node import _ProgressNumbers
+from meshtrain.engine.loop import _ProgressNumbers
 from meshtrain.progress import Progress
 
 

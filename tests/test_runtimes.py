@@ -19,9 +19,9 @@ from helpers import (
 
 from meshtrain import NodeFailed, Trainer
 from meshtrain.comm.torch_dist import host_loopback_store
-from meshtrain.runtimes.processes import node_context
+from meshtrain.engine.runtimes.processes import node_context
+from meshtrain.engine.trainer import NodeJob, TrainConfig
 from meshtrain.strategies import DDP, SPARTA, DeMo, DiLoCo, FedAvg, Optim, SPARTADiLoCo
-from meshtrain.trainer import NodeJob, TrainConfig
 
 NODES = 3
 STEPS = 20

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from tree_snapshot import snapshot
 
-from meshtrain.launch.safe_copy import CopyLimits, UnsafeRunDirectory, checked_parts, unpack_tar
+from meshtrain.hosts.safe_copy import CopyLimits, UnsafeRunDirectory, checked_parts, unpack_tar
 
 
 def tar_bytes(*members: tuple[tarfile.TarInfo, bytes | None], fmt: int = tarfile.PAX_FORMAT) -> bytes:
@@ -173,7 +173,7 @@ class ListingServer:
 ])
 def test_the_sftp_path_refuses_what_the_tar_path_refuses(
         world: tuple[Path, Path], name: str, mode: int, message: str) -> None:
-    from meshtrain.launch.safe_copy import unpack_sftp
+    from meshtrain.hosts.safe_copy import unpack_sftp
 
     out, _ = world
     with pytest.raises(UnsafeRunDirectory, match=message.replace("(", "\\(")):

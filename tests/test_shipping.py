@@ -18,11 +18,11 @@ from safetensors.torch import load_file
 from speech_fixtures import SpeechAssets, speech_fixture  # noqa: F401 (the fixture)
 from ssh_fixtures import PYTHON, SshWorld, meshtrain, start_sshd
 
-from meshtrain.launch import shipping
-from meshtrain.launch.blobstore import BLOBS, INCOMING, TREES
-from meshtrain.launch.inventory import load_inventory
-from meshtrain.launch.shipping import ShipError, hash_path, ship_to_hosts
-from meshtrain.launch.ssh import connect
+from meshtrain.hosts import shipping
+from meshtrain.hosts.blobstore import BLOBS, INCOMING, TREES
+from meshtrain.hosts.inventory import load_inventory
+from meshtrain.hosts.shipping import ShipError, hash_path, ship_to_hosts
+from meshtrain.hosts.ssh import connect
 
 pytestmark = pytest.mark.slow
 

@@ -19,10 +19,10 @@ from rich.text import Text
 
 from meshtrain.cli.console import errors, fail
 from meshtrain.cli.console import wide_console as console  # the hosts commands' output
-from meshtrain.launch.inventory import Host, InventoryError, load_inventory
-from meshtrain.launch.inventory_edit import set_python
-from meshtrain.launch.local_install import LocalInstallError, local_install, make_workdir
-from meshtrain.launch.provisioning import FAILED, INSTALLED, UP_TO_DATE, SetupOptions, provision_hosts
+from meshtrain.hosts.inventory import Host, InventoryError, load_inventory
+from meshtrain.hosts.inventory_edit import set_python
+from meshtrain.hosts.local_install import LocalInstallError, local_install, make_workdir
+from meshtrain.hosts.provisioning import FAILED, INSTALLED, UP_TO_DATE, SetupOptions, provision_hosts
 
 
 def hosts_setup(

@@ -35,8 +35,8 @@ from meshtrain.config import (
     merge,
     parse_set,
 )
-from meshtrain.launch import discovery as d
-from meshtrain.launch.bench import (
+from meshtrain.hosts import discovery as d
+from meshtrain.hosts.bench import (
     BENCH_FILE,
     BenchError,
     bench_sizes,
@@ -47,8 +47,10 @@ from meshtrain.launch.bench import (
     parse_size,
     samples_from_json,
 )
-from meshtrain.launch.checks import CHECKS, check_hosts
-from meshtrain.launch.inventory import Inventory, InventoryError, load_inventory
+from meshtrain.hosts.checks import CHECKS, check_hosts
+from meshtrain.hosts.inventory import Inventory, InventoryError, load_inventory
+from meshtrain.hosts.safe_copy import DEFAULT_MAX_FILES, CopyLimits
+from meshtrain.hosts.shipping import ShipError, Shipment, hash_path
 from meshtrain.launch.launcher import (
     REMOTE_RUNS,
     RESTART_WAIT_S,
@@ -59,8 +61,6 @@ from meshtrain.launch.launcher import (
     training_argv,
 )
 from meshtrain.launch.live import rank_output
-from meshtrain.launch.safe_copy import DEFAULT_MAX_FILES, CopyLimits
-from meshtrain.launch.shipping import ShipError, Shipment, hash_path
 from meshtrain.progress import human_bytes
 from meshtrain.run_dir import atomic_write_text
 from meshtrain.settings import MAX_THREADS, SettingError, check_run_id
@@ -172,7 +172,7 @@ def hosts_bench(
         raise fail(str(exc)) from None
     name = name or inventory.stem
     out = out or Path("clusters") / f"{name}.yaml"
-    argv = ["python", "-m", "meshtrain.launch.bench", "--sizes", ",".join(map(str, sizes)),
+    argv = ["python", "-m", "meshtrain.hosts.bench", "--sizes", ",".join(map(str, sizes)),
             "--repeats", str(repeats)]
     with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as tmp:
         run_id = new_launch_id("bench", inv.world_size, Path(tmp))
@@ -267,7 +267,7 @@ def hosts_discover(
     if python is not None and not python.startswith(("/", "~")):
         raise fail(f"--python {python}: expected an absolute path on the hosts (or one starting with ~/)")
     if identity_file is not None:
-        from meshtrain.launch.ssh import identity_file_problem
+        from meshtrain.hosts.ssh import identity_file_problem
 
         problem = identity_file_problem(str(Path(identity_file).expanduser()))
         if problem:

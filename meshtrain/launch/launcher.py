@@ -35,11 +35,10 @@ from meshtrain.comm.rendezvous import PEERS_ENV, SECRET_FILE_ENV, SECRET_FOLDER_
 from meshtrain.comm.sealing import ADVERTISE_ENV, GLOO_HINT
 from meshtrain.errors import InputError
 from meshtrain.heartbeat import HEARTBEAT_FD, heartbeat_interval
-from meshtrain.launch.inventory import Host, Inventory
-from meshtrain.launch.output import STOPPED, RankOutput
-from meshtrain.launch.safe_copy import CopyLimits, UnsafeRunDirectory
-from meshtrain.launch.shipping import ShipError, Shipment, ship_to_hosts
-from meshtrain.launch.ssh import (
+from meshtrain.hosts.inventory import Host, Inventory
+from meshtrain.hosts.safe_copy import CopyLimits, UnsafeRunDirectory
+from meshtrain.hosts.shipping import ShipError, Shipment, ship_to_hosts
+from meshtrain.hosts.ssh import (
     UNREPORTED,
     EnvAssignment,
     Heartbeat,
@@ -53,7 +52,7 @@ from meshtrain.launch.ssh import (
     sh,
     shell_line,
 )
-from meshtrain.launch.transfer import (
+from meshtrain.hosts.transfer import (
     TransferError,
     fetch_tree,
     has_sftp,
@@ -62,6 +61,7 @@ from meshtrain.launch.transfer import (
     remote_dir_exists,
     sftp_path,
 )
+from meshtrain.launch.output import STOPPED, RankOutput
 from meshtrain.run_dir import atomic_write_text
 from meshtrain.settings import check_run_id
 
@@ -704,7 +704,7 @@ def _copy_back(rank0: _Rank, options: LaunchOptions, output: RankOutput, stop: _
     """Copy ``<workdir>/runs/<run_id>/`` from rank 0's host to ``<out_dir>/<run_id>/``.
 
     Written to a fresh hidden folder first and renamed, so a failed copy leaves nothing
-    half done; what the host sends is unpacked by :mod:`~meshtrain.launch.safe_copy`, and
+    half done; what the host sends is unpacked by :mod:`~meshtrain.hosts.safe_copy`, and
     an entry it refuses (a link, ``..``, over the caps) ends the launch with exit 1. A
     failed or interrupted copy says where the run directory still is and the command that
     fetches it; a signal stops the copy at once (exit 128+N).

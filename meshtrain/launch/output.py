@@ -26,7 +26,7 @@ from rich.text import Text
 
 from meshtrain import observers
 from meshtrain.heartbeat import RankStatus, split_status
-from meshtrain.launch.host_output import visible
+from meshtrain.hosts.host_output import visible
 
 COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "red", "bright_cyan", "bright_magenta")
 TAIL_LINES = 20

@@ -7,7 +7,7 @@
 Content-addressed: each host keeps every file's bytes once, as
 ``<workdir>/.meshtrain/blobs/<sha256>``, and the rank reads
 ``<workdir>/.meshtrain/data/<tree>/<name>``, hardlinks to those blobs (the host side is
-:mod:`meshtrain.launch.blobstore`). One round trip asks a host which blobs it lacks, so a
+:mod:`meshtrain.hosts.blobstore`). One round trip asks a host which blobs it lacks, so a
 second launch sends nothing and a changed file in a big folder sends only that file.
 Every host needs room for what it lacks (plus a margin) before anything is sent.
 Uploads go to a temporary folder over SFTP (a tar stream where the host has no SFTP
@@ -36,10 +36,10 @@ from typing import TypeVar
 import paramiko
 
 from meshtrain.errors import InputError
-from meshtrain.launch import blobstore
-from meshtrain.launch.inventory import Host
-from meshtrain.launch.ssh import HostPath, OutputTooLarge, Shell, run, sh, shell_line
-from meshtrain.launch.transfer import has_sftp, has_tar, sftp_path
+from meshtrain.hosts import blobstore
+from meshtrain.hosts.inventory import Host
+from meshtrain.hosts.ssh import HostPath, OutputTooLarge, Shell, run, sh, shell_line
+from meshtrain.hosts.transfer import has_sftp, has_tar, sftp_path
 from meshtrain.progress import human_bytes
 
 MARGIN_BYTES = 50_000_000  # room kept free on a host beyond what is shipped (the run writes too)

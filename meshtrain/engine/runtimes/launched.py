@@ -17,9 +17,9 @@ import torch.distributed as dist
 from meshtrain.comm.sealing import GLOO_HINT, bind_gloo_to_advertise, raise_open_file_limit
 from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group, leave_in_order
 from meshtrain.devices import resolve_device
+from meshtrain.engine.job import FitResult, NodeFailed, NodeJob
+from meshtrain.engine.loop import node_seed, train_node
 from meshtrain.heartbeat import start_heartbeat
-from meshtrain.job import FitResult, NodeFailed, NodeJob
-from meshtrain.node import node_seed, train_node
 
 REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

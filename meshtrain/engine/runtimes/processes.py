@@ -23,8 +23,8 @@ import torch
 
 from meshtrain import observers
 from meshtrain.comm.torch_dist import host_loopback_store, loopback_interface
-from meshtrain.job import FitResult, NodeFailed, NodeJob
-from meshtrain.runtimes.launched import join_and_train
+from meshtrain.engine.job import FitResult, NodeFailed, NodeJob
+from meshtrain.engine.runtimes.launched import join_and_train
 
 POLL_SECONDS = 0.2
 FAILURE_GRACE_S = 1.0  # how long to wait for the other nodes' reports after a failure
@@ -39,7 +39,7 @@ def free_loopback_port() -> int:
 
 # What every node imports anyway: torch, meshtrain, torch._dynamo (the optimizers load it at
 # their first step) and pyplot (rank 0 draws loss.png); the backend is still chosen later.
-PRELOAD = ["torch", "torch._dynamo", "meshtrain.runtimes.launched", "matplotlib.pyplot"]
+PRELOAD = ["torch", "torch._dynamo", "meshtrain.engine.runtimes.launched", "matplotlib.pyplot"]
 
 
 def node_context() -> Any:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from meshtrain.errors import InputError
 
 if TYPE_CHECKING:
-    from meshtrain.job import NodeJob
+    from meshtrain.engine.job import NodeJob
     from meshtrain.settings import TrainConfig
     from meshtrain.strategies import Strategy
 

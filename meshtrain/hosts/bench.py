@@ -3,7 +3,7 @@
 ``meshtrain hosts bench INVENTORY`` launches this module on every host, as a rank of a
 normal launch (same SSH checks, same authenticated rendezvous)::
 
-    python -m meshtrain.launch.bench --sizes 4096,65536,1048576 --repeats 5 --out runs/ID/bench.json
+    python -m meshtrain.hosts.bench --sizes 4096,65536,1048576 --repeats 5 --out runs/ID/bench.json
 
 Every rank all-reduces float32 buffers of each size through meshtrain's own
 communicator (the ring the strategies use, over gloo), timing each one; the slowest
@@ -286,8 +286,8 @@ def run_rank(sizes: Sequence[int], repeats: int, out: Path, timeout_s: float) ->
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Entry point of one rank: ``python -m meshtrain.launch.bench --sizes ... --out FILE``."""
-    parser = argparse.ArgumentParser(prog="python -m meshtrain.launch.bench",
+    """Entry point of one rank: ``python -m meshtrain.hosts.bench --sizes ... --out FILE``."""
+    parser = argparse.ArgumentParser(prog="python -m meshtrain.hosts.bench",
                                      description="One rank of `meshtrain hosts bench`.")
     parser.add_argument("--sizes", required=True, help="Buffer sizes in bytes, comma-separated.")
     parser.add_argument("--repeats", type=int, default=5, help="Timed all-reduces per size.")

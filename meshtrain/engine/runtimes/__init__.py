@@ -3,10 +3,10 @@ rank this process already is (launched by ``meshtrain launch`` or torchrun)."""
 
 from __future__ import annotations
 
-from meshtrain.job import FitResult, NodeJob
-from meshtrain.runtimes.launched import run_launched_rank
-from meshtrain.runtimes.processes import run_processes
-from meshtrain.runtimes.threads import run_threads
+from meshtrain.engine.job import FitResult, NodeJob
+from meshtrain.engine.runtimes.launched import run_launched_rank
+from meshtrain.engine.runtimes.processes import run_processes
+from meshtrain.engine.runtimes.threads import run_threads
 
 
 def run(job: NodeJob) -> FitResult:

@@ -18,8 +18,8 @@ from pathlib import Path
 import paramiko
 
 from meshtrain.errors import RunFailure
-from meshtrain.launch.safe_copy import CopyLimits, unpack_sftp, unpack_tar
-from meshtrain.launch.ssh import HostPath, Shell, run, sh, shell_line
+from meshtrain.hosts.safe_copy import CopyLimits, unpack_sftp, unpack_tar
+from meshtrain.hosts.ssh import HostPath, Shell, run, sh, shell_line
 
 CHUNK = 1 << 16
 QUESTION_TIMEOUT = 10.0  # seconds for a yes/no question to a host (one that vanished never answers)
@@ -87,7 +87,7 @@ def fetch_tree(client: paramiko.SSHClient, remote: str, local: Path, *, use_sftp
                limits: CopyLimits = CopyLimits()) -> None:
     """Copy the host's folder ``remote`` to the new local folder ``local``: a tar stream,
     or SFTP if ``use_sftp`` (for a host without tar). Both are unpacked by
-    :mod:`~meshtrain.launch.safe_copy` (raises its UnsafeRunDirectory on a forbidden
+    :mod:`~meshtrain.hosts.safe_copy` (raises its UnsafeRunDirectory on a forbidden
     entry); on any failure ``local`` is not created."""
     if use_sftp:
         with client.open_sftp() as sftp:

@@ -4,7 +4,7 @@ A Mac with Remote Login on (and any host running avahi's ssh service) advertises
 ``_ssh._tcp.local.`` over multicast DNS. :func:`browse` listens for those announcements
 for a few seconds, :func:`check_keys` (only when asked) tries a public-key login on each
 one found, and :func:`inventory_text` turns them into a starter inventory that
-:mod:`meshtrain.launch.inventory` reads. Browsing needs the optional ``zeroconf`` package
+:mod:`meshtrain.hosts.inventory` reads. Browsing needs the optional ``zeroconf`` package
 (``pip install 'meshtrain[discover]'``); nothing else here connects anywhere.
 """
 
@@ -26,7 +26,7 @@ import yaml
 
 from meshtrain import yaml12
 from meshtrain.errors import InputError
-from meshtrain.launch.inventory import Host, Inventory, parse_inventory
+from meshtrain.hosts.inventory import Host, Inventory, parse_inventory
 
 SERVICE = "_ssh._tcp.local."
 INSTALL_HINT = "pip install 'meshtrain[discover]'"
@@ -74,7 +74,7 @@ class KeyCheck:
     """The outcome of one public-key login attempt."""
 
     status: str  # ACCEPTED, REFUSED, HOST_KEY_UNKNOWN, ...
-    detail: str  # the one-line reason from meshtrain.launch.ssh ("" when accepted)
+    detail: str  # the one-line reason from meshtrain.hosts.ssh ("" when accepted)
 
 
 def require_zeroconf() -> Any:
@@ -231,7 +231,7 @@ def check_keys(inventory: Inventory, *, timeout: float = 10.0) -> dict[str, KeyC
 
 def _check_one(host: Host, timeout: float) -> KeyCheck:
     # Deferred: the SSH stack (paramiko) loads only when keys are checked.
-    from meshtrain.launch.ssh import RevokedHostKey, SSHError, UnknownHostKey, connect
+    from meshtrain.hosts.ssh import RevokedHostKey, SSHError, UnknownHostKey, connect
 
     try:
         client = connect(host, accept_new_host_keys=False, timeout=timeout)

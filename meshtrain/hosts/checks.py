@@ -18,9 +18,9 @@ import paramiko
 import torch
 
 import meshtrain
-from meshtrain.launch.inventory import Host, Inventory
-from meshtrain.launch.ssh import HostPath, RemoteProcess, Shell, SSHError, connect, run, sh, shell_line
-from meshtrain.launch.transfer import has_sftp, has_tar
+from meshtrain.hosts.inventory import Host, Inventory
+from meshtrain.hosts.ssh import HostPath, RemoteProcess, Shell, SSHError, connect, run, sh, shell_line
+from meshtrain.hosts.transfer import has_sftp, has_tar
 
 CHECKS = ("ssh", "python", "meshtrain", "torch", "device", "workdir", "sftp", "rendezvous")
 

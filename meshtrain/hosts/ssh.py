@@ -27,9 +27,9 @@ import paramiko
 
 from meshtrain.errors import RunFailure
 from meshtrain.heartbeat import BEAT, HEARTBEAT_FD
-from meshtrain.launch.host_output import EXIT_PRINTF, LineSplitter, take_exit_status, visible
-from meshtrain.launch.inventory import Host
-from meshtrain.launch.known_hosts import KnownHosts, append_known_host, load_known_hosts
+from meshtrain.hosts.host_output import EXIT_PRINTF, LineSplitter, take_exit_status, visible
+from meshtrain.hosts.inventory import Host
+from meshtrain.hosts.known_hosts import KnownHosts, append_known_host, load_known_hosts
 
 CONNECT_TIMEOUT = 10.0
 KEEPALIVE_SECONDS = 5

@@ -26,10 +26,10 @@ import paramiko
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from meshtrain.errors import RunFailure
-from meshtrain.launch.inventory import Host, Inventory
-from meshtrain.launch.local_install import LocalInstall, public_version
-from meshtrain.launch.ssh import HostPath, Shell, SSHError, connect, run, sh, shell_line
-from meshtrain.launch.transfer import TransferError, has_sftp, put_files
+from meshtrain.hosts.inventory import Host, Inventory
+from meshtrain.hosts.local_install import LocalInstall, public_version
+from meshtrain.hosts.ssh import HostPath, Shell, SSHError, connect, run, sh, shell_line
+from meshtrain.hosts.transfer import TransferError, has_sftp, put_files
 
 VENV = ".venv"
 MANIFEST = "meshtrain-setup.json"

@@ -3,9 +3,9 @@
     trainer = Trainer(model, train_data, val_data)
     result = trainer.fit(strategy=DiLoCo(H=50), nodes=4, max_steps=200)
 
-``fit`` hands a :class:`~meshtrain.job.NodeJob` to a runtime (threads, processes, or the
+``fit`` hands a :class:`~meshtrain.engine.job.NodeJob` to a runtime (threads, processes, or the
 rank this process already is under ``meshtrain launch``/torchrun). Each node runs
-:func:`meshtrain.node.train_node`; rank 0 collects the nodes' reports and writes the run
+:func:`meshtrain.engine.loop.train_node`; rank 0 collects the nodes' reports and writes the run
 directory.
 """
 
@@ -21,10 +21,11 @@ import yaml
 from torch import nn
 from torch.utils.data import Dataset
 
-from meshtrain import checkpoint, loggers, runtimes
+from meshtrain import checkpoint
 from meshtrain.data import Collate, DataFactory
 from meshtrain.devices import resolve_device
-from meshtrain.job import FitResult, NodeJob
+from meshtrain.engine import loggers, runtimes
+from meshtrain.engine.job import FitResult, NodeJob
 from meshtrain.run_dir import RunDirectory
 from meshtrain.settings import MAX_THREADS, TrainConfig, check_run_id
 from meshtrain.strategies import DiLoCo, Strategy

@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 
 from meshtrain import yaml12
-from meshtrain.launch.inventory import Inventory, InventoryError, parse_inventory
+from meshtrain.hosts.inventory import Inventory, InventoryError, parse_inventory
 from meshtrain.run_dir import atomic_write
 
 _PLAIN = re.compile(r"^[A-Za-z0-9_./~+@-]+$")

@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 from meshtrain.comm import NodeAborted, ThreadCommunicator, ThreadHub
-from meshtrain.job import FitResult, NodeFailed, NodeJob
-from meshtrain.node import node_seed, train_node
+from meshtrain.engine.job import FitResult, NodeFailed, NodeJob
+from meshtrain.engine.loop import node_seed, train_node
 
 #: Seconds the other nodes get to stop after one failed, before fit raises anyway.
 ABORT_GRACE_S = 5.0

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshtrain import checkpoint, loggers, observers
+from meshtrain import checkpoint, observers
 from meshtrain.cluster import Cluster, collective_seconds, get_cluster, measured_step_seconds, project
 from meshtrain.comm import Communicator
 from meshtrain.comm.communicator import CommLog, CommRecord
@@ -35,10 +35,11 @@ from meshtrain.data import (
     to_device,
 )
 from meshtrain.devices import resolve_device
+from meshtrain.engine import loggers
+from meshtrain.engine.job import FitResult, NodeJob
 from meshtrain.errors import RunFailure
 from meshtrain.faults import FaultPlan, check_steps
 from meshtrain.heartbeat import status_reporter
-from meshtrain.job import FitResult, NodeJob
 from meshtrain.progress import Progress
 from meshtrain.run_dir import RunDirectory
 from meshtrain.seeding import mix_seed
