@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from meshtrain.cluster import get_cluster
-from meshtrain.config import (
+from meshtrain.config.spec import (
     ConfigError,
     RunSpec,
     build_strategy,

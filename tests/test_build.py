@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from meshtrain.build import resolve_run, task_suggestions
-from meshtrain.config import ConfigError, build_strategy
+from meshtrain.config.spec import ConfigError, build_strategy
 from meshtrain.tasks import get_task
 
 

@@ -80,7 +80,7 @@ def test_a_custom_strategy_takes_part_in_a_comparison(tmp_path: Path,
 @pytest.mark.parametrize(("path", "message"), [
     ("examples.custom_strategy:Nope", "module examples.custom_strategy has no 'Nope'"),
     ("no_such_module_here:Thing", "no module named 'no_such_module_here'"),
-    ("meshtrain.config:RunSpec", "RunSpec is not a subclass of meshtrain.strategies.Strategy"),
+    ("meshtrain.config.spec:RunSpec", "RunSpec is not a subclass of meshtrain.strategies.Strategy"),
     ("examples.custom_strategy:", "expected package.module:Class"),
 ])
 def test_a_bad_strategy_path_is_one_line_exit_2(path: str, message: str, tmp_path: Path,

@@ -46,7 +46,7 @@ def test_every_error_of_the_package_has_the_one_root_and_a_kind() -> None:
 
 
 def test_the_kinds_keep_the_builtin_bases_callers_catch() -> None:
-    from meshtrain.config import ConfigError
+    from meshtrain.config.spec import ConfigError
     from meshtrain.engine.job import NodeFailed
     from meshtrain.launch.launcher import PreflightError
 

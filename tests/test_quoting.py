@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from meshtrain.config.settings import SettingError
 from meshtrain.hosts.ssh import EnvAssignment, HostPath, Shell, sh, shell_line
 from meshtrain.launch.launcher import LaunchOptions
-from meshtrain.settings import SettingError
 
 EVIL = "a;touch M;$(touch M)`touch M`'\"\n&touch M&|touch M|* b\\c"
 

@@ -1,5 +1,5 @@
 """Options that several commands share, each with its help taken from the setting's one
-definition (:class:`~meshtrain.config.RunSpec`)."""
+definition (:class:`~meshtrain.config.spec.RunSpec`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Any
 import typer
 from rich.markup import escape
 
-from meshtrain.config import RunSpec
-from meshtrain.settings import help_for
+from meshtrain.config.settings import help_for
+from meshtrain.config.spec import RunSpec
 from meshtrain.tasks import TASKS, get_task
 
 

@@ -27,7 +27,8 @@ from meshtrain.cli.console import wide_console as console  # the hosts commands'
 from meshtrain.cli.flags import TRAINING_FLAGS as F
 from meshtrain.cli.hosts_setup import hosts_setup
 from meshtrain.cluster import cluster_file_text
-from meshtrain.config import (
+from meshtrain.config.settings import MAX_THREADS, SettingError, check_run_id
+from meshtrain.config.spec import (
     ConfigError,
     RunSpec,
     build_strategy,
@@ -63,7 +64,6 @@ from meshtrain.launch.launcher import (
 from meshtrain.launch.live import rank_output
 from meshtrain.progress import human_bytes
 from meshtrain.run_dir import atomic_write_text
-from meshtrain.settings import MAX_THREADS, SettingError, check_run_id
 from meshtrain.tasks import TaskError, check_options, get_task
 
 # simulate's flag name for each training option the launcher forwards.
@@ -424,7 +424,7 @@ def _resolved_profile_file(name: str) -> Path:
 
     import yaml
 
-    from meshtrain.config import load_profile
+    from meshtrain.config.spec import load_profile
 
     text = ("# resolved by meshtrain launch from --profile " + name.replace("\n", " ") + "\n"
             + yaml.safe_dump(load_profile(name), sort_keys=False))

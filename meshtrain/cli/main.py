@@ -24,14 +24,14 @@ from meshtrain.cli import transcribe as transcribe_cli
 from meshtrain.cli.console import console, errors, fail, fail_on
 from meshtrain.cli.flags import TRAINING_FLAGS, flag
 from meshtrain.cluster import CLUSTERS
-from meshtrain.config import ConfigError, RunSpec, list_profiles, load_profile, resume_conflict
+from meshtrain.config.settings import help_for
+from meshtrain.config.spec import ConfigError, RunSpec, list_profiles, load_profile, resume_conflict
 from meshtrain.engine.job import NodeFailed
 from meshtrain.engine.trainer import Trainer, run_job
 from meshtrain.errors import MeshtrainError
 from meshtrain.heartbeat import start_heartbeat
 from meshtrain.progress import human_bytes
 from meshtrain.run_dir import atomic_write_text
-from meshtrain.settings import help_for
 from meshtrain.strategies import STRATEGIES, Strategy
 from meshtrain.tasks import TASKS, get_task
 from meshtrain.version import __version__

@@ -11,10 +11,10 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from meshtrain import checkpoint
+from meshtrain.config.settings import TrainConfig
 from meshtrain.data import Collate, DataFactory
 from meshtrain.errors import RunFailure
 from meshtrain.run_dir import RunDirectory
-from meshtrain.settings import TrainConfig
 from meshtrain.strategies import Strategy
 
 

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from meshtrain.errors import InputError
 
 if TYPE_CHECKING:
+    from meshtrain.config.settings import TrainConfig
     from meshtrain.engine.job import NodeJob
-    from meshtrain.settings import TrainConfig
     from meshtrain.strategies import Strategy
 
 #: For each logger setting: the module it imports and the extra that installs it.

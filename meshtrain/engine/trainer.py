@@ -22,12 +22,12 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from meshtrain import checkpoint
+from meshtrain.config.settings import MAX_THREADS, TrainConfig, check_run_id
 from meshtrain.data import Collate, DataFactory
 from meshtrain.devices import resolve_device
 from meshtrain.engine import loggers, runtimes
 from meshtrain.engine.job import FitResult, NodeJob
 from meshtrain.run_dir import RunDirectory
-from meshtrain.settings import MAX_THREADS, TrainConfig, check_run_id
 from meshtrain.strategies import DiLoCo, Strategy
 
 
@@ -70,7 +70,7 @@ class Trainer:
     ) -> FitResult:
         """Train and return the global model, per-step history and the run directory.
 
-        Settings are those of :class:`~meshtrain.settings.TrainConfig` (``meshtrain
+        Settings are those of :class:`~meshtrain.config.settings.TrainConfig` (``meshtrain
         settings`` lists them with their defaults), given as a ``config``, as keywords
         (``epochs=2, runtime="processes", cluster="wifi"``), or both (keywords win);
         ``max_steps`` is the ``steps`` setting. Everything is checked, and the run

@@ -24,8 +24,8 @@ import paramiko
 import yaml
 
 from meshtrain import yaml12
+from meshtrain.config.settings import MAX_THREADS
 from meshtrain.errors import InputError
-from meshtrain.settings import MAX_THREADS
 
 # Keys a host entry may set; every one except name/host/advertise may also go in defaults.
 HOST_ONLY_KEYS = ("name", "host", "advertise")

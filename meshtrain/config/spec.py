@@ -19,12 +19,12 @@ from typing import Any
 import yaml
 
 from meshtrain import yaml12
-from meshtrain.settings import SettingError, TrainConfig, check_settings
+from meshtrain.config.settings import SettingError, TrainConfig, check_settings
 from meshtrain.strategies import STRATEGIES, Optim, Strategy
 
 #: Where ``--profile NAME`` looks: the working directory's profiles/ (your own), then the
 #: built-in ones shipped inside the package (so an installed meshtrain has them too).
-PROFILE_DIRS = [Path.cwd() / "profiles", Path(__file__).resolve().parent / "profiles"]
+PROFILE_DIRS = [Path.cwd() / "profiles", Path(__file__).resolve().parent.parent / "profiles"]
 
 
 class ConfigError(SettingError):
@@ -34,7 +34,7 @@ class ConfigError(SettingError):
 @dataclass
 class RunSpec(TrainConfig):
     """Every setting of a run (the keys of a profile): what to train, with which strategy,
-    plus every :class:`~meshtrain.settings.TrainConfig` setting."""
+    plus every :class:`~meshtrain.config.settings.TrainConfig` setting."""
 
     description: str = field(default="", metadata={"help": "What this run is for (profiles)."})
     task: str = field(default="digits", metadata={"help": "What to train: `meshtrain tasks` lists "
