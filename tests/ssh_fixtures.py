@@ -278,6 +278,33 @@ def _wait_reachable(world: SshWorld, ns: Namespaces) -> None:
                    check=True, timeout=30)
 
 
+# --------------------------------------------------------------------------- mDNS
+# Runs inside a host namespace: announce one SSH service (as a Mac with Remote Login does)
+# until stdin closes.
+ADVERTISE = """
+import socket, sys
+from zeroconf import ServiceInfo, Zeroconf
+service, server, address = sys.argv[1:4]
+zc = Zeroconf()
+info = ServiceInfo("_ssh._tcp.local.", f"{service}._ssh._tcp.local.", port=22, server=server,
+                   addresses=[socket.inet_aton(address)])
+zc.register_service(info)
+print("registered", flush=True)
+sys.stdin.read()
+zc.unregister_service(info)
+zc.close()
+"""
+
+
+def start_advertising(netns: str, service: str, server: str, address: str) -> subprocess.Popen[str]:
+    """Announce ``_ssh._tcp`` as ``service`` (mDNS host ``server``) from ``netns``; returns once
+    registered. Stop it with ``kill()`` and ``wait()``."""
+    proc = subprocess.Popen(["ip", "netns", "exec", netns, PYTHON, "-c", ADVERTISE, service, server, address],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "registered"
+    return proc
+
+
 # --------------------------------------------------------------------------- processes
 def processes_with(marker: str) -> list[str]:
     """``ps`` lines of live processes whose command line contains ``marker``."""

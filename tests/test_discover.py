@@ -25,6 +25,7 @@ from ssh_fixtures import (
     make_namespaces,
     meshtrain,
     new_world,
+    start_advertising,
     start_sshd,
 )
 from typer.testing import CliRunner
@@ -34,21 +35,6 @@ from meshtrain.hosts.discovery import Found, host_name, inventory_dict, inventor
 from meshtrain.hosts.inventory import load_inventory, parse_inventory
 
 pytest.importorskip("zeroconf", reason="pip install 'meshtrain[discover]' (the test extra includes it)")
-
-# Runs inside a host namespace: announce one SSH service until stdin closes.
-ADVERTISE = """
-import socket, sys
-from zeroconf import ServiceInfo, Zeroconf
-service, server, address = sys.argv[1:4]
-zc = Zeroconf()
-info = ServiceInfo("_ssh._tcp.local.", f"{service}._ssh._tcp.local.", port=22, server=server,
-                   addresses=[socket.inet_aton(address)])
-zc.register_service(info)
-print("registered", flush=True)
-sys.stdin.read()
-zc.unregister_service(info)
-zc.close()
-"""
 
 # (advertised name, mDNS host name) for hosts 0-2; host 3 does not advertise.
 ADVERTISED = [("Studio One", "studio-1.local."), ("Refusing Box", "refusing.local."),
@@ -86,12 +72,7 @@ def lan(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lan]:
                 world.trust(server)
         _wait_reachable(world, ns)
         for i, (service, server) in enumerate(ADVERTISED):
-            proc = subprocess.Popen(["ip", "netns", "exec", ns.hosts[i], PYTHON, "-c", ADVERTISE, service,
-                                     server, ns.addresses[ns.hosts[i]]],
-                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-            advertisers.append(proc)
-        for proc in advertisers:
-            assert proc.stdout is not None and proc.stdout.readline().strip() == "registered"
+            advertisers.append(start_advertising(ns.hosts[i], service, server, ns.addresses[ns.hosts[i]]))
         yield Lan(world, ns, [ns.addresses[h] for h in ns.hosts])
     finally:
         for proc in advertisers:

@@ -21,6 +21,7 @@ from meshtrain.cli import dashboard as dashboard_cli
 from meshtrain.cli import launch, research
 from meshtrain.cli import plan as plan_cli
 from meshtrain.cli import transcribe as transcribe_cli
+from meshtrain.cli import up as up_cli
 from meshtrain.cli.console import console, errors, fail, fail_on
 from meshtrain.cli.flags import TRAINING_FLAGS, flag
 from meshtrain.cluster import CLUSTERS
@@ -363,6 +364,7 @@ research.register(app)
 dashboard_cli.register(app)
 plan_cli.register(app)
 transcribe_cli.register(app)
+up_cli.register(app)  # after launch: up runs the launch command as registered
 
 
 def main() -> None:  # pragma: no cover - console entry point

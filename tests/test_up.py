@@ -1,0 +1,219 @@
+"""`meshtrain up`: from machines announcing SSH over mDNS to a running Whisper LoRA launch,
+answered one question at a time under a real pseudo-terminal (pexpect).
+
+The machines are the session's two namespace hosts (real sshd each), announcing
+``_ssh._tcp`` with zeroconf as Macs with Remote Login do. ``up`` logs in with a key
+they do not accept yet: it must show the exact ``ssh-copy-id`` line, and the test then
+does what ssh-copy-id would (appends the public key to the authorized keys) and presses
+Enter. The hosts' environment is prepared beforehand (a venv seeing this one's packages,
+with the manifest ``hosts setup`` writes), so setup finds it up to date: a real install
+needs a package index the namespaces cannot reach (see tests/test_hosts_setup.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+from speech_fixtures import SpeechAssets, speech_fixture  # noqa: F401 (the fixture)
+from ssh_fixtures import PYTHON, Namespaces, SshWorld, generate_key, start_advertising
+from typer.testing import CliRunner
+
+from meshtrain.cli.main import app
+from meshtrain.config.spec import load_profile
+from meshtrain.guided import COPY_KEY, MAKE_KEY, key_fixes, ssh_copy_id_line
+from meshtrain.hosts import discovery as d
+from meshtrain.hosts.inventory import load_inventory, parse_inventory
+from meshtrain.hosts.local_install import local_install
+from meshtrain.hosts.provisioning import MANIFEST, manifest
+
+pytest.importorskip("zeroconf", reason="pip install 'meshtrain[discover]' (the test extra includes it)")
+pytest.importorskip("aiohttp", reason="pip install 'meshtrain[dashboard]' (the test extra includes it)")
+pexpect = pytest.importorskip("pexpect", reason="the test extra installs pexpect")
+
+MACS = [("Studio One", "studio-1.local."), ("Air Two", "air-2.local.")]
+
+
+@dataclass
+class Lan:
+    world: SshWorld
+    ns: Namespaces
+
+
+@pytest.fixture(scope="module")
+def lan(netns_hosts: tuple[SshWorld, Namespaces]) -> Iterator[Lan]:
+    """The session's namespace hosts, each announcing itself over mDNS for this module."""
+    world, ns = netns_hosts
+    advertisers = []
+    try:
+        for (service, server), host_ns in zip(MACS, ns.hosts, strict=True):
+            advertisers.append(start_advertising(host_ns, service, server, ns.addresses[host_ns]))
+        yield Lan(world, ns)
+    finally:
+        for proc in advertisers:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def prepared_workdir(folder: Path) -> tuple[Path, Path]:
+    """A hosts' workdir whose environment `hosts setup` finds up to date, and the wheel it holds."""
+    local = local_install(folder / "build", None)  # the wheel of this checkout (~10 s)
+    wheel = folder / local.wheel.name
+    shutil.copy2(local.wheel, wheel)
+    workdir = folder / "host-workdir"
+    venv = workdir / ".venv"
+    subprocess.run([PYTHON, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    here = sysconfig.get_paths()["purelib"]
+    (Path(sysconfig.get_paths(vars={"base": str(venv), "platbase": str(venv)})["purelib"])
+     / "meshtrain-test.pth").write_text(f"import site; site.addsitedir({here!r})\n")
+    python = ".".join(map(str, sys.version_info[:3]))
+    (venv / MANIFEST).write_text(json.dumps(manifest(local_install(folder / "check", wheel), python)))
+    return workdir, wheel
+
+
+def spawn_up(lan: Lan, cwd: Path, *args: str) -> pexpect.spawn:
+    env = {**os.environ, "NO_COLOR": "1", "TERM": "xterm", "COLUMNS": "250"}
+    command = lan.world.command(PYTHON, "-m", "meshtrain", "up", "--timeout", "2", "--user", "root",
+                                "--known-hosts", str(lan.world.known_hosts), *args)
+    return pexpect.spawn(command[0], command[1:], cwd=str(cwd), env=env, encoding="utf-8",
+                         dimensions=(60, 250), timeout=120)
+
+
+@pytest.mark.slow
+def test_from_nothing_to_a_running_whisper_lora_launch(lan: Lan, speech: SpeechAssets,
+                                                       tmp_path: Path) -> None:
+    workdir, wheel = prepared_workdir(tmp_path / "prepared")
+    newcomer = generate_key(tmp_path / "newcomer_ed25519")  # no host accepts it yet
+    authorized = lan.world.user_key.with_suffix(".pub")  # every test sshd's AuthorizedKeysFile
+    kept = authorized.read_text()
+    cwd = tmp_path / "here"
+    cwd.mkdir()
+    child = spawn_up(lan, cwd, "--identity-file", str(newcomer), "--workdir", str(workdir),
+                     "--wheel", str(wheel), "--profile", "whisper-tiny-random-lora",
+                     "--data", str(speech.data), "--set", f"task_options.model={speech.model}",
+                     "--set", "steps=6")
+    log = open(tmp_path / "up.log", "w")  # noqa: SIM115 - kept open for the child's life
+    child.logfile_read = log
+    try:
+        child.expect("2 machines found")
+        child.expect(r"Train on all 2 machines\? \[y/n\]")
+        child.sendline("y")
+        for address in sorted(lan.ns.addresses[h] for h in lan.ns.hosts):
+            # The exact step for a key the host lacks; never a password prompt of our own.
+            child.expect(re.escape(f"ssh-copy-id -i {newcomer}.pub root@{address}"))
+        child.expect("press Enter to check again")
+        authorized.write_text(kept + newcomer.with_suffix(".pub").read_text())  # what ssh-copy-id does
+        child.sendline("")
+        child.expect("key login works")
+        child.expect("wrote hosts/lan.yaml")
+        child.expect(r"Install this meshtrain.*\? \[y/n\]")
+        child.sendline("y")
+        child.expect("everything up to date, nothing changed")
+        child.expect("wrote clusters/lan.yaml")
+        child.expect("wrote profiles/lan.yaml")
+        child.expect(r"Start training (\S+).* on 2 machines now\? \[y/n\]")
+        child.sendline("y")
+        child.expect(r"dashboard: http://127\.0\.0\.1:\d+/\S*token=\S+", timeout=60)
+        child.expect(r"all 2 ranks finished", timeout=240)
+        child.expect("press Enter to close it")
+        child.sendline("")
+        child.expect(pexpect.EOF, timeout=30)
+    finally:
+        authorized.write_text(kept)
+        child.close(force=True)
+        log.close()
+    output = (tmp_path / "up.log").read_text()
+    assert child.exitstatus == 0, output
+    assert "password" not in output.lower()
+
+    inventory = load_inventory(cwd / "hosts" / "lan.yaml")
+    assert [h.hostname for h in inventory.hosts] == sorted(lan.ns.addresses[h] for h in lan.ns.hosts)
+    # hosts setup pointed python at the environment it found up to date.
+    assert {h.python for h in inventory.hosts} == {str(workdir / ".venv" / "bin" / "python")}
+    cluster = yaml.safe_load((cwd / "clusters" / "lan.yaml").read_text())
+    assert cluster["bandwidth"] > 0
+    profile = load_profile(str(cwd / "profiles" / "lan.yaml"))
+    assert profile["task"] == "whisper" and profile["nodes"] == 2 and profile["steps"] == 6
+    assert profile["task_options"]["lora"]["r"] == 8  # from whisper-tiny-lora, through the base chain
+    (run,) = [p for p in (cwd / "runs").iterdir() if p.is_dir() and (p / "summary.json").is_file()]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["nodes"] == 2 and summary["runtime"] == "launched" and summary["steps"] == 6
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    assert config["spec"]["strategy"] == profile["strategy"]  # the planner's choice trained
+
+
+def test_yes_leaves_out_hosts_that_refuse_the_key_and_stops_without_writing(lan: Lan, tmp_path: Path) -> None:
+    stranger = generate_key(tmp_path / "stranger_ed25519")
+    child = spawn_up(lan, tmp_path, "--yes", "--identity-file", str(stranger), "--no-dashboard")
+    child.expect(pexpect.EOF, timeout=60)
+    child.close()
+    output = child.before
+    assert child.exitstatus == 1, output
+    for h in lan.ns.hosts:
+        assert f"ssh-copy-id -i {stranger}.pub root@{lan.ns.addresses[h]}" in output
+    assert "0 machines let us in" in output
+    assert not (tmp_path / "hosts").exists()  # nothing written
+
+
+# ---------------------------------------------------------------- the library steps, no network
+def test_key_fixes_give_the_exact_command(tmp_path: Path) -> None:
+    key = generate_key(tmp_path / "id_ed25519")
+    raw = {"defaults": {"user": "alice", "python": "/usr/bin/python3"},
+           "hosts": [{"name": "a", "host": "192.168.1.5"}, {"name": "b", "host": "192.168.1.6", "port": 2222},
+                     {"name": "c", "host": "192.168.1.7", "identity_file": str(tmp_path / "nokey")},
+                     {"name": "e", "host": "192.168.1.8"}]}
+    hosts = list(parse_inventory(raw, tmp_path / "x.yaml").hosts)
+    checks = {"a": d.KeyCheck(d.REFUSED, "refused"), "b": d.KeyCheck(d.REFUSED, "refused"),
+              "c": d.KeyCheck(d.REFUSED, "refused"), "e": d.KeyCheck(d.ACCEPTED, "")}
+    fixes = {f.host.name: f for f in key_fixes(hosts, checks, home=tmp_path / "empty")}
+    assert set(fixes) == {"a", "b", "c"}  # e lets us in already
+    # No key pair at all: make one first.
+    assert fixes["a"].kind == MAKE_KEY
+    assert fixes["a"].command == f"ssh-keygen -t ed25519 -f {tmp_path}/empty/.ssh/id_ed25519"
+    (home := tmp_path / "home" / ".ssh").mkdir(parents=True)
+    shutil.copy2(key.with_suffix(".pub"), home / "id_ed25519.pub")
+    fixes = {f.host.name: f for f in key_fixes(hosts, checks, home=tmp_path / "home")}
+    assert fixes["a"].kind == COPY_KEY
+    assert fixes["a"].command == f"ssh-copy-id -i {home}/id_ed25519.pub alice@192.168.1.5"
+    assert fixes["b"].command == f"ssh-copy-id -i {home}/id_ed25519.pub -p 2222 alice@192.168.1.6"
+    # An identity file without its .pub: make the pair first.
+    assert fixes["c"].kind == MAKE_KEY and fixes["c"].command == f"ssh-keygen -t ed25519 -f {tmp_path}/nokey"
+    assert (ssh_copy_id_line(hosts[0], Path("/k/my key.pub"))
+            == "ssh-copy-id -i '/k/my key.pub' alice@192.168.1.5")  # quoted for the shell
+
+
+# ---------------------------------------------------------------- bad input: one line, exit 2
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--name", "a/b"], "--name 'a/b': expected a plain file name"),
+    (["--profile", "no-such-profile"], "--profile no-such-profile: no profile named"),
+    (["--data", "/no/such/folder"], "--data /no/such/folder: no such file or folder"),
+    (["--timeout", "0"], "--timeout: expected seconds"),
+])
+def test_bad_input(args: list[str], message: str) -> None:
+    result = runner.invoke(app, ["up", "--yes", *args])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], result.output
+
+
+def test_existing_files_are_not_replaced_under_yes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hosts").mkdir()
+    (tmp_path / "hosts" / "lan.yaml").write_text("keep me\n")
+    result = runner.invoke(app, ["up", "--yes", "--no-dashboard"])
+    assert result.exit_code == 2
+    assert "hosts/lan.yaml already exist; pass --force" in result.output
+    assert (tmp_path / "hosts" / "lan.yaml").read_text() == "keep me\n"
