@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -31,7 +30,15 @@ from typer.testing import CliRunner
 
 from meshtrain.cli.main import app
 from meshtrain.config.spec import load_profile
-from meshtrain.guided import COPY_KEY, MAKE_KEY, key_fixes, ssh_copy_id_line
+from meshtrain.guided import (
+    ADD_TO_AGENT,
+    CANNOT_FIX_HERE,
+    COPY_KEY,
+    MAKE_KEY,
+    TRUST_HOST_KEY,
+    key_fixes,
+    ssh_copy_id_line,
+)
 from meshtrain.hosts import discovery as d
 from meshtrain.hosts.inventory import load_inventory, parse_inventory
 from meshtrain.hosts.local_install import local_install
@@ -81,10 +88,11 @@ def prepared_workdir(folder: Path) -> tuple[Path, Path]:
     return workdir, wheel
 
 
-def spawn_up(lan: Lan, cwd: Path, *args: str) -> pexpect.spawn:
-    env = {**os.environ, "NO_COLOR": "1", "TERM": "xterm", "COLUMNS": "250"}
+def spawn_up(lan: Lan, cwd: Path, *args: str, known_hosts: Path | None = None) -> pexpect.spawn:
+    # A terminal without colours: the prompts' words arrive without escape codes between them.
+    env = {**os.environ, "NO_COLOR": "1", "TERM": "dumb", "COLUMNS": "250"}
     command = lan.world.command(PYTHON, "-m", "meshtrain", "up", "--timeout", "2", "--user", "root",
-                                "--known-hosts", str(lan.world.known_hosts), *args)
+                                "--known-hosts", str(known_hosts or lan.world.known_hosts), *args)
     return pexpect.spawn(command[0], command[1:], cwd=str(cwd), env=env, encoding="utf-8",
                          dimensions=(60, 250), timeout=120)
 
@@ -101,32 +109,36 @@ def test_from_nothing_to_a_running_whisper_lora_launch(lan: Lan, speech: SpeechA
     child = spawn_up(lan, cwd, "--identity-file", str(newcomer), "--workdir", str(workdir),
                      "--wheel", str(wheel), "--profile", "whisper-tiny-random-lora",
                      "--data", str(speech.data), "--set", f"task_options.model={speech.model}",
-                     "--set", "steps=6")
+                     "--set", "steps=6", "--set", "step_seconds=0.05")  # the plan's compute per step:
+    # given, not timed here (tests/test_planning.py times it), so a loaded machine stays fast
     log = open(tmp_path / "up.log", "w")  # noqa: SIM115 - kept open for the child's life
     child.logfile_read = log
     try:
         child.expect("2 machines found")
-        child.expect(r"Train on all 2 machines\? \[y/n\]")
+        child.expect_exact("Train on all 2 machines? [y/n]")
         child.sendline("y")
-        for address in sorted(lan.ns.addresses[h] for h in lan.ns.hosts):
-            # The exact step for a key the host lacks; never a password prompt of our own.
-            child.expect(re.escape(f"ssh-copy-id -i {newcomer}.pub root@{address}"))
         child.expect("press Enter to check again")
+        for host_ns in lan.ns.hosts:
+            # The exact step for a key the host lacks; never a password prompt of our own.
+            assert f"run: ssh-copy-id -i {newcomer}.pub root@{lan.ns.addresses[host_ns]}\r\n" in child.before
         authorized.write_text(kept + newcomer.with_suffix(".pub").read_text())  # what ssh-copy-id does
         child.sendline("")
         child.expect("key login works")
         child.expect("wrote hosts/lan.yaml")
-        child.expect(r"Install this meshtrain.*\? \[y/n\]")
+        child.expect("Install this meshtrain")
+        child.expect_exact("[y/n]")
         child.sendline("y")
-        child.expect("everything up to date, nothing changed")
+        child.expect("up to date in")  # hosts setup: nothing to install
+        child.expect("every host ready")
         child.expect("wrote clusters/lan.yaml")
         child.expect("wrote profiles/lan.yaml")
-        child.expect(r"Start training (\S+).* on 2 machines now\? \[y/n\]")
+        child.expect("Start training")
+        child.expect_exact("[y/n]")
         child.sendline("y")
         child.expect(r"dashboard: http://127\.0\.0\.1:\d+/\S*token=\S+", timeout=60)
-        child.expect(r"all 2 ranks finished", timeout=240)
-        child.expect("press Enter to close it")
+        child.expect("press Enter to close it", timeout=240)  # the run ended; its page stays up
         child.sendline("")
+        child.expect("all 2 ranks finished")
         child.expect(pexpect.EOF, timeout=30)
     finally:
         authorized.write_text(kept)
@@ -137,13 +149,14 @@ def test_from_nothing_to_a_running_whisper_lora_launch(lan: Lan, speech: SpeechA
     assert "password" not in output.lower()
 
     inventory = load_inventory(cwd / "hosts" / "lan.yaml")
-    assert [h.hostname for h in inventory.hosts] == sorted(lan.ns.addresses[h] for h in lan.ns.hosts)
+    assert {h.hostname for h in inventory.hosts} == {lan.ns.addresses[h] for h in lan.ns.hosts}
     # hosts setup pointed python at the environment it found up to date.
     assert {h.python for h in inventory.hosts} == {str(workdir / ".venv" / "bin" / "python")}
     cluster = yaml.safe_load((cwd / "clusters" / "lan.yaml").read_text())
     assert cluster["bandwidth"] > 0
     profile = load_profile(str(cwd / "profiles" / "lan.yaml"))
     assert profile["task"] == "whisper" and profile["nodes"] == 2 and profile["steps"] == 6
+    assert profile["task_options"]["model"] == str(speech.model) and profile["data"] == str(speech.data)
     assert profile["task_options"]["lora"]["r"] == 8  # from whisper-tiny-lora, through the base chain
     (run,) = [p for p in (cwd / "runs").iterdir() if p.is_dir() and (p / "summary.json").is_file()]
     summary = json.loads((run / "summary.json").read_text())
@@ -152,14 +165,26 @@ def test_from_nothing_to_a_running_whisper_lora_launch(lan: Lan, speech: SpeechA
     assert config["spec"]["strategy"] == profile["strategy"]  # the planner's choice trained
 
 
-def test_yes_leaves_out_hosts_that_refuse_the_key_and_stops_without_writing(lan: Lan, tmp_path: Path) -> None:
+def test_yes_trusts_no_new_host_key_and_leaves_out_hosts_refusing_the_key(lan: Lan, tmp_path: Path) -> None:
     stranger = generate_key(tmp_path / "stranger_ed25519")
-    child = spawn_up(lan, tmp_path, "--yes", "--identity-file", str(stranger), "--no-dashboard")
+    known = tmp_path / "known_hosts"
+    known.write_text("")  # first contact with both machines
+    child = spawn_up(lan, tmp_path, "--yes", "--identity-file", str(stranger), "--no-dashboard",
+                     known_hosts=known)
+    child.expect(pexpect.EOF, timeout=60)
+    child.close()
+    assert child.exitstatus == 1, child.before
+    assert "unknown host key" in child.before and "left out: air-2, studio-1" in child.before
+    assert known.read_text() == ""  # --yes alone never trusts a host key
+
+    child = spawn_up(lan, tmp_path, "--yes", "--accept-new-host-keys", "--identity-file", str(stranger),
+                     "--no-dashboard", known_hosts=known)
     child.expect(pexpect.EOF, timeout=60)
     child.close()
     output = child.before
     assert child.exitstatus == 1, output
-    for h in lan.ns.hosts:
+    assert len(known.read_text().splitlines()) == 2  # recorded, as asked
+    for h in lan.ns.hosts:  # then the key is refused: the step to fix it, and the host left out
         assert f"ssh-copy-id -i {stranger}.pub root@{lan.ns.addresses[h]}" in output
     assert "0 machines let us in" in output
     assert not (tmp_path / "hosts").exists()  # nothing written
@@ -188,6 +213,13 @@ def test_key_fixes_give_the_exact_command(tmp_path: Path) -> None:
     assert fixes["b"].command == f"ssh-copy-id -i {home}/id_ed25519.pub -p 2222 alice@192.168.1.6"
     # An identity file without its .pub: make the pair first.
     assert fixes["c"].kind == MAKE_KEY and fixes["c"].command == f"ssh-keygen -t ed25519 -f {tmp_path}/nokey"
+    checks = {**checks, "a": d.KeyCheck(d.NEEDS_AGENT, "passphrase"),
+              "b": d.KeyCheck(d.HOST_KEY_UNKNOWN, "unknown host key (ssh-ed25519 SHA256:x)"),
+              "c": d.KeyCheck(d.HOST_KEY_CHANGED, "HOST KEY CHANGED")}
+    fixes = {f.host.name: f for f in key_fixes(hosts, checks, home=tmp_path / "home")}
+    assert fixes["a"].kind == ADD_TO_AGENT and fixes["a"].command == "ssh-add"
+    assert fixes["b"].kind == TRUST_HOST_KEY and fixes["b"].command is None
+    assert fixes["c"].kind == CANNOT_FIX_HERE and fixes["c"].command is None
     assert (ssh_copy_id_line(hosts[0], Path("/k/my key.pub"))
             == "ssh-copy-id -i '/k/my key.pub' alice@192.168.1.5")  # quoted for the shell
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from meshtrain.cluster import Cluster, collective_seconds
 from meshtrain.comm import CommRecord, Communicator, ring_all_reduce_bytes
+from meshtrain.comm.sealing import bind_gloo_to_advertise
 from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group, leave_in_order
 from meshtrain.errors import InputError
 from meshtrain.heartbeat import start_heartbeat
@@ -264,6 +265,9 @@ def run_rank(sizes: Sequence[int], repeats: int, out: Path, timeout_s: float) ->
     # OpenMP workers spinning on shared cores can add tens of ms to every message.
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    # As a training rank does: without an inventory iface, gloo would listen where the host
+    # name resolves (often 127.0.0.1), and the other hosts could not connect.
+    bind_gloo_to_advertise()
     # Always gloo on CPU: the network between hosts is what is measured, as the strategies
     # use it on CPU and Apple hosts.
     init_process_group(rank, world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
