@@ -26,7 +26,7 @@ from meshtrain.config.spec import ConfigError, RunSpec, load_profile, merge, par
 from meshtrain.hosts import discovery as d
 from meshtrain.hosts.inventory import Host
 from meshtrain.planning import Plan
-from meshtrain.tasks import TaskOptions, check_options
+from meshtrain.tasks import Task, TaskOptions, check_options
 
 #: The key files ssh(1) tries when no identity file is given, in its order.
 DEFAULT_KEYS = ("id_ed25519", "id_ecdsa", "id_rsa")
@@ -103,24 +103,42 @@ class ProfilePlan:
     settings: dict[str, Any]  # the profile: every setting, strategy and options chosen
 
 
-def plan_profile(profile: str, *, data: str | None, overrides: list[str], cluster: str,
-                 hosts: int) -> ProfilePlan:
-    """Plan ``profile`` (with ``data`` and ``--set`` ``overrides``) for ``hosts`` hosts on
+def profile_settings(profile: str, *, data: str | None, overrides: list[str]) -> dict[str, Any]:
+    """``profile`` with ``data`` and the ``--set`` ``overrides`` applied, checked as
+    ``simulate --strategy auto`` checks its settings (nothing is built). The strategy is
+    the planner's to choose: ``--set`` may not name it or its options (as with auto).
+
+    Raises ``ValueError`` (ConfigError, TaskError) naming the setting at fault.
+    """
+    base = merge(load_profile(profile), {"data": data} if data is not None else {})
+    layer = parse_set(overrides, base.get("strategy") or RunSpec.strategy)
+    if "strategy" in layer or "strategy_options" in layer:
+        raise ConfigError("--set: meshtrain up lets the planner choose the strategy and its options; to "
+                          "run another, launch the profile it writes with --strategy and --set")
+    # --set checked as a --set layer over the profile (its errors name the --set key).
+    resolve_run({**_without_strategy(base), "strategy": AUTO}, overrides, launched=False)
+    return merge(base, layer)
+
+
+def _without_strategy(settings: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in settings.items() if k not in ("description", "strategy", "strategy_options")}
+
+
+def _resolve_auto(given: dict[str, Any]) -> tuple[dict[str, Any], RunSpec, Task]:
+    """(the settings but the strategy, and the spec and task) resolved as `simulate
+    --strategy auto` resolves them: the planner fills in the strategy."""
+    flags = _without_strategy(given)
+    spec, task = resolve_run({**flags, "strategy": AUTO}, [], launched=False)
+    return flags, spec, task
+
+
+def plan_profile(given: dict[str, Any], *, cluster: str, hosts: int) -> ProfilePlan:
+    """Plan the settings ``given`` (from :func:`profile_settings`) for ``hosts`` hosts on
     ``cluster`` (a name or a ``hosts bench`` file): the model is built and timed here, as
     ``simulate --strategy auto`` does, and the chosen strategy keeps the options the profile
     gives it (a profile's DiLoCo ``outer_lr`` stays when DiLoCo is chosen) under the plan's.
-
-    Raises ``ValueError`` (ConfigError, TaskError) for bad settings.
     """
-    base = load_profile(profile)
-    layer = parse_set(overrides, base.get("strategy") or RunSpec.strategy)
-    if "strategy" in layer or "strategy_options" in layer:
-        raise ConfigError("--set strategy...: meshtrain up lets the planner choose the strategy; "
-                          "to run another, launch the written profile with --strategy")
-    given = merge(merge(base, {"data": data} if data is not None else {}), layer)
-    # Resolved as `simulate --strategy auto` resolves it: the planner fills in the strategy.
-    flags = {k: v for k, v in given.items() if k not in ("description", "strategy", "strategy_options")}
-    spec, task = resolve_run({**flags, "strategy": AUTO}, [], launched=False)
+    flags, spec, task = _resolve_auto(given)
     spec.cluster, spec.nodes = cluster, hosts
     bundle = task.build(TaskOptions(spec.data, spec.seed, check_options(task, spec.task_options)))
     plan = choose_strategy(spec, task, bundle)

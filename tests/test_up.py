@@ -230,7 +230,9 @@ runner = CliRunner()
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--name", "a/b"], "--name 'a/b': expected a plain file name"),
-    (["--profile", "no-such-profile"], "--profile no-such-profile: no profile named"),
+    (["--profile", "no-such-profile"], "no profile named 'no-such-profile'"),
+    (["--set", "steps=abc"], "--set steps must be a whole number, got 'abc'"),
+    (["--set", "H=5"], "--set: meshtrain up lets the planner choose the strategy"),
     (["--data", "/no/such/folder"], "--data /no/such/folder: no such file or folder"),
     (["--timeout", "0"], "--timeout: expected seconds"),
 ])

@@ -31,7 +31,6 @@ from meshtrain.cli.dashboard import require_extra
 from meshtrain.cli.hosts_setup import hosts_setup
 from meshtrain.cli.launch import hosts_bench
 from meshtrain.cli.plan import plan_table
-from meshtrain.config.spec import ConfigError, load_profile
 from meshtrain.guided import (
     COPY_KEY,
     MAKE_KEY,
@@ -39,6 +38,7 @@ from meshtrain.guided import (
     KeyFix,
     key_fixes,
     plan_profile,
+    profile_settings,
     profile_text,
 )
 from meshtrain.hosts import discovery as d
@@ -96,7 +96,7 @@ def up(
     """
     inventory, cluster, profile_out = (Path("hosts") / f"{name}.yaml", Path("clusters") / f"{name}.yaml",
                                        Path("profiles") / f"{name}.yaml")
-    _check_input(name, profile, data, timeout, dashboard, identity_file)
+    settings = _check_input(name, profile, data, set_, timeout, dashboard, identity_file)
     try:
         d.require_zeroconf()
         net = d.parse_network(network) if network else None
@@ -153,8 +153,7 @@ def up(
     _step(5, "choose the strategy (plan)")
     try:
         with console.status(f"timing {profile}'s model here"):
-            chosen_plan = plan_profile(profile, data=data, overrides=set_, cluster=str(cluster),
-                                       hosts=len(chosen))
+            chosen_plan = plan_profile(settings, cluster=str(cluster), hosts=len(chosen))
     except ValueError as exc:  # ConfigError, TaskError, a bad setting
         raise fail(str(exc)) from None
     console.print(plan_table(chosen_plan.plan))
@@ -172,19 +171,20 @@ def up(
     _call(_launch_command(), inventory=inventory, profile=str(profile_out), dashboard=dashboard)
 
 
-def _check_input(name: str, profile: str, data: str | None, timeout: float, dashboard: bool,
-                 identity_file: str | None) -> None:
-    """Bad input is one line and exit 2, before anything is looked for."""
+def _check_input(name: str, profile: str, data: str | None, overrides: list[str], timeout: float,
+                 dashboard: bool, identity_file: str | None) -> dict[str, Any]:
+    """Bad input is one line and exit 2, before anything is looked for; returns the
+    profile's settings with --data and --set applied."""
     if not name or Path(name).name != name or name.startswith("."):
         raise fail(f"--name {name!r}: expected a plain file name such as lan")
     if not 0 < timeout <= 600:
         raise fail(f"--timeout: expected seconds between 0 and 600, got {timeout}")
-    try:
-        load_profile(profile)
-    except ConfigError as exc:
-        raise fail(f"--profile {profile}: {exc}") from None
     if data is not None and not Path(data).expanduser().exists():
         raise fail(f"--data {data}: no such file or folder")
+    try:
+        settings = profile_settings(profile, data=data, overrides=overrides)
+    except ValueError as exc:  # ConfigError, TaskError: names the profile, key or --set at fault
+        raise fail(str(exc)) from None
     if dashboard:
         require_extra("--dashboard (or pass --no-dashboard)")
     if identity_file is not None:
@@ -193,6 +193,7 @@ def _check_input(name: str, profile: str, data: str | None, timeout: float, dash
         problem = identity_file_problem(str(Path(identity_file).expanduser()))
         if problem:
             raise fail(f"--{problem.replace('identity_file', 'identity-file', 1)}")
+    return settings
 
 
 def _step(number: int, title: str) -> None:
@@ -233,6 +234,7 @@ def _choose(hosts: list[Host], yes: bool) -> list[Host]:
 def _key_logins(whole: Inventory, hosts: list[Host], yes: bool,
                 accept_new: bool) -> tuple[list[Host], dict[str, d.KeyCheck]]:
     """Check key logins until every host lets us in or is left out; (kept hosts, checks)."""
+    trusted_once: set[str] = set()  # a host still unknown after that cannot be fixed by trusting
     while True:
         with console.status(f"trying a key login on {len(hosts)} machines"):
             checks = d.check_keys(dataclasses.replace(whole, hosts=tuple(hosts)))
@@ -242,7 +244,9 @@ def _key_logins(whole: Inventory, hosts: list[Host], yes: bool,
                 console.print(Text.assemble((f"{h.name}: ", "bold"), ("key login works", "green")))
         if not fixes:
             return hosts, checks
-        trusted = [f for f in fixes if f.kind == TRUST_HOST_KEY and _trust(f, yes, accept_new)]
+        trusted = [f for f in fixes if f.kind == TRUST_HOST_KEY and f.host.name not in trusted_once
+                   and _trust(f, yes, accept_new)]
+        trusted_once.update(f.host.name for f in trusted)
         pending = [f for f in fixes if f not in trusted]
         for fix in pending:
             _show_fix(fix)
@@ -273,7 +277,7 @@ def _trust(fix: KeyFix, yes: bool, accept_new: bool) -> bool:
     try:
         connect(fix.host, accept_new_host_keys=True).close()
     except SSHError:
-        return True  # recorded; the next check says what else is wrong
+        pass  # the key is recorded before logging in; the next check says what else is wrong
     return True
 
 
