@@ -37,6 +37,9 @@ from meshtrain.guided import (
     MAKE_KEY,
     TRUST_HOST_KEY,
     key_fixes,
+    plan_profile,
+    profile_settings,
+    profile_text,
     ssh_copy_id_line,
 )
 from meshtrain.hosts import discovery as d
@@ -251,3 +254,29 @@ def test_existing_files_are_not_replaced_under_yes(tmp_path: Path, monkeypatch: 
     assert result.exit_code == 2
     assert "hosts/lan.yaml already exist; pass --force" in result.output
     assert (tmp_path / "hosts" / "lan.yaml").read_text() == "keep me\n"
+
+
+def test_the_planned_strategy_keeps_the_profiles_own_options(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.yaml").write_text("task: digits\nstrategy: diloco\n"
+                                        "strategy_options: {H: 7, outer_lr: 0.5}\nsteps: 30\n")
+    # A millisecond of compute per step over the internet: syncing every step would dominate.
+    settings = profile_settings("mine.yaml", data=None, overrides=["step_seconds=0.001", "lr=0.01"])
+    slow = plan_profile(settings, cluster="internet", hosts=2)
+    assert slow.plan.choice.strategy == "diloco" and slow.settings["strategy"] == "diloco"
+    options = slow.settings["strategy_options"]  # the task's suggestions < the profile's < the plan's
+    assert options["H"] == slow.plan.choice.options["H"] != 7 and options["outer_lr"] == 0.5
+    assert slow.settings["lr"] == 0.01 and slow.settings["nodes"] == 2
+    # Ten seconds of compute on 10 Gb Ethernet: DDP, without DiLoCo's options.
+    settings = profile_settings("mine.yaml", data=None, overrides=["step_seconds=10"])
+    fast = plan_profile(settings, cluster="10gbe", hosts=2)
+    assert fast.settings["strategy"] == "ddp" and fast.settings["strategy_options"] == {}
+    # The written profile loads back as the planned settings, the reasons as comments.
+    text = profile_text(fast, inventory=Path("hosts/lan.yaml"), cluster=Path("clusters/lan.yaml"),
+                        source="mine.yaml", path=Path("profiles/lan.yaml"))
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "lan.yaml").write_text(text)
+    loaded = load_profile("profiles/lan.yaml")
+    assert {k: v for k, v in loaded.items() if k != "description"} == fast.settings
+    assert f"#   {fast.plan.reasons[0]}" in text
