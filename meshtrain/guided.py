@@ -86,8 +86,8 @@ def key_fixes(hosts: list[Host], checks: dict[str, d.KeyCheck], home: Path | Non
             else:
                 fixes.append(KeyFix(host, COPY_KEY, ssh_copy_id_line(host, key), check.detail))
         elif check.status == d.NEEDS_AGENT:
-            key = [host.identity_file] if host.identity_file else []  # bare: the ~/.ssh/id_* keys
-            fixes.append(KeyFix(host, ADD_TO_AGENT, shlex.join(["ssh-add", *key]), check.detail))
+            agent_key = [host.identity_file] if host.identity_file else []  # bare: the ~/.ssh/id_* keys
+            fixes.append(KeyFix(host, ADD_TO_AGENT, shlex.join(["ssh-add", *agent_key]), check.detail))
         elif check.status == d.HOST_KEY_UNKNOWN:
             fixes.append(KeyFix(host, TRUST_HOST_KEY, None, check.detail))
         else:
