@@ -138,8 +138,14 @@ def test_from_nothing_to_a_running_whisper_lora_launch(lan: Lan, speech: SpeechA
         child.expect("Start training")
         child.expect_exact("[y/n]")
         child.sendline("y")
-        child.expect(r"dashboard: http://127\.0\.0\.1:\d+/\S*token=\S+", timeout=60)
+        child.expect(r"dashboard: (http://127\.0\.0\.1:\d+/)\?token=(\S+)", timeout=60)
+        base, token = child.match.group(1), child.match.group(2)
         child.expect("press Enter to close it", timeout=240)  # the run ended; its page stays up
+        # The page's data, fetched where it listens (127.0.0.1 of the launching machine).
+        fetch = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read().decode())"
+        url = f"{base}api/state?token={token}"
+        state = json.loads(subprocess.run(lan.world.command(PYTHON, "-c", fetch, url), capture_output=True,
+                                          text=True, timeout=30, check=True).stdout)
         child.sendline("")
         child.expect("all 2 ranks finished")
         child.expect(pexpect.EOF, timeout=30)
@@ -164,6 +170,8 @@ def test_from_nothing_to_a_running_whisper_lora_launch(lan: Lan, speech: SpeechA
     (run,) = [p for p in (cwd / "runs").iterdir() if p.is_dir() and (p / "summary.json").is_file()]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["nodes"] == 2 and summary["runtime"] == "launched" and summary["steps"] == 6
+    rows = {row["name"]: row for row in state["runs"][0]["nodes"]}
+    assert set(rows) == {h.name for h in inventory.hosts} and {r["step"] for r in rows.values()} == {6}
     config = yaml.safe_load((run / "config.yaml").read_text())
     assert config["spec"]["strategy"] == profile["strategy"]  # the planner's choice trained
 
@@ -244,6 +252,12 @@ def test_bad_input(args: list[str], message: str) -> None:
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], result.output
+
+
+def test_without_a_terminal_it_asks_for_yes() -> None:
+    result = runner.invoke(app, ["up", "--no-dashboard"])  # stdin is no terminal here
+    assert result.exit_code == 2
+    assert "run it in one, or pass --yes" in result.output
 
 
 def test_existing_files_are_not_replaced_under_yes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

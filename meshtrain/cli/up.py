@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,8 @@ def up(
     """
     inventory, cluster, profile_out = (Path("hosts") / f"{name}.yaml", Path("clusters") / f"{name}.yaml",
                                        Path("profiles") / f"{name}.yaml")
+    if not yes and not sys.stdin.isatty():  # every question would read end-of-file
+        raise fail("meshtrain up asks its questions on a terminal: run it in one, or pass --yes")
     settings = _check_input(name, profile, data, set_, timeout, dashboard, identity_file)
     try:
         d.require_zeroconf()
