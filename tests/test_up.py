@@ -180,7 +180,9 @@ def test_yes_trusts_no_new_host_key_and_leaves_out_hosts_refusing_the_key(lan: L
     stranger = generate_key(tmp_path / "stranger_ed25519")
     known = tmp_path / "known_hosts"
     known.write_text("")  # first contact with both machines
-    child = spawn_up(lan, tmp_path, "--yes", "--identity-file", str(stranger), "--no-dashboard",
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "lan.yaml").write_text("keep me\n")  # --force: may be replaced
+    child = spawn_up(lan, tmp_path, "--yes", "--force", "--identity-file", str(stranger), "--no-dashboard",
                      known_hosts=known)
     child.expect(pexpect.EOF, timeout=60)
     child.close()
@@ -188,8 +190,8 @@ def test_yes_trusts_no_new_host_key_and_leaves_out_hosts_refusing_the_key(lan: L
     assert "unknown host key" in child.before and "left out: air-2, studio-1" in child.before
     assert known.read_text() == ""  # --yes alone never trusts a host key
 
-    child = spawn_up(lan, tmp_path, "--yes", "--accept-new-host-keys", "--identity-file", str(stranger),
-                     "--no-dashboard", known_hosts=known)
+    child = spawn_up(lan, tmp_path, "--yes", "--force", "--accept-new-host-keys", "--identity-file",
+                     str(stranger), "--no-dashboard", known_hosts=known)
     child.expect(pexpect.EOF, timeout=60)
     child.close()
     output = child.before
@@ -198,7 +200,20 @@ def test_yes_trusts_no_new_host_key_and_leaves_out_hosts_refusing_the_key(lan: L
     for h in lan.ns.hosts:  # then the key is refused: the step to fix it, and the host left out
         assert f"ssh-copy-id -i {stranger}.pub root@{lan.ns.addresses[h]}" in output
     assert "0 machines let us in" in output
-    assert not (tmp_path / "hosts").exists()  # nothing written
+    assert not (tmp_path / "hosts").exists()  # nothing written: it stopped before the inventory
+    assert (tmp_path / "profiles" / "lan.yaml").read_text() == "keep me\n"
+
+
+def test_asks_before_replacing_the_files_it_writes(lan: Lan, tmp_path: Path) -> None:
+    (tmp_path / "hosts").mkdir()
+    (tmp_path / "hosts" / "lan.yaml").write_text("keep me\n")
+    child = spawn_up(lan, tmp_path, "--no-dashboard")
+    child.expect_exact("hosts/lan.yaml exists: replace? [y/n]")
+    child.sendline("n")  # the default is no
+    child.expect(pexpect.EOF, timeout=30)
+    child.close()
+    assert child.exitstatus == 2 and "pass --force to replace them" in child.before
+    assert (tmp_path / "hosts" / "lan.yaml").read_text() == "keep me\n"
 
 
 # ---------------------------------------------------------------- the library steps, no network
