@@ -269,6 +269,13 @@ def test_bad_input(args: list[str], message: str) -> None:
     assert len(lines) == 1 and message in lines[0], result.output
 
 
+def test_without_zeroconf_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "zeroconf", None)  # what an environment without it sees
+    result = runner.invoke(app, ["up", "--yes", "--no-dashboard"])
+    assert result.exit_code == 2
+    assert "pip install 'meshtrain[discover]'" in result.output and len(result.output.splitlines()) == 1
+
+
 def test_without_a_terminal_it_asks_for_yes() -> None:
     result = runner.invoke(app, ["up", "--no-dashboard"])  # stdin is no terminal here
     assert result.exit_code == 2
