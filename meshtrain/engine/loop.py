@@ -8,6 +8,7 @@ projection onto a cluster, provenance).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import math
 import os
@@ -35,7 +36,7 @@ from meshtrain.data import (
     to_device,
 )
 from meshtrain.devices import resolve_device
-from meshtrain.engine import loggers
+from meshtrain.engine import balance, loggers
 from meshtrain.engine.job import FitResult, NodeJob
 from meshtrain.errors import RunFailure
 from meshtrain.faults import FaultPlan, check_steps
@@ -95,8 +96,11 @@ def train_node(
     batches = NodeBatches(train_set, rank=rank, nodes=cfg.nodes, batch_size=cfg.batch_size,
                           seed=cfg.seed, shuffle=cfg.shuffle, shard=shard)
     comm.step = -1  # start-up traffic
-    max_steps = cfg.steps or _agreed_epoch_steps(cfg.epochs, len(batches), comm)  # type: ignore[arg-type]
     plan = cfg.fault_plan()
+    shares = _balanced(job, comm, plan, model, train_set, batches, device) if cfg.balance else None
+    if shares is not None:
+        plan = dataclasses.replace(plan, work=shares.work(cfg.batch_size))
+    max_steps = cfg.steps or _agreed_epoch_steps(cfg.epochs, len(batches), comm)  # type: ignore[arg-type]
     check_steps(plan, max_steps)  # with epochs, the step count is known only now
     departed: dict[int, NodeReport] = {}  # rank 0: reports of nodes that left (--fail)
     strategy = copy.deepcopy(job.strategy)
@@ -104,6 +108,8 @@ def train_node(
         _verify_replicas(model, comm)
     strategy.setup(model, comm, seed=cfg.seed, max_steps=max_steps,
                    num_samples=len(batches.indices))
+    if shares is not None and shares.uneven:  # every mean becomes the sample-weighted one
+        strategy.sample_weight = float(shares.batch_sizes[rank])
     startup_sent = comm.log.bytes_sent
 
     val_batches = _validation_batches(job, rank, device)
@@ -253,6 +259,8 @@ def train_node(
     summary = _summary(job, strategy, history, final, reports, model)
     if plan:
         summary["faults"] = plan.to_dict()
+    if shares is not None:
+        summary["balance"] = shares.to_dict()
     summary["initial"] = initial
     summary["skipped_steps"] = len(skipped)
     if cfg.skip_nonfinite:
@@ -268,6 +276,22 @@ def train_node(
     run_dir = _write_run(job, strategy, model, history, summary, progress.lines)
     observers.notify("run_finished", summary, history)
     return FitResult(model=model, history=history, run_dir=run_dir, summary=summary)
+
+
+def _balanced(job: NodeJob, comm: Communicator, plan: FaultPlan, model: nn.Module, train_set: Any,
+              batches: NodeBatches, device: torch.device) -> balance.Shares:
+    """``balance``: every node's samples per step (see engine/balance.py); ``batches`` is
+    resized to this node's. A launched rank times its own first microbatch."""
+    cfg = job.config
+    if cfg.runtime != "launched":
+        shares = balance.simulated_shares(cfg.nodes, cfg.batch_size, plan.stragglers)
+    else:
+        micro = batches.upcoming_indices(cfg.microbatch_size or cfg.batch_size)
+        batch = to_device(fetch(train_set, micro, job.collate_fn), device)
+        speed = balance.measure_samples_per_second(model, lambda: model(batch), len(micro), device)
+        shares = balance.measured_shares(comm, cfg.batch_size, speed)
+    batches.resize(shares.batch_sizes[comm.rank])
+    return shares
 
 
 def _leave_or_go_on(comm: Communicator, plan: FaultPlan, step: int, departed: dict[int, NodeReport],
@@ -628,8 +652,9 @@ def _write_run(
     run = job.run_dir or RunDirectory.reserve(Path(cfg.out_dir), job.run_id, strategy.name, cfg.nodes)
     try:
         train = {k: v for k, v in asdict(cfg).items() if k not in ("extra_config", "progress")}
+        shares = {"balance": summary["balance"]} if "balance" in summary else {}
         run.write_config({**cfg.extra_config, "strategy": strategy.config(), "train": train,
-                          "model": type(model).__name__, "provenance": provenance()})
+                          "model": type(model).__name__, **shares, "provenance": provenance()})
         run.write_metrics(history, summary.get("initial") or {})
         run.write_log([f"$ {provenance()['command']}", *log_lines])
         run.write_model(model)

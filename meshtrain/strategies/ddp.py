@@ -20,7 +20,9 @@ class GradientAveraging(CommunicationModule):
         strategy = self.strategy
         grads = strategy.grads()
         flags = strategy.grad_flags
-        strategy.comm.all_reduce([*grads, flags], op="mean")
+        # Under balance, weighted by each node's samples: the gradient of the mean loss over
+        # the whole global batch (each node's loss is the mean over its own samples).
+        strategy.mean_over_nodes_(grads, along=[flags])
         strategy.release_unused_grads(flags)
 
 

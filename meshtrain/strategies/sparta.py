@@ -86,7 +86,7 @@ class SparseAveraging(CommunicationModule):
         flats = [p.data.view(-1) for p in self.strategy.params]
         picks = [_on(self.indices(sync_round, i, f.numel()), f.device) for i, f in enumerate(flats)]
         values = [f[ix] for f, ix in zip(flats, picks, strict=True)]
-        self.strategy.comm.all_reduce(values, op="mean")
+        self.strategy.mean_over_nodes_(values)
         for f, ix, v in zip(flats, picks, values, strict=True):
             f[ix] = v
 
