@@ -175,6 +175,9 @@ def train_node(
     # Observers in this process (the live dashboard of `simulate --dashboard`) see every node.
     watched = observers.NodeReporter(rank, max_steps, own_thread=cfg.runtime == "threads") \
         if observers.active() else None
+    for reporter in (status, watched):  # the live view and the dashboard show each node's share
+        if reporter is not None and shares is not None:
+            reporter.batch_size = batches.batch_size
     loop_started = time.perf_counter()
     with progress, live.closed_on_failure():
         for step in range(first_step, max_steps):
