@@ -100,11 +100,6 @@ class NodeBatches:
         self.position += self.batch_size
         return batch.tolist()
 
-    def upcoming_indices(self, count: int) -> list[int]:
-        """``count`` indices of this node's coming samples (to time it), the position unmoved."""
-        start = self.position if self.position + count <= len(self._order) else 0
-        return self._order[start : start + count].tolist()
-
     def resize(self, batch_size: int) -> None:
         """Take ``batch_size`` samples a step from now on (``balance``: this node's share)."""
         if not 1 <= batch_size <= len(self.indices):

@@ -27,11 +27,14 @@ differ from the plain mean by rounding).
 
 Where the throughput comes from
 -------------------------------
-* A launched rank (a real host) measures it: one untimed forward and backward pass of its
-  first microbatch, then :data:`WARMUP_PASSES` timed ones. Gradients, buffers (batch-norm
-  statistics) and torch's random streams are put back and the data position is not moved,
-  so training starts as it would have. The ranks all-gather their samples per second
-  (unrecorded: it is not training traffic).
+* A launched rank (a real host) measures it on real training steps: its first steps run
+  with equal shares, exactly as without ``balance``, and it times steps 2 to
+  ``WARMUP_STEPS + 1``, compute only (wall time minus time inside collectives). At the
+  first sync boundary after them (the next step for DDP and SPARTA, the end of the round
+  for DiLoCo and FedAvg, so every round's weights are the samples it saw) the ranks
+  all-gather their samples per second (unrecorded: not training traffic) and take their
+  shares from the next step on; again every ``REBALANCE_STEPS`` steps (see
+  :class:`Balancer`). summary.json and config.yaml record the last shares.
 * Simulated nodes share this machine, so timing them says nothing about the cluster they
   stand for: node i's throughput is ``1 / slowdown_i`` from ``--straggler`` (1 for the
   others). Equal nodes get equal shares, and ``balance`` then changes nothing.
@@ -43,17 +46,19 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from meshtrain.comm import Communicator
+from meshtrain.data import NodeBatches
 from meshtrain.errors import SettingError
+from meshtrain.strategies import Strategy
 
-WARMUP_PASSES = 3  # timed forward+backward passes per rank (after one untimed)
+WARMUP_STEPS = 5  # timed training steps of a launched rank before its share is set
+REBALANCE_STEPS = 20  # steps of each later window, after which the shares are set again
 MEASURED, STRAGGLERS = "measured", "straggler"
 
 
@@ -122,35 +127,86 @@ def measured_shares(comm: Communicator, batch_size: int, samples_per_second: flo
     return Shares(tuple(apportion(comm.world_size * batch_size, everyone)), tuple(everyone), MEASURED)
 
 
-def measure_samples_per_second(model: nn.Module, forward: Callable[[], torch.Tensor], samples: int,
-                               device: torch.device, passes: int = WARMUP_PASSES) -> float:
-    """Samples per second of ``forward()`` (the loss of ``samples`` samples) plus its backward
-    pass on this host, leaving the model, its gradients and torch's random streams as found."""
-    grads = {p: p.grad for p in model.parameters()}
-    buffers = [b.detach().clone() for b in model.buffers()]
-    cuda = [device.index or 0] if device.type == "cuda" else []
-    mps_state = torch.mps.get_rng_state() if device.type == "mps" else None
-    with torch.random.fork_rng(devices=cuda):  # dropout must not shift the training stream
-        started = 0.0
-        for i in range(passes + 1):
-            if i == 1:  # the first pass warms caches and allocators up: not timed
-                _wait_for(device)
-                started = time.perf_counter()
-            forward().backward()
-        _wait_for(device)
-        elapsed = time.perf_counter() - started
-    if mps_state is not None:
-        torch.mps.set_rng_state(mps_state)
-    with torch.no_grad():
-        for b, saved in zip(model.buffers(), buffers, strict=True):
-            b.copy_(saved)
-    for p, g in grads.items():
-        p.grad = g
-    return samples * passes / max(elapsed, 1e-9)
+class Balancer:
+    """One node's side of ``balance``: its share of each step's samples, applied to its
+    batches and its strategy's means, and (launched) the timing of its warm-up steps.
 
+    Simulated nodes get their shares before step 0. A launched rank trains its first
+    steps with equal shares, exactly as without ``balance``; it times steps 2 to
+    ``warmup_steps + 1`` (the first has one-off costs), counting compute only (wall time
+    minus time inside recorded collectives, which is waiting and transfer). At the first
+    sync boundary after them (every step for DDP and SPARTA, the end of a round for
+    DiLoCo and FedAvg, so a round's weights are the samples it saw) every rank all-gathers
+    its samples per second and takes its share from the next step on. The same happens
+    again after every further ``REBALANCE_STEPS`` steps (at a sync boundary), timed with
+    the shares then in force: a host that slows down later (heat, other work) or whose
+    speed per sample depends on its batch size is followed.
+    """
 
-def _wait_for(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
+    def __init__(self, comm: Communicator, nodes: int, batch_size: int, *, measured: bool,
+                 stragglers: Mapping[int, float], sync_interval: int | None,
+                 warmup_steps: int = WARMUP_STEPS) -> None:
+        self.comm, self.batch_size, self.warmup_steps = comm, batch_size, warmup_steps
+        self.sync_interval = sync_interval or 1
+        self.shares = None if measured else simulated_shares(nodes, batch_size, stragglers)
+        self.source_fixed = not measured  # simulated shares never change
+        self.rebalance_steps = REBALANCE_STEPS
+        self.rebalances = 0  # times the measured shares were set again
+        self.balanced_from: int | None = None  # the first (0-based) step taken with the shares
+        # Where the current timing window began: (clock, collective seconds, 0-based step).
+        self._timed_from: tuple[float, float, int] | None = None
+        self._since = (time.perf_counter(), comm.log.seconds)
+
+    def start(self, batches: NodeBatches, strategy: Strategy) -> None:
+        """Before step 0: simulated nodes take their shares now."""
+        if self.shares is not None:
+            self._apply(batches, strategy, 0)
+
+    def step_done(self, step: int, batches: NodeBatches, strategy: Strategy) -> bool:
+        """After 0-based ``step``: time the warm-up; at the first sync boundary after it, agree
+        on the shares and take this node's from the next step. True when the shares changed."""
+        if self.shares is not None and self.source_fixed:
+            return False
+        now = time.perf_counter()
+        if step == 0:
+            self._timed_from = (now, self.comm.log.seconds, 1)
+            return False
+        assert self._timed_from is not None
+        began, waited, first = self._timed_from
+        window = self.warmup_steps if self.shares is None else self.rebalance_steps
+        if step + 1 - first < window or (step + 1) % self.sync_interval:
+            return False
+        compute = (now - began) - (self.comm.log.seconds - waited)
+        speed = batches.batch_size * (step + 1 - first) / max(compute, 1e-9)
+        shares = measured_shares(self.comm, self.batch_size, speed)
+        self.rebalances += self.shares is not None
+        self.shares = shares
+        self._apply(batches, strategy, step + 1)
+        self._timed_from = (time.perf_counter(), self.comm.log.seconds, step + 1)
+        return True
+
+    def _apply(self, batches: NodeBatches, strategy: Strategy, step: int) -> None:
+        assert self.shares is not None
+        batches.resize(self.shares.batch_sizes[self.comm.rank])
+        # Uneven shares make every mean the sample-weighted one; even ones the plain mean.
+        strategy.sample_weight = float(self.shares.batch_sizes[self.comm.rank]) if self.shares.uneven \
+            else None
+        if self.balanced_from is None:
+            self.balanced_from = step
+            self._since = (time.perf_counter(), self.comm.log.seconds)
+
+    def collective_share(self) -> float | None:
+        """Share of this node's wall time inside recorded collectives since its shares took
+        effect (waiting for the slowest node, plus the transfer); None before."""
+        if self.balanced_from is None:
+            return None
+        wall = time.perf_counter() - self._since[0]
+        return (self.comm.log.seconds - self._since[1]) / wall if wall > 0 else None
+
+    def to_dict(self) -> dict[str, Any]:
+        """What summary.json and config.yaml record (1-based step numbers)."""
+        if self.shares is None:
+            return {"source": MEASURED, "balanced_from_step": None,
+                    "note": f"the run ended within its {self.warmup_steps + 1} warm-up steps"}
+        return {**self.shares.to_dict(), "balanced_from_step": (self.balanced_from or 0) + 1,
+                "rebalances": self.rebalances}

@@ -57,6 +57,10 @@ class NodeReport:
     bytes_sent: list[int]
     bytes_received: list[int]
     startup_bytes_sent: int
+    # Share of its training loop's wall time inside recorded collectives (waiting for the
+    # slowest node, plus the transfer), and the same since its --balance share took effect.
+    collective_share: float | None = None
+    balanced_collective_share: float | None = None
 
 
 def node_seed(seed: int, rank: int) -> int:
@@ -97,9 +101,6 @@ def train_node(
                           seed=cfg.seed, shuffle=cfg.shuffle, shard=shard)
     comm.step = -1  # start-up traffic
     plan = cfg.fault_plan()
-    shares = _balanced(job, comm, plan, model, train_set, batches, device) if cfg.balance else None
-    if shares is not None:
-        plan = dataclasses.replace(plan, work=shares.work(cfg.batch_size))
     max_steps = cfg.steps or _agreed_epoch_steps(cfg.epochs, len(batches), comm)  # type: ignore[arg-type]
     check_steps(plan, max_steps)  # with epochs, the step count is known only now
     departed: dict[int, NodeReport] = {}  # rank 0: reports of nodes that left (--fail)
@@ -108,8 +109,14 @@ def train_node(
         _verify_replicas(model, comm)
     strategy.setup(model, comm, seed=cfg.seed, max_steps=max_steps,
                    num_samples=len(batches.indices))
-    if shares is not None and shares.uneven:  # every mean becomes the sample-weighted one
-        strategy.sample_weight = float(shares.batch_sizes[rank])
+    # --balance: each node's share of the step's samples (engine/balance.py)
+    balancer = balance.Balancer(comm, cfg.nodes, cfg.batch_size, measured=cfg.runtime == "launched",
+                                stragglers=plan.stragglers, sync_interval=strategy.sync_interval()) \
+        if cfg.balance else None
+    if balancer is not None:
+        balancer.start(batches, strategy)
+        if balancer.shares is not None:  # the projection counts each node's work
+            plan = dataclasses.replace(plan, work=balancer.shares.work(cfg.batch_size))
     startup_sent = comm.log.bytes_sent
 
     val_batches = _validation_batches(job, rank, device)
@@ -176,9 +183,9 @@ def train_node(
     watched = observers.NodeReporter(rank, max_steps, own_thread=cfg.runtime == "threads") \
         if observers.active() else None
     for reporter in (status, watched):  # the live view and the dashboard show each node's share
-        if reporter is not None and shares is not None:
+        if reporter is not None and balancer is not None:
             reporter.batch_size = batches.batch_size
-    loop_started = time.perf_counter()
+    loop_started, collectives_before = time.perf_counter(), comm.log.seconds
     with progress, live.closed_on_failure():
         for step in range(first_step, max_steps):
             comm.check_abort()  # another node failed or the run was interrupted: stop here
@@ -221,6 +228,10 @@ def train_node(
                 strategy.step(step)
             if cfg.check_sync:
                 _check_sync(strategy, comm, step)
+            if balancer is not None and balancer.step_done(step, batches, strategy):
+                for reporter in (status, watched):
+                    if reporter is not None:
+                        reporter.batch_size = batches.batch_size
             losses.append(loss_value)
             seconds.append(seconds_before + time.time() - job.started)
             if status is not None:
@@ -251,7 +262,10 @@ def train_node(
     # After finish every node holds the global model: node val loss equals the global one.
     final = evaluator.evaluate(strategy.params_data()) if evaluator else {}
 
-    report = NodeReport(losses, seconds, *_bytes_per_step(comm, max_steps), startup_sent)
+    in_collectives, looped = comm.log.seconds - collectives_before, time.perf_counter() - loop_started
+    report = NodeReport(losses, seconds, *_bytes_per_step(comm, max_steps), startup_sent,
+                        in_collectives / looped if looped > 0 else None,
+                        balancer.collective_share() if balancer is not None else None)
     gathered = comm.gather_json(asdict(report))
     if rank != 0:
         return FitResult(model=model, history=[], run_dir=None, summary={})
@@ -262,8 +276,10 @@ def train_node(
     summary = _summary(job, strategy, history, final, reports, model)
     if plan:
         summary["faults"] = plan.to_dict()
-    if shares is not None:
-        summary["balance"] = shares.to_dict()
+    summary["collective_share_per_node"] = [_rounded(r.collective_share) for r in reports]
+    if balancer is not None:
+        summary["balance"] = {**balancer.to_dict(), "collective_share_per_node": [
+            _rounded(r.balanced_collective_share) for r in reports]}
     summary["initial"] = initial
     summary["skipped_steps"] = len(skipped)
     if cfg.skip_nonfinite:
@@ -281,20 +297,8 @@ def train_node(
     return FitResult(model=model, history=history, run_dir=run_dir, summary=summary)
 
 
-def _balanced(job: NodeJob, comm: Communicator, plan: FaultPlan, model: nn.Module, train_set: Any,
-              batches: NodeBatches, device: torch.device) -> balance.Shares:
-    """``balance``: every node's samples per step (see engine/balance.py); ``batches`` is
-    resized to this node's. A launched rank times its own first microbatch."""
-    cfg = job.config
-    if cfg.runtime != "launched":
-        shares = balance.simulated_shares(cfg.nodes, cfg.batch_size, plan.stragglers)
-    else:
-        micro = batches.upcoming_indices(cfg.microbatch_size or cfg.batch_size)
-        batch = to_device(fetch(train_set, micro, job.collate_fn), device)
-        speed = balance.measure_samples_per_second(model, lambda: model(batch), len(micro), device)
-        shares = balance.measured_shares(comm, cfg.batch_size, speed)
-    batches.resize(shares.batch_sizes[comm.rank])
-    return shares
+def _rounded(share: float | None) -> float | None:
+    return None if share is None else round(share, 4)
 
 
 def _leave_or_go_on(comm: Communicator, plan: FaultPlan, step: int, departed: dict[int, NodeReport],
