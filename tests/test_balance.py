@@ -13,8 +13,10 @@ import yaml
 from helpers import MLP, regression_data
 from torch.testing import assert_close
 from torch.utils.data import TensorDataset
+from typer.testing import CliRunner
 
 from meshtrain import Trainer
+from meshtrain.cli.main import app
 from meshtrain.engine.balance import apportion, simulated_shares
 from meshtrain.errors import SettingError
 from meshtrain.strategies import DDP, DeMo, DiLoCo, FedAvg, SPARTADiLoCo
@@ -209,3 +211,31 @@ def test_balance_is_refused_where_it_cannot_hold(tmp_path):
     with pytest.raises(SettingError, match="balance cannot be combined with --fail"):
         fit(DDP(), data, tmp_path, nodes=3, steps=4, batch_size=8, balance=True,
             fail=["node=2,step=2"])
+
+
+@pytest.mark.parametrize(("command", "message"), [
+    (["simulate", "--strategy", "demo"], "balance: demo cannot weight its update by each node's samples"),
+    (["simulate", "--fail", "node=1,step=2", "--nodes", "3"], "balance cannot be combined with --fail"),
+    (["launch", "INVENTORY", "--max-restarts", "1", "--checkpoint-every", "5"],
+     "--balance cannot be combined with --resume or --max-restarts yet"),
+    (["launch", "INVENTORY", "--strategy", "demo"], "balance: demo cannot weight"),
+])
+def test_balance_refusals_are_one_line_and_exit_2(command, message, tmp_path):
+    inventory = tmp_path / "hosts.yaml"  # never contacted: the flags fail first (loopback anyway)
+    inventory.write_text("defaults: {python: /usr/bin/python3, workdir: /tmp/mt}\n"
+                         "hosts:\n  - {name: a, host: 127.0.0.1}\n  - {name: b, host: 127.0.0.1, port: 2}\n")
+    args = [str(inventory) if a == "INVENTORY" else a for a in command]
+    done = CliRunner().invoke(app, [*args, "--balance", "--steps", "4", "--out", str(tmp_path / "runs")])
+    assert done.exit_code == 2, done.output
+    assert message in done.output
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def test_simulate_prints_and_records_the_shares(tmp_path):
+    done = CliRunner().invoke(app, ["simulate", "--strategy", "ddp", "--nodes", "2", "--steps", "3",
+                                    "--straggler", "node=1,slowdown=2", "--balance", "--no-progress",
+                                    "--out", str(tmp_path), "--run-id", "b"])
+    assert done.exit_code == 0, done.output
+    assert "node 0 43 (67%), node 1 21 (33%)" in done.output  # batch 32 per node: 64 split 2:1
+    config = yaml.safe_load((tmp_path / "b" / "config.yaml").read_text())
+    assert config["spec"]["balance"] is True and config["balance"]["nodes"][1]["batch_size"] == 21
