@@ -3,9 +3,10 @@
 Two namespace hosts with their own sshd (tests/ssh_fixtures.py, as the tests build them),
 capped by cgroup CPU quotas at 1 core and 0.5 core (tests/cpu_limits.py). Each run is a
 real ``meshtrain launch``: DDP on digits (a small CNN), one torch thread per rank. Per
-rank, summary.json gives the share of its training loop spent inside the all-reduce; the
-slow host arrives last and waits for no one, so its share is the collective's own cost,
-and the fast host's share beyond it is its wait for the slow host. With ``--balance`` the
+rank, summary.json gives the share of its training loop spent inside the all-reduce (the
+medians of the repeats are shown); the slow host arrives last and waits for no one, so its
+share is the collective's own cost, and the fast host's share beyond it is its wait for
+the slow host (negative: the slow host waited for the fast one). With ``--balance`` the
 shares count from the first balanced step (after the warm-up steps). Needs root,
 openssh-server, iproute2 and a writable cgroup cpu controller.
 
@@ -81,7 +82,7 @@ def main() -> None:
                             else s["collective_share_per_node"]
                         split = "/".join(str(n["batch_size"]) for n in s["balance"]["nodes"]) if balance \
                             else f"{args.batch_size}/{args.batch_size}"
-                        rows[balance].append((inside[0] - inside[1], inside[1], s["final_val_loss"], split))
+                        rows[balance].append((inside[0], inside[1], s["final_val_loss"], split))
             finally:
                 fast.delete()
                 slow.delete()
@@ -89,13 +90,14 @@ def main() -> None:
             worlds.close()  # stops the sshds, deletes the namespaces
     table = Table(title=f"DDP on digits (CNN), 2 hosts capped at 1 and 0.5 core, {args.steps} steps, "
                         f"batch {args.batch_size} per host, median of {args.repeats}")
-    for name in ("run", "samples/step (fast/slow)", "fast host waiting for the slow one",
-                 "the all-reduce itself", "final val loss"):
+    for name in ("run", "samples/step (fast/slow)", "fast host in the all-reduce",
+                 "slow host in the all-reduce", "fast host waiting for the slow one", "final val loss"):
         table.add_column(name, justify="right")
     for balance, found in rows.items():
         table.add_row("--balance" if balance else "equal batches", found[-1][3],
-                      f"{statistics.median(r[0] for r in found):.1%} of its loop",
+                      f"{statistics.median(r[0] for r in found):.1%}",
                       f"{statistics.median(r[1] for r in found):.1%}",
+                      f"{statistics.median(r[0] - r[1] for r in found):.1%}",
                       f"{statistics.median(r[2] for r in found):.4f}")
     Console(width=200).print(table)
 

@@ -206,7 +206,7 @@ def test_balance_gives_the_slow_node_a_smaller_share_and_ends_the_waiting(tmp_pa
 # ------------------------------------------------------------------------------ refusals
 def test_balance_is_refused_where_it_cannot_hold(tmp_path):
     data = regression_data(320)
-    with pytest.raises(SettingError, match="balance: demo cannot weight"):
+    with pytest.raises(SettingError, match="balance: strategy demo does not weight"):
         fit(DeMo(), data, tmp_path, nodes=2, steps=2, batch_size=8, balance=True)
     with pytest.raises(SettingError, match="balance cannot be combined with --fail"):
         fit(DDP(), data, tmp_path, nodes=3, steps=4, batch_size=8, balance=True,
@@ -214,11 +214,13 @@ def test_balance_is_refused_where_it_cannot_hold(tmp_path):
 
 
 @pytest.mark.parametrize(("command", "message"), [
-    (["simulate", "--strategy", "demo"], "balance: demo cannot weight its update by each node's samples"),
+    (["simulate", "--strategy", "demo"], "balance: strategy demo does not weight its averages"),
+    (["simulate", "--strategy", "examples.custom_strategy:Int8DDP"],  # averages by itself
+     "balance: strategy int8-ddp does not weight its averages"),
     (["simulate", "--fail", "node=1,step=2", "--nodes", "3"], "balance cannot be combined with --fail"),
     (["launch", "INVENTORY", "--max-restarts", "1", "--checkpoint-every", "5"],
      "--balance cannot be combined with --resume or --max-restarts yet"),
-    (["launch", "INVENTORY", "--strategy", "demo"], "balance: demo cannot weight"),
+    (["launch", "INVENTORY", "--strategy", "demo"], "balance: strategy demo does not weight"),
 ])
 def test_balance_refusals_are_one_line_and_exit_2(command, message, tmp_path):
     inventory = tmp_path / "hosts.yaml"  # never contacted: the flags fail first (loopback anyway)

@@ -100,8 +100,8 @@ def train_node(
     batches = NodeBatches(train_set, rank=rank, nodes=cfg.nodes, batch_size=cfg.batch_size,
                           seed=cfg.seed, shuffle=cfg.shuffle, shard=shard)
     comm.step = -1  # start-up traffic
-    plan = cfg.fault_plan()
     max_steps = cfg.steps or _agreed_epoch_steps(cfg.epochs, len(batches), comm)  # type: ignore[arg-type]
+    plan = cfg.fault_plan()
     check_steps(plan, max_steps)  # with epochs, the step count is known only now
     departed: dict[int, NodeReport] = {}  # rank 0: reports of nodes that left (--fail)
     strategy = copy.deepcopy(job.strategy)

@@ -113,9 +113,10 @@ class Strategy:
     continues_on_fewer_nodes: ClassVar[bool] = False
     #: True when every node holds the same parameters after every step (DDP, DeMo).
     replicas_in_sync: ClassVar[bool] = False
-    #: False where a sample-weighted mean has no meaning in the update (DeMo's sign of a
-    #: decoded sum): ``balance`` is refused for it.
-    balances: ClassVar[bool] = True
+    #: True where every average the strategy takes goes through :meth:`mean_over_nodes_`,
+    #: so ``balance`` can weight it by samples; ``balance`` is refused otherwise (DeMo's
+    #: update is the sign of a decoded sum; a custom strategy averaging by itself).
+    balances: ClassVar[bool] = False
     #: This node's samples per step under ``balance``, set by the training loop before step 0;
     #: None (the default): every node takes ``batch_size`` samples and means are plain means.
     sample_weight: float | None = None

@@ -102,7 +102,6 @@ class DeMo(Strategy):
     key_parameters = {"compression_topk": "topk"}
     # Not continues_on_fewer_nodes: each node's residual holds gradient never applied anywhere.
     replicas_in_sync = True  # every node applies the same decoded update
-    balances = False  # the update is the sign of a decoded sum: no sample weight fits in it
 
     def __init__(
         self,

@@ -105,6 +105,7 @@ class DiLoCo(Strategy):
     # Checkpoints fall on outer syncs, where every node holds the outer parameters and the
     # same outer optimizer (the inner optimizer is each node's own).
     continues_on_fewer_nodes = True
+    balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)
 
     def __init__(
         self,

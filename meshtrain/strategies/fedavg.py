@@ -127,6 +127,7 @@ class FedAvg(Strategy):
     display_name = "FedAvg"
     key_parameters = {"H": "H", "island_size": "islands"}
     continues_on_fewer_nodes = True  # after a full average every node holds the global model
+    balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)
 
     def __init__(
         self,

@@ -108,6 +108,7 @@ class SPARTA(Strategy):
     name = "sparta"
     display_name = "SPARTA"
     key_parameters = {"p": "p"}
+    balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)
     # Not continues_on_fewer_nodes: the nodes never agree; the global model is the mean of all.
 
     def __init__(
