@@ -60,8 +60,11 @@ def test_balance_ends_the_wait_for_a_host_capped_at_half_a_core(world, tmp_path:
     waiting = {b: fast - slow for b, (fast, slow) in inside.items()}
     shares = runs[True]["balance"]["nodes"]
     report = f"in collectives (fast, slow) {inside}, shares {shares}"
-    assert 0.3 < waiting[False] < 0.7, report  # about half of every step
-    assert waiting[True] < 0.1, report
+    # Idle, the fast host waits about half of every step (2x the speed). On a loaded machine
+    # its one core is less than a core and the wait less (0.27 to 0.48 of its loop here, at
+    # load averages of 10 to 20 on 2 cores): a clear wait, which --balance must end.
+    assert 0.15 < waiting[False] < 0.7, report
+    assert waiting[True] < 0.1 and waiting[True] < waiting[False] / 2, report
     assert shares[0]["batch_size"] > shares[1]["batch_size"], report
     assert runs[True]["balance"]["balanced_from_step"] == 7  # after 1 + 5 timed warm-up steps
     # The same samples seen, and the validation loss they reach stays where it was.
