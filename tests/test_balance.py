@@ -126,10 +126,11 @@ def reference_local(data, sizes, steps, *, H, inner, outer_lr, momentum):
     return [t.detach() for t in theta]
 
 
-def test_balanced_diloco_weights_each_pseudo_gradient_by_its_samples(tmp_path):
+@pytest.mark.parametrize("runtime", ["threads", "processes"])
+def test_balanced_diloco_weights_each_pseudo_gradient_by_its_samples(runtime, tmp_path):
     data, steps, H = regression_data(640), 7, 3  # a final sync after a short round
     result = fit(DiLoCo(H=H, lr=0.01), data, tmp_path, nodes=2, steps=steps, batch_size=8,
-                 balance=True, straggler=SLOW)
+                 balance=True, straggler=SLOW, runtime=runtime)
     adamw = lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, betas=(0.9, 0.95))  # noqa: E731
     expected = reference_local(data, [12, 4], steps, H=H, inner=adamw, outer_lr=0.7, momentum=0.9)
     assert_params(result.model, expected)
