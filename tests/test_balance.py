@@ -15,7 +15,7 @@ from torch.testing import assert_close
 from torch.utils.data import TensorDataset
 from typer.testing import CliRunner
 
-from meshtrain import Trainer
+from meshtrain import Trainer, observers
 from meshtrain.cli.main import app
 from meshtrain.engine.balance import apportion, simulated_shares
 from meshtrain.errors import SettingError
@@ -242,3 +242,20 @@ def test_simulate_prints_and_records_the_shares(tmp_path):
     assert "node 0 43 (67%), node 1 21 (33%)" in done.output  # batch 32 per node: 64 split 2:1
     config = yaml.safe_load((tmp_path / "b" / "config.yaml").read_text())
     assert config["spec"]["balance"] is True and config["balance"]["nodes"][1]["batch_size"] == 21
+
+
+def test_observers_see_each_nodes_samples_per_step(tmp_path):
+    """What feeds `simulate --dashboard`: every node's updates carry its share."""
+    seen: dict[int, set] = {0: set(), 1: set()}
+
+    class Watcher:
+        def __getattr__(self, name):
+            return lambda *args: None
+
+        def node_update(self, update):
+            seen[update.node].add(update.batch_size)
+
+    with observers.watching(Watcher()):
+        fit(DDP(), regression_data(400), tmp_path, nodes=2, steps=3, batch_size=8, balance=True,
+            straggler=SLOW)
+    assert seen == {0: {12}, 1: {4}}
