@@ -90,7 +90,7 @@ class Shares:
 
 def check_strategy(strategy: Any, balance: bool) -> None:
     """Raise :class:`SettingError` when ``balance`` is asked of a strategy that refuses it."""
-    if balance and not getattr(strategy, "balances", True):
+    if balance and not getattr(strategy, "balances", False):
         raise SettingError(f"balance: strategy {strategy.name} does not weight its averages by each "
                            "node's samples (DeMo applies the sign of a decoded sum; a strategy of your own "
                            "averages through Strategy.mean_over_nodes_ and sets balances = True)")
