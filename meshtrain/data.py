@@ -100,6 +100,13 @@ class NodeBatches:
         self.position += self.batch_size
         return batch.tolist()
 
+    def resize(self, batch_size: int) -> None:
+        """Take ``batch_size`` samples a step from now on (``balance``: this node's share)."""
+        if not 1 <= batch_size <= len(self.indices):
+            raise ValueError(f"node {self.rank}'s share of the batch, {batch_size} samples, does not "
+                             f"fit its shard of {len(self.indices)} samples")
+        self.batch_size = batch_size
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
 

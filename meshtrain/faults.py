@@ -7,7 +7,8 @@ node knows the plan from the start, so nothing has to detect the departure.
 
 ``--straggler node=1,slowdown=3`` changes only the projected timeline: a step's compute
 lasts as long as its slowest alive node's, and the others wait for it (idle seconds).
-Nothing sleeps.
+Nothing sleeps. With ``--balance`` a node's compute also scales with its share of the
+step's samples (``work``), so a slow node given fewer samples no longer holds the others up.
 
 Node 0 may not fail: it writes the run directory and holds the global model.
 """
@@ -32,11 +33,17 @@ class FaultPlan:
 
     ``failures`` maps a rank to the number of steps it completes before leaving (it takes
     no part in step ``failures[rank] + 1`` or later, 1-based). ``stragglers`` maps a rank
-    to how many times longer its compute takes than a normal node's (>= 1).
+    to how many times longer its compute takes than a normal node's (>= 1). ``work`` maps a
+    rank to its samples per step relative to ``batch_size`` (``--balance``; 1 where absent).
     """
 
     failures: dict[int, int] = field(default_factory=dict)
     stragglers: dict[int, float] = field(default_factory=dict)
+    work: dict[int, float] = field(default_factory=dict)
+
+    def compute_factor(self, rank: int) -> float:
+        """How many normal steps' compute ``rank`` takes a step: its slowdown times its work."""
+        return self.stragglers.get(rank, 1.0) * self.work.get(rank, 1.0)
 
     def __bool__(self) -> bool:
         return bool(self.failures or self.stragglers)
@@ -53,13 +60,13 @@ class FaultPlan:
 
     def slowdown_at(self, step: int, nodes: int) -> float:
         """How many normal steps' time step ``step`` takes: its slowest alive node's factor."""
-        return max((self.stragglers.get(r, 1.0) for r in self.alive_at(step, nodes)), default=1.0)
+        return max((self.compute_factor(r) for r in self.alive_at(step, nodes)), default=1.0)
 
     def idle_factor_at(self, step: int, nodes: int) -> float:
         """Node-steps the alive nodes spend waiting for the slowest at ``step``:
-        ``sum_i (max_slowdown - slowdown_i)`` over alive nodes i."""
+        ``sum_i (max_slowdown - slowdown_i)`` over alive nodes i (each times its work)."""
         slowest = self.slowdown_at(step, nodes)
-        return sum(slowest - self.stragglers.get(r, 1.0) for r in self.alive_at(step, nodes))
+        return sum(slowest - self.compute_factor(r) for r in self.alive_at(step, nodes))
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as summary.json records it (ranks as text: JSON keys)."""

@@ -91,9 +91,11 @@ class RankStatus:
 
     On the wire, version 1 is one compact JSON object between STX and ETX, then a newline:
     ``\\x02{"v":1,"step":12,"steps":20,"loss":0.53,"sps":8.1,"sent":1234,"rss":98765,
-    "sync":10}\\x03\\n``. Only ``v`` and ``step`` are required; a field the rank cannot
-    know is left out (``sync`` where the strategy keeps no last-sync step, ``loss`` before
-    the first step or when it is not finite).
+    "sync":10,"cpu":97.5,"gpu":123456,"batch":21}\\x03\\n``. Only ``v`` and ``step`` are
+    required; a field the rank cannot know is left out (``sync`` where the strategy keeps
+    no last-sync step, ``loss`` before the first step or when it is not finite, ``cpu``
+    in the first status, ``gpu`` where torch holds no CUDA or MPS memory, ``batch`` in a
+    run without ``balance``). A launcher that predates a field ignores it.
     """
 
     step: int  # steps done (0: the training loop is starting)
@@ -103,12 +105,17 @@ class RankStatus:
     bytes_sent: int | None = None  # everything its communicator sent, start-up included
     rss_bytes: int | None = None  # resident memory (the peak on macOS)
     last_sync: int | None = None  # the step after which it last synchronised with its peers
+    cpu_percent: float | None = None  # process CPU time over wall time since its previous status
+    gpu_bytes: int | None = None  # memory torch holds on its GPU (CUDA) or Apple GPU (MPS)
+    batch_size: int | None = None  # its samples per step (its share under balance)
 
     def encode(self) -> bytes:
         """The frame for this status, to be written in one ``os.write``."""
         fields: dict[str, Any] = {"v": STATUS_VERSION, "step": self.step, "steps": self.steps,
                                   "loss": self.loss, "sps": self.steps_per_second,
-                                  "sent": self.bytes_sent, "rss": self.rss_bytes, "sync": self.last_sync}
+                                  "sent": self.bytes_sent, "rss": self.rss_bytes, "sync": self.last_sync,
+                                  "cpu": None if self.cpu_percent is None else round(self.cpu_percent, 1),
+                                  "gpu": self.gpu_bytes, "batch": self.batch_size}
         payload = json.dumps({k: v for k, v in fields.items() if v is not None}, separators=(",", ":"),
                              allow_nan=False)
         frame = f"{STATUS_OPEN}{payload}{STATUS_CLOSE}\n".encode()
@@ -146,8 +153,12 @@ def decode_status(payload: str) -> RankStatus | None:
         step = number("step", int)
         if step is None:
             return None
+        cpu = number("cpu", float)
+        if cpu is not None and not cpu >= 0:
+            return None
         return RankStatus(step, number("steps", int), number("loss", float), number("sps", float),
-                          number("sent", int), number("rss", int), number("sync", int))
+                          number("sent", int), number("rss", int), number("sync", int), cpu,
+                          number("gpu", int), number("batch", int))
     except (TypeError, OverflowError, ValueError):
         return None
 
@@ -201,6 +212,9 @@ class StatusReporter:
         self._sent_at: float | None = None
         self._sent_step = 0
         self._stepped = False  # the first step's status always goes, even right after announce()
+        self._cpu_at = time.process_time()  # CPU use is measured between two statuses
+        #: This rank's samples per step, sent with every status (the loop sets it under balance).
+        self.batch_size: int | None = None
 
     def step_done(self, step: int, loss: float | None, bytes_sent: int, strategy: Any = None, *,
                   final: bool = False) -> bool:
@@ -216,18 +230,22 @@ class StatusReporter:
         return self._send(step, loss, bytes_sent, strategy, now)
 
     def _send(self, step: int, loss: float | None, bytes_sent: int, strategy: Any, now: float) -> bool:
-        rate = None
-        if self._sent_at is not None and now > self._sent_at and step > self._sent_step:
-            rate = (step - self._sent_step) / (now - self._sent_at)
+        rate = cpu = None
+        cpu_now = time.process_time()
+        if self._sent_at is not None and now > self._sent_at:
+            cpu = max(0.0, 100.0 * (cpu_now - self._cpu_at) / (now - self._sent_at))
+            if step > self._sent_step:
+                rate = (step - self._sent_step) / (now - self._sent_at)
         status = RankStatus(
             step, self.steps, loss if loss is not None and math.isfinite(loss) else None, rate,
-            bytes_sent, resident_bytes(), last_sync_step(strategy, step) if strategy is not None else None)
+            bytes_sent, resident_bytes(), last_sync_step(strategy, step) if strategy is not None else None,
+            cpu, accelerator_bytes(), self.batch_size)
         try:
             os.write(self.fd, status.encode())
         except OSError:
             self.fd = -1  # nobody listens any more: stop trying, quietly
             return False
-        self._sent_at, self._sent_step = now, step
+        self._sent_at, self._sent_step, self._cpu_at = now, step, cpu_now
         return True
 
     def announce(self, first_step: int) -> None:
@@ -276,3 +294,21 @@ def resident_bytes() -> int | None:
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB on Linux
+
+
+def accelerator_bytes() -> int | None:
+    """Memory torch holds on this process's GPU (CUDA) or Apple GPU (MPS); None where it uses
+    neither (or torch is not loaded: this module never imports it)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        if torch.cuda.is_initialized():
+            return int(torch.cuda.memory_allocated())
+        mps = getattr(torch, "mps", None)
+        if mps is not None and torch.backends.mps.is_available():
+            held = int(mps.current_allocated_memory())
+            return held if held > 0 else None
+    except (RuntimeError, AttributeError):  # a build without the backend
+        return None
+    return None

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from meshtrain.heartbeat import resident_bytes
+from meshtrain.heartbeat import RankStatus, accelerator_bytes, resident_bytes
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,61 @@ class NodeUpdate:
     rss_bytes: int | None = None  # resident memory of its process
     cpu_percent: float | None = None  # CPU time over wall time since its previous update
     last_sync: int | None = None  # the step after which it last synchronised
+    gpu_bytes: int | None = None  # memory torch holds on its GPU (CUDA) or Apple GPU (MPS)
+    batch_size: int | None = None  # its samples per step (its share under balance)
+
+    @classmethod
+    def from_status(cls, rank: int, status: RankStatus) -> NodeUpdate:
+        """The update a launched rank's status frame carries."""
+        return cls(rank, status.step, status.steps, status.loss, status.steps_per_second,
+                   status.bytes_sent, status.rss_bytes, status.cpu_percent, status.last_sync,
+                   status.gpu_bytes, status.batch_size)
+
+
+STARTING, TRAINING, FINISHING = "starting", "training", "finishing"
+#: The figures a :class:`NodeUpdate` carries that a row keeps (its step aside).
+FIGURES = ("steps", "loss", "steps_per_second", "bytes_sent", "rss_bytes", "cpu_percent",
+           "gpu_bytes", "batch_size", "last_sync")
+
+
+@dataclass
+class NodeRow:
+    """What a view knows about one node: a launched host's rank or a simulated node. The one
+    row definition of the launch's live panel (launch/live.py) and the web dashboard."""
+
+    name: str  # the host's name, or "node N"
+    rank: int
+    state: str = STARTING
+    step: int | None = None
+    steps: int | None = None
+    loss: float | None = None
+    steps_per_second: float | None = None
+    bytes_sent: int | None = None
+    rss_bytes: int | None = None
+    cpu_percent: float | None = None
+    gpu_bytes: int | None = None
+    batch_size: int | None = None
+    last_sync: int | None = None
+    last_heard: float | None = None  # when it was last heard (the view's clock)
+    ended_at: float | None = None  # when it stopped (the live panel's clock)
+    reason: str | None = None  # why it failed or was lost
+    restarts: int = 0
+
+    def silent_for(self, now: float) -> float | None:
+        """Seconds since it was last heard (frozen once it stopped); None if never."""
+        if self.last_heard is None:
+            return None
+        return max(0.0, (self.ended_at if self.ended_at is not None else now) - self.last_heard)
+
+    def take(self, update: NodeUpdate) -> None:
+        """Fold in ``update``: a figure it leaves out keeps its last value; past the last
+        step the node is finishing (final evaluation, writing the run directory)."""
+        self.step = update.step
+        for name in FIGURES:
+            value = getattr(update, name)
+            if value is not None:
+                setattr(self, name, value)
+        self.state = FINISHING if self.steps is not None and update.step >= self.steps else TRAINING
 
 
 class RunObserver(Protocol):
@@ -111,6 +166,8 @@ class NodeReporter:
         self._sent_at: float | None = None
         self._sent_step = 0
         self._cpu_at = self._cpu_clock()
+        #: The node's samples per step, sent with every update (the loop sets it under balance).
+        self.batch_size: int | None = None
         notify("node_started", node)
 
     def step_done(self, step: int, loss: float | None, bytes_sent: int, *, final: bool = False) -> None:
@@ -124,7 +181,8 @@ class NodeReporter:
             cpu = 100.0 * (cpu_now - self._cpu_at) / (now - self._sent_at)
         finite = loss is not None and math.isfinite(loss)
         notify("node_update", NodeUpdate(self.node, step, self.steps, loss if finite else None, rate,
-                                         bytes_sent, resident_bytes(), cpu))
+                                         bytes_sent, resident_bytes(), cpu, None, accelerator_bytes(),
+                                         self.batch_size))
         self._sent_at, self._sent_step, self._cpu_at = now, step, cpu_now
 
 

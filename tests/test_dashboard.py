@@ -150,6 +150,22 @@ def test_finished_run_directories_and_bad_ones(tmp_path: Path) -> None:
         state.add_run_directory(result.run_dir)
 
 
+def test_rows_show_cpu_gpu_memory_and_each_nodes_share_live_and_finished(tmp_path: Path) -> None:
+    state = DashboardState(Clock())
+    live = state.live_run("r2", ["studio", "air"], "launch")
+    live.node_update(NodeUpdate(0, 3, 20, 0.9, 8.0, 1000, 2_000_000, 97.5, 3, 4_000_000_000, 21))
+    live.node_update(NodeUpdate(1, 3, 20, 1.0, 8.0, 1000, 2_000_000, 49.0, 3, None, 11))
+    studio, air = state.snapshot()["runs"][0]["nodes"]
+    assert (studio["cpu_percent"], studio["gpu_bytes"], studio["batch_size"]) == (97.5, 4_000_000_000, 21)
+    assert (air["cpu_percent"], air["gpu_bytes"], air["batch_size"]) == (49.0, None, 11)
+    # A finished --balance run shows the shares its summary recorded.
+    result = Trainer(MLP(), regression_data(400)).fit(nodes=2, steps=2, batch_size=8, out_dir=str(tmp_path),
+                                                      progress=False, balance=True,
+                                                      straggler=["node=1,slowdown=3"])
+    state.add_run_directory(result.run_dir)
+    assert [n["batch_size"] for n in state.snapshot()["runs"][1]["nodes"]] == [12, 4]
+
+
 # --------------------------------------------------------------------------- what feeds it
 def test_a_failing_observer_is_dropped_and_the_run_goes_on() -> None:
     class Broken:

@@ -60,6 +60,8 @@ def test_status_frame_round_trip_is_small_versioned_json() -> None:
     # Fields a rank cannot know are left out, and come back as None.
     assert RankStatus(0).encode() == b'\x02{"v":1,"step":0}\x03\n'
     assert decode_status('{"v":1,"step":0}') == RankStatus(0)
+    full = RankStatus(12, 20, 0.5, 8.5, 1, 2, 10, 97.54, 3_000_000_000, 21)
+    assert split_status(frame(full))[1] == [RankStatus(12, 20, 0.5, 8.5, 1, 2, 10, 97.5, 3_000_000_000, 21)]
 
 
 @pytest.mark.parametrize("payload", [
@@ -73,6 +75,8 @@ def test_status_frame_round_trip_is_small_versioned_json() -> None:
     '{"v":1,"step":3',  # cut off
     # What a hostile host could send: NaN, infinities, absurd or negative counts, a huge frame.
     '{"v":1,"step":3,"loss":NaN}',
+    '{"v":1,"step":3,"cpu":-5}',  # CPU use is never negative
+    '{"v":1,"step":3,"batch":-1}',
     '{"v":1,"step":3,"sps":Infinity}',
     '{"v":1,"step":1e400}',
     '{"v":1,"step":99999999999999999999999}',
@@ -133,7 +137,10 @@ def test_reporter_sends_at_most_every_half_second_plus_first_and_last() -> None:
     statuses = [s for line in raw.splitlines() for s in split_status(line)[1]]
     assert [s.step for s in statuses] == [1, 5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 48]
     assert statuses[1].steps_per_second == 8.0
-    assert statuses[-1] == RankStatus(48, 48, 0.04, 8.0, 60_000, statuses[-1].rss_bytes)
+    # CPU use from the second status on: this process's CPU time over the (fake) clock's time.
+    assert statuses[0].cpu_percent is None and all(s.cpu_percent >= 0 for s in statuses[1:])
+    assert statuses[-1] == RankStatus(48, 48, 0.04, 8.0, 60_000, statuses[-1].rss_bytes,
+                                      cpu_percent=statuses[-1].cpu_percent)
     assert statuses[-1].rss_bytes is not None and statuses[-1].rss_bytes > 10_000_000  # this python
 
 
@@ -224,13 +231,28 @@ def test_render_has_one_row_per_host_with_every_column() -> None:
     text = console.export_text()
     header = next(line for line in text.splitlines() if line.startswith("┃"))
     assert [c.strip() for c in header.strip("┃").split("┃")] == [
-        "host", "rank", "state", "step", "loss", "steps/s", "last sync", "sent", "memory", "heard"]
+        "host", "rank", "state", "step", "loss", "steps/s", "last sync", "sent", "CPU", "memory", "heard"]
     rows = _table_rows(text)
     assert list(rows) == ["studio-1", "studio-2", "mb"]
     assert rows["studio-1"] == ["studio-1", "0", "training", "12/20", "0.5312", "8.2", "10", "1.23 MB",
-                                "310.00 MB", "0.2 s"]
-    assert rows["studio-2"][2] == "failed (exited with status 3)" and rows["studio-2"][9] == "1.5 s"
-    assert rows["mb"] == ["mb", "2", "starting", "-", "-", "-", "-", "-", "-", "-"]
+                                "-", "310.00 MB", "0.2 s"]
+    assert rows["studio-2"][2] == "failed (exited with status 3)" and rows["studio-2"][10] == "1.5 s"
+    assert rows["mb"] == ["mb", "2", "starting", "-", "-", "-", "-", "-", "-", "-", "-"]
+
+
+def test_render_shows_cpu_shares_and_gpu_memory_when_ranks_send_them() -> None:
+    view = ClusterView(["studio", "air"])
+    view.fold(0, RankStatus(5, 20, 0.5, 2.0, 1000, 300_000_000, 5, 97.5, 2_000_000_000, 21), now=1.0)
+    view.fold(1, RankStatus(5, 20, 0.6, 2.0, 1000, 200_000_000, 5, 49.9, None, 11), now=1.0)
+    console = Console(record=True, width=200, file=io.StringIO())
+    console.print(render_cluster(view, now=1.0))
+    text = console.export_text()
+    header = next(line for line in text.splitlines() if line.startswith("┃"))
+    assert [c.strip() for c in header.strip("┃").split("┃")][6:] == [
+        "last sync", "samples/step", "sent", "CPU", "memory", "GPU memory", "heard"]
+    rows = _table_rows(text)
+    assert rows["studio"][7:12] == ["21", "1.00 kB", "98 %", "300.00 MB", "2.00 GB"]
+    assert rows["air"][7:12] == ["11", "1.00 kB", "50 %", "200.00 MB", "-"]
 
 
 def test_live_output_shows_the_panel_above_the_latest_lines() -> None:
@@ -248,7 +270,7 @@ def test_live_output_shows_the_panel_above_the_latest_lines() -> None:
     console.print(out.renderable())
     text = console.export_text()
     rows = _table_rows(text)
-    assert rows["box0"][2:5] == ["training", "29/30", "0.0333"] and rows["box0"][9] == "0.0 s"
+    assert rows["box0"][2:5] == ["training", "29/30", "0.0333"] and rows["box0"][10] == "0.0 s"
     assert rows["box1"][2] == "starting"
     lines = text.splitlines()
     panel_end = lines.index(next(line for line in lines if line.startswith("└")))
@@ -333,7 +355,8 @@ def test_live_panel_shows_every_rank_to_the_last_step(world, tmp_path: Path) -> 
         cells = rows[name]
         assert cells[1:4] == [str(rank), "done", "10/10"], cells
         assert float(cells[4]) > 0 and cells[6] == "10"  # a loss; DiLoCo's last outer sync after step 10
-        assert cells[7].endswith("B") and cells[8].endswith("MB"), cells  # bytes sent, resident memory
+        assert cells[7].endswith("B") and cells[9].endswith("MB"), cells  # bytes sent, resident memory
+        assert cells[8].endswith(" %"), cells  # CPU use, from the rank's CPU time
     assert "\x02" not in shown and "\x06" not in shown  # status frames and beats never reach the screen
     assert "box0 r0 | run directory: " in plain  # the log under the panel
     assert "all 2 ranks finished" in plain

@@ -49,6 +49,8 @@ TRAINING_FLAGS = dict(
     wandb=flag("wandb", "--wandb", metavar="PROJECT", rich_help_panel="Output"),
     tensorboard=typer.Option(None, "--tensorboard/--no-tensorboard", help=escape(help_for("tensorboard")),
                              rich_help_panel="Output"),
+    balance=typer.Option(None, "--balance/--no-balance", help=escape(help_for("balance")),
+                         rich_help_panel="What to train"),
     set_=typer.Option([], "--set", help="Override any setting: key=value (H=50, steps=100, "
                                         "task_options.arch=cnn); values are read as YAML.",
                       rich_help_panel="What to train"),

@@ -36,6 +36,7 @@ from meshtrain.config.spec import (
     merge,
     parse_set,
 )
+from meshtrain.engine.balance import check_strategy as check_strategy_balance
 from meshtrain.hosts import discovery as d
 from meshtrain.hosts.bench import (
     BENCH_FILE,
@@ -323,9 +324,11 @@ def hosts_discover(
     console.print(f"wrote {write} ({len(found)} hosts); next: meshtrain hosts check {write}", highlight=False)
 
 
-def _check_training_flags(flags: dict[str, Any], overrides: list[str], world_size: int) -> None:
+def _check_training_flags(flags: dict[str, Any], overrides: list[str], world_size: int,
+                          restarts: bool = False) -> None:
     """Resolve the run's settings here as every rank will (exit 2 on any fault) before any
-    host is contacted: a bad value must not start ``world_size`` ranks that each fail."""
+    host is contacted: a bad value must not start ``world_size`` ranks that each fail.
+    ``restarts``: the ranks may be started again with --resume (--resume, --max-restarts)."""
     try:
         spec, task = resolve_run(flags, overrides, launched=False)
         if spec.strategy == AUTO:
@@ -333,8 +336,13 @@ def _check_training_flags(flags: dict[str, Any], overrides: list[str], world_siz
                        f"`meshtrain plan --hosts {world_size} --cluster CLUSTER` and launch with its choice")
         # As a launched rank sees it: one node per host, simulated faults not allowed.
         config = dataclasses.replace(spec.train_config(), nodes=world_size, runtime="launched")
+        if restarts and config.balance:
+            raise fail("--balance cannot be combined with --resume or --max-restarts yet: the shares "
+                       "are measured at the start of a run and not kept in checkpoints")
         config.validate()
-        build_strategy(spec).check_nodes(world_size)
+        strategy = build_strategy(spec)
+        strategy.check_nodes(world_size)
+        check_strategy_balance(strategy, config.balance)
         check_options(task, spec.task_options)
     except ValueError as exc:  # ConfigError, SettingError, FaultError, TaskError
         raise fail(str(exc)) from None
@@ -507,6 +515,7 @@ def register(app: typer.Typer) -> None:
         device: str = F["device"],
         seed: int = F["seed"],
         val_interval: int = F["val_interval"],
+        balance: bool = F["balance"],
         set_: list[str] = F["set_"],
         checkpoint_every: int = typer.Option(
             None, "--checkpoint-every", help="Every rank checkpoints its state every N steps into its "
@@ -555,7 +564,8 @@ def register(app: typer.Typer) -> None:
         limits = _copy_limits(copy_back_limit, copy_back_files)
         flags = dict(profile=profile, strategy=strategy, task=task, data=data, steps=steps,
                      batch_size=batch_size, microbatch_size=microbatch_size, lr=lr, seed=seed,
-                     val_interval=val_interval, checkpoint_every=checkpoint_every, keep_checkpoints=keep)
+                     val_interval=val_interval, checkpoint_every=checkpoint_every, keep_checkpoints=keep,
+                     balance=balance)
         training = not command
         if command and (resume or max_restarts):
             raise fail("--resume and --max-restarts continue a training run: give training flags, "
@@ -577,7 +587,7 @@ def register(app: typer.Typer) -> None:
             raise fail("--allow-shrink continues a training run: give training flags, not a command after --")
         _check_out_dir(out)
         if training:
-            _check_training_flags(flags, set_, inv.world_size)
+            _check_training_flags(flags, set_, inv.world_size, restarts=bool(resume or max_restarts))
             if allow_shrink:
                 _check_shrink(flags, set_, max_restarts)
             set_, shipments, required = _ship_inputs(flags, set_, no_ship)
@@ -587,7 +597,10 @@ def register(app: typer.Typer) -> None:
                 resolved = _resolved_profile_file(str(flags["profile"]))
                 upload = [*upload, resolved]
                 flags["profile"] = resolved.name
-            forwarded = [w for k, v in flags.items() if v is not None for w in (FORWARDED[k], str(v))]
+            forwarded = [w for k, v in flags.items() if v is not None and k != "balance"
+                         for w in (FORWARDED[k], str(v))]
+            if balance is not None:  # a switch, not a flag with a value
+                forwarded.append("--balance" if balance else "--no-balance")
             forwarded += [w for item in set_ for w in ("--set", item)]
             if not progress:
                 forwarded.append("--no-progress")

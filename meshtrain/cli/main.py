@@ -71,6 +71,7 @@ def simulate(
     lr: float = TRAINING_FLAGS["lr"],
     seed: int = TRAINING_FLAGS["seed"],
     set_: list[str] = TRAINING_FLAGS["set_"],
+    balance: bool = TRAINING_FLAGS["balance"],
     nodes: int = flag("nodes", "--nodes", "-n", rich_help_panel="The simulated cluster"),
     runtime: str = flag("runtime", "--runtime", rich_help_panel="The simulated cluster"),
     out: str = flag("out_dir", "--out", rich_help_panel="Output"),
@@ -156,7 +157,8 @@ def simulate(
                  out_dir=out, run_id=run_id, progress=progress, cluster=cluster,
                  step_seconds=step_seconds, checkpoint_every=checkpoint_every, keep_checkpoints=keep,
                  resume=resume, check_sync=check_sync, skip_nonfinite=skip_nonfinite, wandb=wandb,
-                 tensorboard=tensorboard, fail=fail_ or None, straggler=straggler or None)
+                 tensorboard=tensorboard, fail=fail_ or None, straggler=straggler or None,
+                 balance=balance)
     # Everything is checked before the first step: up to here, an error is bad input (2).
     try:
         if resume:  # the settings must be the checkpointed run's, but for what may change
@@ -261,6 +263,10 @@ def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
             slow = ", ".join(f"node {s['node']} x{s['slowdown']:g}" for s in faults.get("stragglers", []))
             table.add_row("waiting for stragglers",
                           f"{projected['idle_seconds']:.2f} node-seconds idle ({slow})")
+    shares = summary.get("balance")
+    if shares:  # --balance: each node's samples per step
+        table.add_row("balance (samples/step)", ", ".join(
+            f"node {n['node']} {n['batch_size']} ({n['share']:.0%})" for n in shares["nodes"]))
     console.print(table)
     console.print(f"run directory: [bold]{run_dir}[/]", highlight=False)
     # The run's log.txt ends with the same table, as text.

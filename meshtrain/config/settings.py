@@ -108,6 +108,11 @@ class TrainConfig:
                                           "compute 3x longer in the projected timeline, the others "
                                           "waiting for it (repeatable; simulate only).",
                                     factory=list)
+    balance: bool = _setting(False, "Give each node a share of every step's samples in proportion "
+                                    "to its throughput (launch: measured by warm-up passes; simulate: "
+                                    "1/slowdown of --straggler). The global batch stays nodes x "
+                                    "batch_size and every average is weighted by samples (see "
+                                    "meshtrain.balance).")
     extra_config: dict[str, Any] = _setting(None, "Recorded in config.yaml as given.", factory=dict)
 
     def validate(self) -> None:
@@ -121,7 +126,10 @@ class TrainConfig:
         if self.run_id is not None:
             check_run_id(self.run_id)
         get_cluster(self.cluster)
-        self.fault_plan()
+        plan = self.fault_plan()
+        if self.balance and (plan.failures or self.resume):
+            raise SettingError("balance cannot be combined with --fail or --resume yet: the shares "
+                               "are measured at the start of a run and not kept in checkpoints")
 
     def fault_plan(self) -> FaultPlan:
         """The simulated faults of ``fail`` and ``straggler``, checked against the run."""

@@ -21,9 +21,8 @@ from typing import Any
 import yaml
 
 from meshtrain.errors import InputError
-from meshtrain.observers import NodeUpdate
+from meshtrain.observers import STARTING, NodeRow, NodeUpdate
 
-STARTING, TRAINING, FINISHING = "starting", "training", "finishing"
 DONE, FAILED, LOST, STOPPED = "done", "failed", "lost", "stopped"
 MAX_POINTS = 1500  # per series: older points are thinned, so a long run stays light to send
 MAX_EVENTS = 500
@@ -32,26 +31,6 @@ MAX_NODES = 1024  # rows shown for a finished run (a damaged summary.json must n
 
 class RunDirError(InputError):
     """A run directory that cannot be shown (one line naming the file at fault)."""
-
-
-@dataclass
-class NodeRow:
-    """One host (launch) or simulated node."""
-
-    name: str
-    rank: int
-    state: str = STARTING
-    step: int | None = None
-    steps: int | None = None
-    loss: float | None = None
-    steps_per_second: float | None = None
-    bytes_sent: int | None = None
-    rss_bytes: int | None = None
-    cpu_percent: float | None = None
-    last_sync: int | None = None
-    last_heard: float | None = None
-    reason: str | None = None
-    restarts: int = 0
 
 
 @dataclass
@@ -106,13 +85,7 @@ class RunState:
             return  # a late message does not bring a stopped node back
         now = self.clock()
         row.last_heard = now
-        row.step = update.step
-        for name in ("steps", "loss", "steps_per_second", "bytes_sent", "rss_bytes", "cpu_percent",
-                     "last_sync"):
-            value = getattr(update, name)
-            if value is not None:  # a field an update leaves out keeps its last value
-                setattr(row, name, value)
-        row.state = FINISHING if row.steps is not None and update.step >= row.steps else TRAINING
+        row.take(update)
         if update.loss is not None and update.step > 0:
             self.node_series[update.node].add(update.step, update.loss, update.bytes_sent,
                                               now - self.started_at)
@@ -257,9 +230,11 @@ class DashboardState:
             run = RunState(run_id, [f"node {r}" for r in range(nodes)], kind="finished", clock=self.clock,
                            changed=self._changed)
             run.load_directory(run_dir)
+            shares = _balance_shares(summary, len(run.nodes))
             for row in run.nodes:
                 row.state = DONE
                 row.step = row.steps = steps
+                row.batch_size = shares.get(row.rank)
             self.runs[run_id] = run
             return run
 
@@ -320,6 +295,20 @@ class LiveRun:
             except RunDirError:
                 return False
         return True
+
+
+def _balance_shares(summary: Mapping[str, Any], nodes: int) -> dict[int, int]:
+    """Each node's samples per step in a ``--balance`` run's summary (what is well formed)."""
+    balance = summary.get("balance")
+    entries = balance.get("nodes") if isinstance(balance, dict) else None
+    shares: dict[int, int] = {}
+    for entry in entries if isinstance(entries, list) else []:
+        if not isinstance(entry, dict):
+            continue
+        node, size = entry.get("node"), entry.get("batch_size")
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in (node, size)) and 0 <= node < nodes:
+            shares[node] = size
+    return shares
 
 
 def read_run_directory(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:

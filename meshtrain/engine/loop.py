@@ -8,6 +8,7 @@ projection onto a cluster, provenance).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import math
 import os
@@ -35,7 +36,7 @@ from meshtrain.data import (
     to_device,
 )
 from meshtrain.devices import resolve_device
-from meshtrain.engine import loggers
+from meshtrain.engine import balance, loggers
 from meshtrain.engine.job import FitResult, NodeJob
 from meshtrain.errors import RunFailure
 from meshtrain.faults import FaultPlan, check_steps
@@ -56,6 +57,10 @@ class NodeReport:
     bytes_sent: list[int]
     bytes_received: list[int]
     startup_bytes_sent: int
+    # Share of its training loop's wall time inside recorded collectives (waiting for the
+    # slowest node, plus the transfer), and the same since its --balance share took effect.
+    collective_share: float | None = None
+    balanced_collective_share: float | None = None
 
 
 def node_seed(seed: int, rank: int) -> int:
@@ -104,6 +109,14 @@ def train_node(
         _verify_replicas(model, comm)
     strategy.setup(model, comm, seed=cfg.seed, max_steps=max_steps,
                    num_samples=len(batches.indices))
+    # --balance: each node's share of the step's samples (engine/balance.py)
+    balancer = balance.Balancer(comm, cfg.nodes, cfg.batch_size, measured=cfg.runtime == "launched",
+                                stragglers=plan.stragglers, sync_interval=strategy.sync_interval()) \
+        if cfg.balance else None
+    if balancer is not None:
+        balancer.start(batches, strategy)
+        if balancer.shares is not None:  # the projection counts each node's work
+            plan = dataclasses.replace(plan, work=balancer.shares.work(cfg.batch_size))
     startup_sent = comm.log.bytes_sent
 
     val_batches = _validation_batches(job, rank, device)
@@ -169,7 +182,10 @@ def train_node(
     # Observers in this process (the live dashboard of `simulate --dashboard`) see every node.
     watched = observers.NodeReporter(rank, max_steps, own_thread=cfg.runtime == "threads") \
         if observers.active() else None
-    loop_started = time.perf_counter()
+    for reporter in (status, watched):  # the live view and the dashboard show each node's share
+        if reporter is not None and balancer is not None:
+            reporter.batch_size = batches.batch_size
+    loop_started, collectives_before = time.perf_counter(), comm.log.seconds
     with progress, live.closed_on_failure():
         for step in range(first_step, max_steps):
             comm.check_abort()  # another node failed or the run was interrupted: stop here
@@ -212,6 +228,10 @@ def train_node(
                 strategy.step(step)
             if cfg.check_sync:
                 _check_sync(strategy, comm, step)
+            if balancer is not None and balancer.step_done(step, batches, strategy):
+                for reporter in (status, watched):
+                    if reporter is not None:
+                        reporter.batch_size = batches.batch_size
             losses.append(loss_value)
             seconds.append(seconds_before + time.time() - job.started)
             if status is not None:
@@ -242,7 +262,10 @@ def train_node(
     # After finish every node holds the global model: node val loss equals the global one.
     final = evaluator.evaluate(strategy.params_data()) if evaluator else {}
 
-    report = NodeReport(losses, seconds, *_bytes_per_step(comm, max_steps), startup_sent)
+    in_collectives, looped = comm.log.seconds - collectives_before, time.perf_counter() - loop_started
+    report = NodeReport(losses, seconds, *_bytes_per_step(comm, max_steps), startup_sent,
+                        in_collectives / looped if looped > 0 else None,
+                        balancer.collective_share() if balancer is not None else None)
     gathered = comm.gather_json(asdict(report))
     if rank != 0:
         return FitResult(model=model, history=[], run_dir=None, summary={})
@@ -253,6 +276,10 @@ def train_node(
     summary = _summary(job, strategy, history, final, reports, model)
     if plan:
         summary["faults"] = plan.to_dict()
+    summary["collective_share_per_node"] = [_rounded(r.collective_share) for r in reports]
+    if balancer is not None:
+        summary["balance"] = {**balancer.to_dict(), "collective_share_per_node": [
+            _rounded(r.balanced_collective_share) for r in reports]}
     summary["initial"] = initial
     summary["skipped_steps"] = len(skipped)
     if cfg.skip_nonfinite:
@@ -268,6 +295,10 @@ def train_node(
     run_dir = _write_run(job, strategy, model, history, summary, progress.lines)
     observers.notify("run_finished", summary, history)
     return FitResult(model=model, history=history, run_dir=run_dir, summary=summary)
+
+
+def _rounded(share: float | None) -> float | None:
+    return None if share is None else round(share, 4)
 
 
 def _leave_or_go_on(comm: Communicator, plan: FaultPlan, step: int, departed: dict[int, NodeReport],
@@ -628,8 +659,9 @@ def _write_run(
     run = job.run_dir or RunDirectory.reserve(Path(cfg.out_dir), job.run_id, strategy.name, cfg.nodes)
     try:
         train = {k: v for k, v in asdict(cfg).items() if k not in ("extra_config", "progress")}
+        shares = {"balance": summary["balance"]} if "balance" in summary else {}
         run.write_config({**cfg.extra_config, "strategy": strategy.config(), "train": train,
-                          "model": type(model).__name__, "provenance": provenance()})
+                          "model": type(model).__name__, **shares, "provenance": provenance()})
         run.write_metrics(history, summary.get("initial") or {})
         run.write_log([f"$ {provenance()['command']}", *log_lines])
         run.write_model(model)

@@ -25,7 +25,7 @@ from meshtrain import checkpoint
 from meshtrain.config.settings import MAX_THREADS, TrainConfig, check_run_id
 from meshtrain.data import Collate, DataFactory
 from meshtrain.devices import resolve_device
-from meshtrain.engine import loggers, runtimes
+from meshtrain.engine import balance, loggers, runtimes
 from meshtrain.engine.job import FitResult, NodeJob
 from meshtrain.run_dir import RunDirectory
 from meshtrain.strategies import DiLoCo, Strategy
@@ -121,6 +121,7 @@ class Trainer:
         config = replace(config, threads=resolve_threads(config.threads, config.runtime))
         config.validate()
         strategy.check_nodes(config.nodes)
+        balance.check_strategy(strategy, config.balance)
         resolve_device(config.device)
         if isinstance(self.train_data, Dataset):
             size = len(self.train_data)  # type: ignore[arg-type]

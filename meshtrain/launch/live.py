@@ -1,14 +1,19 @@
 """The live view of a launch: one row per host above the streamed log, on a terminal.
 
-    ┏━━━━━━┳━━━━━━┳━━━━━━━━━━┳━━━━━━━┳━━━━━━━━┳━━━━━━━━━┳━━━━━━━━━━━┳━━━━━━━━━┳━━━━━━━━━┳━━━━━━━┓
-    ┃ host ┃ rank ┃ state    ┃  step ┃   loss ┃ steps/s ┃ last sync ┃    sent ┃  memory ┃ heard ┃
-    ┡━━━━━━╇━━━━━━╇━━━━━━━━━━╇━━━━━━━╇━━━━━━━━╇━━━━━━━━━╇━━━━━━━━━━━╇━━━━━━━━━╇━━━━━━━━━╇━━━━━━━┩
-    │ box0 │    0 │ training │ 12/20 │ 0.5312 │     8.1 │        10 │ 1.23 MB │ 310 MB  │ 0.2 s │
+    ┏━━━━━━┳━━━━━━┳━━━━━━━━━━┳━━━━━━━┳━━━━━━━━┳━━━━━━━━━┳━━━━━━━━━━━┳━━━━━━━━━┳━━━━━━┳━━━━━━━━━┳━━━━━━━┓
+    ┃ host ┃ rank ┃ state    ┃  step ┃   loss ┃ steps/s ┃ last sync ┃    sent ┃  CPU ┃  memory ┃ heard ┃
+    ┡━━━━━━╇━━━━━━╇━━━━━━━━━━╇━━━━━━━╇━━━━━━━━╇━━━━━━━━━╇━━━━━━━━━━━╇━━━━━━━━━╇━━━━━━╇━━━━━━━━━╇━━━━━━━┩
+    │ box0 │    0 │ training │ 12/20 │ 0.5312 │     8.1 │        10 │ 1.23 MB │ 98 % │ 310 MB  │ 0.2 s │
+
+With ``--balance`` a "samples/step" column shows each host's share of the step's samples,
+and where a rank's torch holds GPU (CUDA) or Apple GPU (MPS) memory a "GPU memory" column
+shows it.
 
 Two parts, kept apart so the model can be tested without a terminal:
 
 * :class:`ClusterView` (pure data): folds the ranks' :class:`RankStatus` messages,
-  their heartbeats and how each ended into one :class:`HostRow` per host.
+  their heartbeats and how each ended into one :class:`~meshtrain.observers.NodeRow` per
+  host (the row the web dashboard shows too).
 * :func:`render_cluster` turns it into a rich table; :class:`LiveOutput` is the
   :class:`RankOutput` that shows that table with the latest log lines under it in a
   rich ``Live`` display (every line still goes to the per-rank logs).
@@ -25,7 +30,6 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import TextIO
@@ -47,53 +51,29 @@ from meshtrain.launch.output import (
     RankOutput,
     state_for_outcome,
 )
+from meshtrain.observers import FINISHING, STARTING, TRAINING, NodeRow, NodeUpdate
 from meshtrain.progress import human_bytes
 
-STARTING, TRAINING, FINISHING = "starting", "training", "finishing"
 STATE_STYLES = {STARTING: "dim", TRAINING: "green", FINISHING: "cyan", DONE: "bold green",
                 FAILED: "bold red", LOST: "bold red", STOPPED_STATE: "yellow"}
 LOG_LINES = 200  # log lines the live view keeps; it shows as many as the terminal fits
 REFRESH_PER_SECOND = 4
 
 
-@dataclass
-class HostRow:
-    """What the live view knows about one host's rank."""
-
-    host: str
-    rank: int
-    state: str = STARTING
-    step: int | None = None
-    steps: int | None = None
-    loss: float | None = None
-    steps_per_second: float | None = None
-    last_sync: int | None = None
-    bytes_sent: int | None = None
-    rss_bytes: int | None = None
-    last_heard: float | None = None  # monotonic time of its last beat, status or line
-    ended_at: float | None = None  # monotonic time it stopped
-    reason: str | None = None  # why it failed or was lost
-
-    def silent_for(self, now: float) -> float | None:
-        """Seconds since it was last heard (frozen once it stopped); None if never."""
-        if self.last_heard is None:
-            return None
-        return max(0.0, (self.ended_at if self.ended_at is not None else now) - self.last_heard)
-
-
 class ClusterView:
-    """The panel's model: one :class:`HostRow` per rank, updated from what ranks send.
+    """The panel's model: one :class:`~meshtrain.observers.NodeRow` per rank (the dashboard's
+    row too), updated from what ranks send.
 
     Pure data: every method takes the time it happened at, so a stream of messages can
     be replayed in a test.
     """
 
     def __init__(self, names: list[str]) -> None:
-        self.rows = [HostRow(name, rank) for rank, name in enumerate(names)]
+        self.rows = [NodeRow(name, rank) for rank, name in enumerate(names)]
 
     def started(self, rank: int) -> None:
         """``rank`` was started (again, on a restart): its row begins afresh."""
-        self.rows[rank] = HostRow(self.rows[rank].host, rank)
+        self.rows[rank] = NodeRow(self.rows[rank].name, rank)
 
     def fold(self, rank: int, status: RankStatus, now: float) -> None:
         """Take in a status message from ``rank`` received at ``now``."""
@@ -101,12 +81,7 @@ class ClusterView:
         if row.ended_at is not None:
             return  # a late message does not bring a stopped rank back
         self.heard(rank, now)
-        row.step = status.step
-        for name in ("steps", "loss", "steps_per_second", "last_sync", "bytes_sent", "rss_bytes"):
-            value = getattr(status, name)
-            if value is not None:  # a field a message leaves out keeps its last value
-                setattr(row, name, value)
-        row.state = FINISHING if row.steps is not None and status.step >= row.steps else TRAINING
+        row.take(NodeUpdate.from_status(rank, status))
 
     def heard(self, rank: int, when: float | None) -> None:
         """``rank`` was heard from at ``when`` (a beat, a status, a line); None: not yet.
@@ -132,7 +107,11 @@ def render_cluster(view: ClusterView, now: float, title: str | None = None) -> T
     table.add_column("host")
     table.add_column("rank", justify="right")
     table.add_column("state")
-    for name in ("step", "loss", "steps/s", "last sync", "sent", "memory", "heard"):
+    shares = any(row.batch_size is not None for row in view.rows)  # --balance
+    gpus = any(row.gpu_bytes is not None for row in view.rows)
+    names = ["step", "loss", "steps/s", "last sync", *(["samples/step"] if shares else []), "sent",
+             "CPU", "memory", *(["GPU memory"] if gpus else []), "heard"]
+    for name in names:
         table.add_column(name, justify="right")
     for row in view.rows:
         silent = row.silent_for(now)
@@ -140,15 +119,18 @@ def render_cluster(view: ClusterView, now: float, title: str | None = None) -> T
         if row.reason:
             state.append(f" ({row.reason})", style="red")
         table.add_row(
-            Text(row.host, style=f"bold {COLOURS[row.rank % len(COLOURS)]}"),
+            Text(row.name, style=f"bold {COLOURS[row.rank % len(COLOURS)]}"),
             str(row.rank),
             state,
             _dash(row.step, lambda s, total=row.steps: str(s) if total is None else f"{s}/{total}"),
             _dash(row.loss, lambda v: f"{v:.4f}"),
             _dash(row.steps_per_second, lambda v: f"{v:.1f}"),
             _dash(row.last_sync, str),
+            *([_dash(row.batch_size, str)] if shares else []),
             _dash(row.bytes_sent, human_bytes),
+            _dash(row.cpu_percent, lambda v: f"{v:.0f} %"),
             _dash(row.rss_bytes, human_bytes),
+            *([_dash(row.gpu_bytes, human_bytes)] if gpus else []),
             Text("-", style="dim") if silent is None else
             Text(f"{silent:.1f} s", style="bold yellow" if silent > 10 and row.ended_at is None else ""),
         )

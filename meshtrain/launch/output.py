@@ -79,9 +79,7 @@ class RankOutput:
         with self._lock:
             for status in statuses:
                 self._status(rank, status)
-                observers.notify("node_update", observers.NodeUpdate(
-                    rank, status.step, status.steps, status.loss, status.steps_per_second,
-                    status.bytes_sent, status.rss_bytes, None, status.last_sync))
+                observers.notify("node_update", observers.NodeUpdate.from_status(rank, status))
             observers.notify("node_heard", rank)
             text, self._pending[rank] = self._pending[rank] + text, ""
             if cut_short:  # the program's line goes on in the next one

@@ -113,6 +113,13 @@ class Strategy:
     continues_on_fewer_nodes: ClassVar[bool] = False
     #: True when every node holds the same parameters after every step (DDP, DeMo).
     replicas_in_sync: ClassVar[bool] = False
+    #: True where every average the strategy takes goes through :meth:`mean_over_nodes_`,
+    #: so ``balance`` can weight it by samples; ``balance`` is refused otherwise (DeMo's
+    #: update is the sign of a decoded sum; a custom strategy averaging by itself).
+    balances: ClassVar[bool] = False
+    #: This node's samples per step under ``balance``, set by the training loop before step 0;
+    #: None (the default): every node takes ``batch_size`` samples and means are plain means.
+    sample_weight: float | None = None
 
     def __init__(
         self,
@@ -218,7 +225,7 @@ class Strategy:
             in_sync = module.finish(step) or in_sync
         if not in_sync:
             # Nodes still differ (SPARTA): one last full average produces the global model.
-            self.comm.all_reduce(self.params_data(), op="mean")
+            self.mean_over_nodes_(self.params_data())
 
     def synced(self, step: int) -> tuple[list[torch.Tensor], list[int] | None] | None:
         """What this strategy promises is identical across nodes after ``step`` (or None):
@@ -230,6 +237,32 @@ class Strategy:
             if promised is not None:
                 return promised
         return None
+
+    # ------------------------------------------------------------- averaging
+    @torch.no_grad()
+    def mean_over_nodes_(self, tensors: Sequence[torch.Tensor], *, group: list[int] | None = None,
+                         record: bool = True, along: Sequence[torch.Tensor] = ()) -> None:
+        """Replace ``tensors`` in place by their mean over ``group`` (None: every alive node).
+
+        Without :attr:`sample_weight` it is the plain mean: one all-reduce (mean) of
+        ``[*tensors, *along]``, exactly as strategies averaged before ``balance`` existed.
+        With it (``balance``), it is the sample-weighted mean ``sum_i w_i x_i / sum_i w_i``
+        over the group, ``w_i`` being node i's samples per step: still ONE all-reduce, of
+        ``[w_i x_i ..., *along, w_i]`` (sum), then a division by the summed weight. ``along``
+        rides in the same bucket (DDP's has-gradient flags): averaged in the plain case,
+        summed in the weighted one; either keeps 0 exactly where every node sent 0.
+        """
+        weight = self.sample_weight
+        if weight is None:
+            self.comm.all_reduce([*tensors, *along], op="mean", group=group, record=record)
+            return
+        like = tensors[0] if tensors else torch.zeros(())
+        total = torch.tensor([float(weight)], dtype=like.dtype, device=like.device)
+        for t in tensors:
+            t.mul_(weight)
+        self.comm.all_reduce([*tensors, *along, total], op="sum", group=group, record=record)
+        for t in tensors:
+            t.div_(total)
 
     # --------------------------------------------------------------- queries
     def params_data(self) -> list[torch.Tensor]:
@@ -280,7 +313,7 @@ class Strategy:
         if self.replicas_in_sync:
             return self.params_data()
         averaged = [p.detach().clone() for p in self.params]
-        self.comm.all_reduce(averaged, op="mean", record=False)
+        self.mean_over_nodes_(averaged, record=False)
         return averaged
 
     # ------------------------------------------------------------ checkpoint

@@ -20,7 +20,9 @@ class GradientAveraging(CommunicationModule):
         strategy = self.strategy
         grads = strategy.grads()
         flags = strategy.grad_flags
-        strategy.comm.all_reduce([*grads, flags], op="mean")
+        # Under balance, weighted by each node's samples: the gradient of the mean loss over
+        # the whole global batch (each node's loss is the mean over its own samples).
+        strategy.mean_over_nodes_(grads, along=[flags])
         strategy.release_unused_grads(flags)
 
 
@@ -35,6 +37,7 @@ class DDP(Strategy):
     display_name = "DDP"
     continues_on_fewer_nodes = True  # the nodes are exact replicas (parameters and optimizer)
     replicas_in_sync = True
+    balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)
 
     def __init__(self, optim: str | Optim = "adamw", lr: float = 1e-3, **common: Any) -> None:
         super().__init__(optim, lr, modules=[GradientAveraging()], **common)

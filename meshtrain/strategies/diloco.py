@@ -60,7 +60,8 @@ class OuterSync(CommunicationModule):
         """One outer step: all-reduce theta - theta_i, step theta, restart from it."""
         workers = self.strategy.params
         deltas = [theta - p for theta, p in zip(self.outer, workers, strict=True)]
-        self.strategy.comm.all_reduce(deltas, op="mean")
+        # Under balance each pseudo-gradient counts by the samples its node saw this round.
+        self.strategy.mean_over_nodes_(deltas)
         for theta, delta in zip(self.outer, deltas, strict=True):
             theta.grad = delta
         self.outer_optimizer.step()
@@ -104,6 +105,7 @@ class DiLoCo(Strategy):
     # Checkpoints fall on outer syncs, where every node holds the outer parameters and the
     # same outer optimizer (the inner optimizer is each node's own).
     continues_on_fewer_nodes = True
+    balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)
 
     def __init__(
         self,

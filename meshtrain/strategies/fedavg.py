@@ -9,6 +9,10 @@ With ``weighted=True`` every average, inside an island or over all nodes, is the
 sample-weighted mean ``sum_i n_i theta_i / sum_i n_i`` of McMahan et al., and so is
 the global model: the final sync after the last step (a full average over all nodes
 when islands leave them apart) and the model evaluated between syncs.
+
+Under ``balance`` the weight of node i is instead its samples per step b_i (the samples
+it saw in the round are H * b_i), ``weighted`` or not: every node's shard is the same
+size then, and what differs is how much of it each node trained on.
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ class ModelAveraging(CommunicationModule):
     ) -> None:
         """Replace ``params`` in place by their (weighted) mean over ``group``: one all-reduce."""
         comm = self.strategy.comm
+        if self.strategy.sample_weight is not None:  # balance: weighted by samples per step
+            self.strategy.mean_over_nodes_(params, group=group, record=record)
+            return
         if not self.weighted:
             comm.all_reduce(params, op="mean", group=group, record=record)
             return
@@ -93,7 +100,7 @@ class ModelAveraging(CommunicationModule):
     def global_parameters(self) -> list[torch.Tensor] | None:
         """The global model between syncs: the weighted mean when weighted (unrecorded)."""
         if not self.weighted:
-            return None  # the strategy's plain mean of the nodes
+            return None  # the strategy's mean of the nodes (sample-weighted under balance)
         params = [p.detach().clone() for p in self.strategy.params]
         self.averaged(params, None, record=False)
         return params
@@ -120,6 +127,7 @@ class FedAvg(Strategy):
     display_name = "FedAvg"
     key_parameters = {"H": "H", "island_size": "islands"}
     continues_on_fewer_nodes = True  # after a full average every node holds the global model
+    balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)
 
     def __init__(
         self,

@@ -86,7 +86,7 @@ class SparseAveraging(CommunicationModule):
         flats = [p.data.view(-1) for p in self.strategy.params]
         picks = [_on(self.indices(sync_round, i, f.numel()), f.device) for i, f in enumerate(flats)]
         values = [f[ix] for f, ix in zip(flats, picks, strict=True)]
-        self.strategy.comm.all_reduce(values, op="mean")
+        self.strategy.mean_over_nodes_(values)
         for f, ix, v in zip(flats, picks, values, strict=True):
             f[ix] = v
 
@@ -108,6 +108,7 @@ class SPARTA(Strategy):
     name = "sparta"
     display_name = "SPARTA"
     key_parameters = {"p": "p"}
+    balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)
     # Not continues_on_fewer_nodes: the nodes never agree; the global model is the mean of all.
 
     def __init__(

@@ -20,6 +20,7 @@ class SPARTADiLoCo(Strategy):
     display_name = "SPARTA+DiLoCo"
     key_parameters = {"p": "p", "H": "H"}
     continues_on_fewer_nodes = True  # as DiLoCo: checkpoints fall on outer syncs
+    balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)
 
     def __init__(
         self,

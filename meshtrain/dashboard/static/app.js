@@ -226,9 +226,11 @@ function renderNodes(run) {
       el("td", { class: "num" }, n.step === null ? "-" : (n.steps ? `${n.step}/${n.steps}` : `${n.step}`)),
       el("td", { class: "num" }, fixed(n.steps_per_second, 1)),
       el("td", { class: "num" }, fixed(n.loss, 4)),
+      el("td", { class: "num" }, n.batch_size === null ? "-" : `${n.batch_size}`),
       el("td", { class: "num" }, bytes(n.bytes_sent)),
       el("td", { class: "num" }, n.cpu_percent === null ? "-" : `${n.cpu_percent.toFixed(0)} %`),
       el("td", { class: "num" }, bytes(n.rss_bytes)),
+      el("td", { class: "num" }, bytes(n.gpu_bytes)),
       heard);
     body.appendChild(row);
   }

@@ -1,0 +1,78 @@
+"""CPU quotas for test hosts: a cgroup with a CFS bandwidth limit that a host's sshd (and so
+every process it starts, a launched rank included) is moved into.
+
+cgroup v2 (``cpu.max``, ``cpu.weight``) where the unified hierarchy has the cpu controller,
+else cgroup v1 (``cpu.cfs_quota_us``, ``cpu.cfs_period_us``, ``cpu.shares``); neither: the
+test skips, naming what was missing. Each group also gets a high weight, so on a machine
+other work keeps busy the capped hosts still get their quota (the comparison needs a
+known speed ratio, not whatever the neighbours leave).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path("/sys/fs/cgroup")
+PERIOD_US = 10_000  # 10 ms: a short period spreads the quota evenly over a training step
+
+
+class CpuGroup:
+    """One cgroup holding at most ``cores`` CPUs' worth of time."""
+
+    def __init__(self, root: Path, version: int, name: str, cores: float) -> None:
+        self.root, self.version = root, version
+        self.path = root / f"meshtrain-test-{name}-{os.getpid()}"
+        self.path.mkdir()
+        quota = max(1000, int(cores * PERIOD_US))
+        if version == 2:
+            (self.path / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+            (self.path / "cpu.weight").write_text("1000")
+        else:
+            (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+            (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+            (self.path / "cpu.shares").write_text("10240")
+
+    def add(self, pid: int) -> None:
+        """Move ``pid`` in; the processes it starts from now on are born inside."""
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def delete(self) -> None:
+        """Move whatever is still inside back to the root group, then remove the group."""
+        deadline = time.monotonic() + 10
+        while True:
+            for pid in (self.path / "cgroup.procs").read_text().split():
+                try:
+                    (self.root / "cgroup.procs").write_text(pid)
+                except OSError:
+                    pass  # it ended meanwhile
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+
+def cpu_cgroups() -> tuple[Path, int]:
+    """Where CPU-limited groups can be made here, and the cgroup version; skips the test
+    with the reason when nowhere."""
+    controllers = ROOT / "cgroup.controllers"
+    if controllers.is_file() and "cpu" in controllers.read_text().split():
+        subtree = ROOT / "cgroup.subtree_control"
+        if "cpu" not in subtree.read_text().split():
+            try:
+                subtree.write_text("+cpu")
+            except OSError as exc:
+                pytest.skip(f"cgroup v2: cannot enable the cpu controller in {subtree} ({exc})")
+        return ROOT, 2
+    v1 = ROOT / "cpu"
+    if (v1 / "cpu.cfs_quota_us").is_file():
+        if not os.access(v1, os.W_OK):
+            pytest.skip(f"cgroup v1: {v1} is not writable (not root, or mounted read-only)")
+        return v1, 1
+    pytest.skip(f"no cgroup cpu controller: {controllers} lacks cpu and {v1}/cpu.cfs_quota_us is absent")
