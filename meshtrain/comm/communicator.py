@@ -17,12 +17,13 @@ S splits evenly.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 
@@ -32,6 +33,7 @@ ReduceOp = Literal["mean", "sum", "max"]
 Group = Sequence[int]
 #: Largest node report gather_json accepts (per-step numbers of a long run fit easily).
 MAX_JSON_BYTES = 64 * 2**20
+_Collective = TypeVar("_Collective", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,24 @@ class NodeAborted(RunFailure):
     """Raised inside a node when another node failed and the run is stopping."""
 
 
+def _clocked(collective: _Collective) -> _Collective:
+    """Adds a collective's duration, on the communicator's ``collective_clock``, to its
+    ``collective_clock_seconds``."""
+
+    @functools.wraps(collective)
+    def timed(self: Communicator, *args: Any, **kwargs: Any) -> Any:
+        clock = self.collective_clock
+        if clock is None:
+            return collective(self, *args, **kwargs)
+        started = clock()
+        try:
+            return collective(self, *args, **kwargs)
+        finally:
+            self.collective_clock_seconds += clock() - started
+
+    return cast(_Collective, timed)
+
+
 class Communicator(ABC):
     """Collectives over a set of nodes (ranks ``0 .. world_size - 1``).
 
@@ -134,6 +154,10 @@ class Communicator(ABC):
         self.alive: list[int] = list(range(world_size))
         self.log = CommLog()
         self.step = 0  # set by the trainer so records carry the training step
+        # Time inside collectives (recorded or not) on the clock the loop measures compute
+        # with, so that compute can exclude it; None: not kept.
+        self.collective_clock: Callable[[], float] | None = None
+        self.collective_clock_seconds = 0.0
 
     def set_alive(self, ranks: Sequence[int]) -> None:
         """From now on, collectives run among ``ranks`` only (every node calls this with the
@@ -146,6 +170,7 @@ class Communicator(ABC):
         return len(self.alive)
 
     # ----------------------------------------------------------------- public API
+    @_clocked
     def all_reduce(
         self,
         tensors: torch.Tensor | Sequence[torch.Tensor],
@@ -175,6 +200,7 @@ class Communicator(ABC):
             )
             self._record("all_reduce", sent, received, len(members), started)
 
+    @_clocked
     def all_gather(
         self, tensor: torch.Tensor, group: Group | None = None, *, record: bool = True
     ) -> list[torch.Tensor]:
@@ -191,6 +217,7 @@ class Communicator(ABC):
             self._record("all_gather", nbytes, nbytes, len(members), started)
         return out
 
+    @_clocked
     def broadcast(
         self, tensors: torch.Tensor | Sequence[torch.Tensor], src: int = 0,
         group: Group | None = None, *, record: bool = True,
