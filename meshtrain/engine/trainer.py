@@ -27,6 +27,7 @@ from meshtrain.data import Collate, DataFactory
 from meshtrain.devices import resolve_device
 from meshtrain.engine import loggers, runtimes
 from meshtrain.engine.job import FitResult, NodeJob
+from meshtrain.rank import environment_run_id, launched_rank
 from meshtrain.run_dir import RunDirectory
 from meshtrain.strategies import DiLoCo, Strategy
 
@@ -111,8 +112,9 @@ class Trainer:
             settings["out_dir"] = os.fspath(settings["out_dir"])
         config = replace(config or TrainConfig(), **settings)
         strategy = strategy if strategy is not None else DiLoCo()
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            world = int(os.environ["WORLD_SIZE"])
+        launched = launched_rank()
+        if launched is not None:
+            world = launched.world_size
             if nodes is not None and nodes != world:
                 raise ValueError(f"nodes={nodes} but this launched run has WORLD_SIZE={world}")
             config = replace(config, nodes=world, runtime="launched")
@@ -142,10 +144,10 @@ class Trainer:
         if config.checkpoint_every and interval:
             # Checkpoint right after an outer sync (DiLoCo, FedAvg): round up to a multiple of H.
             config = replace(config, checkpoint_every=-(-config.checkpoint_every // interval) * interval)
-        writes = os.environ.get("RANK", "0") == "0"  # only rank 0 writes the run directory
+        writes = launched is None or launched.rank == 0  # only rank 0 writes the run directory
         if writes:
             loggers.require_installed(config)  # a missing wandb/tensorboard: one line, nothing trains
-        run_id = config.run_id or (resume.run_id if resume else None) or os.environ.get("MESHTRAIN_RUN_ID")
+        run_id = config.run_id or (resume.run_id if resume else None) or environment_run_id()
         if run_id is not None:  # from a checkpoint or the environment: a folder name, checked like --run-id
             check_run_id(run_id)
         run_dir = RunDirectory.reserve(Path(config.out_dir), run_id, strategy.name, config.nodes) \
