@@ -131,15 +131,7 @@ class Trainer:
                     f"batch size {config.batch_size} is larger than the shard of each node "
                     f"({size // config.nodes} samples of {size} over {config.nodes} nodes)"
                 )
-        resume = checkpoint.find_latest(config.resume) if config.resume else None
-        if resume is not None and resume.nodes < config.nodes:
-            raise ValueError(f"--resume {config.resume}: the checkpoint has {resume.nodes} nodes, "
-                             f"this run {config.nodes} (a run can continue on fewer nodes, not more)")
-        if resume is not None and resume.nodes > config.nodes:
-            refusal = checkpoint.fewer_nodes_refusal(strategy)
-            if refusal:
-                raise ValueError(f"--resume {config.resume} on {config.nodes} of its {resume.nodes} "
-                                 f"nodes: {refusal}")
+        resume = _checkpoint_to_resume(config, strategy)
         interval = strategy.sync_interval()
         if config.checkpoint_every and interval:
             # Checkpoint right after an outer sync (DiLoCo, FedAvg): round up to a multiple of H.
@@ -153,28 +145,38 @@ class Trainer:
         run_dir = RunDirectory.reserve(Path(config.out_dir), run_id, strategy.name, config.nodes) \
             if writes else None
         run_id = run_dir.run_id if run_dir else (run_id or "rank")
-        checkpoints = None
-        if config.checkpoint_every:
-            checkpoints = resume.folder.parent if resume else checkpoint.checkpoint_folder(
-                config.out_dir, run_id)
-            checkpoints.mkdir(parents=True, exist_ok=True)
-            # Every launched host keeps its own checkpoints, so each needs the settings too.
-            if (writes or config.runtime == "launched") and "spec" in config.extra_config:
-                checkpoint.write_synced(checkpoints / checkpoint.SPEC, lambda f: f.write(
-                    yaml.safe_dump(config.extra_config["spec"], sort_keys=False).encode()))
-        return NodeJob(
-            model=self.model,
-            train_data=self.train_data,
-            val_data=self.val_data,
-            collate_fn=self.collate_fn,
-            strategy=strategy,
-            config=config,
-            run_id=run_id,
-            started=time.time(),
-            run_dir=run_dir,
-            checkpoints=checkpoints,
-            resume=resume,
-        )
+        return NodeJob(model=self.model, train_data=self.train_data, val_data=self.val_data,
+                       collate_fn=self.collate_fn, strategy=strategy, config=config, run_id=run_id,
+                       started=time.time(), run_dir=run_dir,
+                       checkpoints=_checkpoint_folder(config, run_id, resume, writes), resume=resume)
+
+
+def _checkpoint_to_resume(config: TrainConfig, strategy: Strategy) -> checkpoint.Found | None:
+    """The checkpoint ``config.resume`` names, if this run can continue from it."""
+    resume = checkpoint.find_latest(config.resume) if config.resume else None
+    if resume is not None and resume.nodes < config.nodes:
+        raise ValueError(f"--resume {config.resume}: the checkpoint has {resume.nodes} nodes, "
+                         f"this run {config.nodes} (a run can continue on fewer nodes, not more)")
+    if resume is not None and resume.nodes > config.nodes:
+        refusal = checkpoint.fewer_nodes_refusal(strategy)
+        if refusal:
+            raise ValueError(f"--resume {config.resume} on {config.nodes} of its {resume.nodes} "
+                             f"nodes: {refusal}")
+    return resume
+
+
+def _checkpoint_folder(config: TrainConfig, run_id: str, resume: checkpoint.Found | None,
+                       writes: bool) -> Path | None:
+    """Where this run's checkpoints go (created), or None without ``checkpoint_every``."""
+    if not config.checkpoint_every:
+        return None
+    checkpoints = resume.folder.parent if resume else checkpoint.checkpoint_folder(config.out_dir, run_id)
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    # Every launched host keeps its own checkpoints, so each needs the settings too.
+    if (writes or config.runtime == "launched") and "spec" in config.extra_config:
+        checkpoint.write_synced(checkpoints / checkpoint.SPEC, lambda f: f.write(
+            yaml.safe_dump(config.extra_config["spec"], sort_keys=False).encode()))
+    return checkpoints
 
 
 def run_job(job: NodeJob) -> FitResult:
