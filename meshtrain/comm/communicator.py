@@ -94,13 +94,11 @@ def ring_reduce(chunks_by_position: Sequence[torch.Tensor], op: ReduceOp) -> tor
     """
     g = len(chunks_by_position)
     pieces = [x.tensor_split(g) for x in chunks_by_position]
-    out = []
-    for c in range(g):
-        acc = pieces[c][c].clone()
+    result = torch.empty_like(chunks_by_position[0])
+    for c, acc in enumerate(result.tensor_split(g)):  # each chunk accumulates in place
+        acc.copy_(pieces[c][c])
         for k in range(1, g):
             _combine_(acc, pieces[(c + k) % g][c], op)
-        out.append(acc)
-    result = torch.cat(out)
     if op == "mean":
         result.div_(g)
     return result
@@ -190,10 +188,10 @@ class Communicator(ABC):
         flat = tensors[0].detach().view(-1) if alone else _flatten(tensors)
         if len(members) > 1:
             reduced = self._ring_all_reduce(flat.to(self.staging_device(flat)), op, members)
-            if reduced is not flat:  # a backend may reduce in place
+            if not alone:  # straight from the result into the tensors: no copy back into the bucket
+                _unflatten_into(reduced, tensors)
+            elif reduced is not flat:  # a backend may reduce in place
                 flat.copy_(reduced)
-            if not alone:
-                _unflatten_into(flat, tensors)
         if record:
             sent, received = ring_all_reduce_bytes(
                 flat.numel(), flat.element_size(), members.index(self.rank), len(members)
