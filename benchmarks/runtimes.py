@@ -8,6 +8,10 @@ physical limit of simulating 4 nodes in one process.
 
     python benchmarks/runtimes.py            # a line per run, then a table
     python benchmarks/runtimes.py --steps 50 # quicker
+
+``--scale 64`` then simulates 64 nodes of the gpt task's model (0.41M parameters) in the
+threads runtime and prints, per node and step, what the runtime costs beyond the nodes'
+own compute, and each node's memory for its model and optimizer (see :func:`scale`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from meshtrain import Trainer
-from meshtrain.strategies import DDP, DiLoCo, Optim
+from meshtrain.comm import ThreadCommunicator, ThreadHub
+from meshtrain.engine.callbacks import node_replica
+from meshtrain.strategies import DDP, DiLoCo, Optim, Strategy
+from meshtrain.tasks.gpt import CharGPT, CharWindows
 
 NODES, BATCH, SAMPLES = 4, 32, 20_000
 
@@ -125,17 +132,124 @@ def _timed(run: Callable[[], float]) -> tuple[float, float]:
     return wall, time.process_time() - cpu
 
 
+def _gpt_strategy(name: str) -> Strategy:
+    return DDP() if name == "ddp" else DiLoCo(H=20)
+
+
+def _fit_cpu(model: nn.Module, data: CharWindows, strategy: str, nodes: int, steps: int,
+             batch: int) -> tuple[float, float]:
+    """(CPU seconds of this process for one threads-runtime fit, the nodes' measured compute
+    per node-step from its summary)."""
+    with tempfile.TemporaryDirectory() as out:
+        cpu = time.process_time()
+        result = Trainer(model, data).fit(strategy=_gpt_strategy(strategy), nodes=nodes, max_steps=steps,
+                                          batch_size=batch, runtime="threads", out_dir=out, progress=False)
+        return time.process_time() - cpu, result.summary["projected"]["step_seconds"]
+
+
+def node_state_bytes(model: nn.Module, strategy: str, batch: tuple[torch.Tensor, torch.Tensor]) -> int:
+    """Bytes one simulated node holds of its own: its replica's parameters and buffers, their
+    gradients, and the strategy's state (optimizer moments; DiLoCo's global copy and outer
+    momentum), after one step and a sync. Each storage is counted once; what the nodes share (the
+    dataset, frozen weights) is not the node's."""
+    replica = node_replica(model)
+    strat = _gpt_strategy(strategy)
+    strat.setup(replica, ThreadCommunicator(ThreadHub(1), 0), seed=0, max_steps=2, num_samples=1)
+    replica(batch).backward()
+    grads = [p.grad for p in replica.parameters() if p.grad is not None]
+    strat.step(0)
+    strat.finish(0)  # DiLoCo's outer momentum exists from its first sync on
+    tensors = [*replica.parameters(), *replica.buffers(), *grads]
+    tensors += [t for t in _tensors_in(strat.state_dict())]
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def _tensors_in(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v)]
+    return []
+
+
+def scale(nodes: int, steps: int, batch: int) -> None:
+    """``nodes`` simulated nodes of the gpt task's model in the threads runtime.
+
+    Overhead per node-step: the process's CPU time for a fit of ``steps`` steps minus one of
+    ``steps // 5`` (so start-up and the run directory cancel out), per node-step, minus the
+    nodes' own compute per node-step (forward, backward, optimizer: the summary's
+    ``step_seconds``). What remains is the runtime's work: data, guards, callbacks, and
+    simulating the collectives (the in-process reduction over all nodes). CPU time, so the
+    figure does not depend on how many cores the nodes share.
+    """
+    torch.manual_seed(0)
+    ids = torch.randint(0, 65, (200_000,), generator=torch.Generator().manual_seed(1))
+    data = CharWindows(ids, 64)  # one dataset object, read by every node thread
+    model = CharGPT(65, 64, 2, 4, 128, 0.0)
+    sample = tuple(torch.stack(t) for t in zip(*(data[i] for i in range(batch)), strict=True))
+    parameters = sum(p.numel() for p in model.parameters())
+    table = Table(title=f"{nodes} simulated nodes in the threads runtime: gpt model ({parameters:,} "
+                        f"parameters), batch {batch} per node, {steps} steps (load average "
+                        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+    for col in ("strategy", "compute per node-step", "overhead per node-step", "overhead / compute",
+                "node state (model + optimizer)", "peak RSS growth per node"):
+        table.add_column(col, justify="right")
+    _fit_cpu(model, data, "diloco", 2, 2, batch)  # warm-up: lazy imports (pyplot) and first-use costs
+    rss_before = _max_rss_bytes()
+    for strategy in ("ddp", "diloco"):
+        short, _ = _fit_cpu(model, data, strategy, nodes, max(1, steps // 5), batch)
+        print(f"{strategy}: {steps // 5} steps done", flush=True)
+        full, compute = _fit_cpu(model, data, strategy, nodes, steps, batch)
+        print(f"{strategy}: {steps} steps done", flush=True)
+        per_node_step = (full - short) / (nodes * (steps - max(1, steps // 5)))
+        overhead = per_node_step - compute
+        state = node_state_bytes(model, strategy, sample)
+        rss = (_max_rss_bytes() - rss_before) / nodes
+        table.add_row(strategy, f"{compute * 1e3:.2f} ms", f"{overhead * 1e3:.3f} ms",
+                      f"{overhead / compute:.1%}", f"{state / 2**20:.2f} MiB", f"{rss / 2**20:.2f} MiB")
+    Console(width=200).print(table)
+    print("node state: each node's own parameters, gradients and strategy state, counted by storage; "
+          "the dataset is one object all nodes read. Peak RSS growth: the process's peak resident "
+          "memory over the benchmark, per node (activations and allocator slack included).")
+
+
+def _max_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=3, help="samples of each cell (median)")
+    parser.add_argument("--scale", type=int, default=0, metavar="NODES",
+                        help="also simulate NODES nodes of the gpt model (threads runtime)")
+    parser.add_argument("--scale-only", action="store_true", help="only the --scale table")
+    parser.add_argument("--scale-steps", type=int, default=25)
+    parser.add_argument("--scale-batch", type=int, default=8)
     args = parser.parse_args()
+    if args.scale_only:
+        scale(args.scale or 64, args.scale_steps, args.scale_batch)
+        return
     data = make_data()
     kinds: dict[str, Callable[[str], float]] = {
         "plain": lambda strategy: plain_loop(data, strategy, args.steps),
         "threads": lambda strategy: meshtrain_fit(data, strategy, "threads", args.steps),
         "processes": lambda strategy: meshtrain_fit(data, strategy, "processes", args.steps),
     }
+    # Warm-up, not timed: first-use costs (lazy imports such as pyplot, the fork server's
+    # start) would otherwise land in whichever sample comes first.
+    print("warm-up", flush=True)
+    plain_loop(data, "ddp", 5)
+    for runtime in ("threads", "processes"):
+        meshtrain_fit(data, "ddp", runtime, 5)
     load_before = os.getloadavg()[0]
     wall: dict[tuple[str, str], float] = {}
     cpu: dict[tuple[str, str], float] = {}
@@ -170,6 +284,8 @@ def main() -> None:
     # On a loaded machine the scheduler gives 4 node threads more of the cores than one
     # plain thread, so wall ratios flatter the threads runtime; CPU seconds do not.
     print("CPU s: CPU time of this process (every thread); node processes are not counted.")
+    if args.scale:
+        scale(args.scale, args.scale_steps, args.scale_batch)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@ Used by ``meshtrain simulate`` (and each rank of ``meshtrain launch``) and by
 from __future__ import annotations
 
 import copy
-import os
 from typing import Any
 
 from meshtrain.cluster import get_cluster
@@ -23,6 +22,7 @@ from meshtrain.config.spec import (
 )
 from meshtrain.devices import resolve_device
 from meshtrain.planning import Plan, Workload, measure_step_seconds, recommend, trainable_parameters
+from meshtrain.rank import launched_rank
 from meshtrain.tasks import Task, TaskBundle, TaskOptions, check_options, get_task
 
 #: ``--strategy auto``: the planner chooses (:func:`choose_strategy`).
@@ -85,8 +85,9 @@ def resolve_run(flags: dict[str, Any], overrides: list[str], launched: bool) -> 
         ("", flags),
         ("--set ", set_layer),
     ])
-    if launched:
-        spec.nodes = int(os.environ["WORLD_SIZE"])
+    place = launched_rank() if launched else None
+    if place is not None:
+        spec.nodes = place.world_size
     if auto:
         spec.strategy, spec.strategy_options = AUTO, {}
     return spec, task

@@ -19,7 +19,6 @@ measurement of real hosts.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -149,12 +148,6 @@ def collective_seconds(record: CommRecord, cluster: Cluster) -> float:
     else:  # broadcast
         hops = math.ceil(math.log2(g))
     return hops * cluster.latency + moved / bandwidth
-
-
-def measured_step_seconds(wall_seconds: float, comm_seconds: float, steps: int, nodes: int) -> float:
-    """One node's compute per step here: simulated nodes share this machine's cores."""
-    cores = min(nodes, os.cpu_count() or 1)
-    return max(0.0, wall_seconds - comm_seconds) * cores / nodes / max(1, steps)
 
 
 def project(

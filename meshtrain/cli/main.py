@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import io
-import os
 import traceback
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from meshtrain.engine.trainer import Trainer, run_job
 from meshtrain.errors import MeshtrainError
 from meshtrain.heartbeat import start_heartbeat
 from meshtrain.progress import human_bytes
+from meshtrain.rank import launched_rank
 from meshtrain.run_dir import atomic_write_text
 from meshtrain.strategies import STRATEGIES, Strategy
 from meshtrain.tasks import TASKS, get_task
@@ -123,7 +123,7 @@ def simulate(
 
       meshtrain simulate --tensorboard --wandb my-project   # also log there (extras)
     """
-    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    launched = launched_rank() is not None
     if dashboard and not launched:
         dashboard_cli.require_extra("--dashboard")  # bad input (2), before anything is prepared
     if launched:  # beat from the start: a rank that stalls while loading data is noticed too

@@ -17,12 +17,13 @@ S splits evenly.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar, cast
 
 import torch
 
@@ -32,6 +33,7 @@ ReduceOp = Literal["mean", "sum", "max"]
 Group = Sequence[int]
 #: Largest node report gather_json accepts (per-step numbers of a long run fit easily).
 MAX_JSON_BYTES = 64 * 2**20
+_Collective = TypeVar("_Collective", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -92,13 +94,11 @@ def ring_reduce(chunks_by_position: Sequence[torch.Tensor], op: ReduceOp) -> tor
     """
     g = len(chunks_by_position)
     pieces = [x.tensor_split(g) for x in chunks_by_position]
-    out = []
-    for c in range(g):
-        acc = pieces[c][c].clone()
+    result = torch.empty_like(chunks_by_position[0])
+    for c, acc in enumerate(result.tensor_split(g)):  # each chunk accumulates in place
+        acc.copy_(pieces[c][c])
         for k in range(1, g):
             _combine_(acc, pieces[(c + k) % g][c], op)
-        out.append(acc)
-    result = torch.cat(out)
     if op == "mean":
         result.div_(g)
     return result
@@ -113,6 +113,24 @@ def _combine_(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
 
 class NodeAborted(RunFailure):
     """Raised inside a node when another node failed and the run is stopping."""
+
+
+def _clocked(collective: _Collective) -> _Collective:
+    """Adds a collective's duration, on the communicator's ``collective_clock``, to its
+    ``collective_clock_seconds``."""
+
+    @functools.wraps(collective)
+    def timed(self: Communicator, *args: Any, **kwargs: Any) -> Any:
+        clock = self.collective_clock
+        if clock is None:
+            return collective(self, *args, **kwargs)
+        started = clock()
+        try:
+            return collective(self, *args, **kwargs)
+        finally:
+            self.collective_clock_seconds += clock() - started
+
+    return cast(_Collective, timed)
 
 
 class Communicator(ABC):
@@ -134,6 +152,10 @@ class Communicator(ABC):
         self.alive: list[int] = list(range(world_size))
         self.log = CommLog()
         self.step = 0  # set by the trainer so records carry the training step
+        # Time inside collectives (recorded or not) on the clock the loop measures compute
+        # with, so that compute can exclude it; None: not kept.
+        self.collective_clock: Callable[[], float] | None = None
+        self.collective_clock_seconds = 0.0
 
     def set_alive(self, ranks: Sequence[int]) -> None:
         """From now on, collectives run among ``ranks`` only (every node calls this with the
@@ -146,6 +168,7 @@ class Communicator(ABC):
         return len(self.alive)
 
     # ----------------------------------------------------------------- public API
+    @_clocked
     def all_reduce(
         self,
         tensors: torch.Tensor | Sequence[torch.Tensor],
@@ -165,16 +188,17 @@ class Communicator(ABC):
         flat = tensors[0].detach().view(-1) if alone else _flatten(tensors)
         if len(members) > 1:
             reduced = self._ring_all_reduce(flat.to(self.staging_device(flat)), op, members)
-            if reduced is not flat:  # a backend may reduce in place
+            if not alone:  # straight from the result into the tensors: no copy back into the bucket
+                _unflatten_into(reduced, tensors)
+            elif reduced is not flat:  # a backend may reduce in place
                 flat.copy_(reduced)
-            if not alone:
-                _unflatten_into(flat, tensors)
         if record:
             sent, received = ring_all_reduce_bytes(
                 flat.numel(), flat.element_size(), members.index(self.rank), len(members)
             )
             self._record("all_reduce", sent, received, len(members), started)
 
+    @_clocked
     def all_gather(
         self, tensor: torch.Tensor, group: Group | None = None, *, record: bool = True
     ) -> list[torch.Tensor]:
@@ -191,6 +215,7 @@ class Communicator(ABC):
             self._record("all_gather", nbytes, nbytes, len(members), started)
         return out
 
+    @_clocked
     def broadcast(
         self, tensors: torch.Tensor | Sequence[torch.Tensor], src: int = 0,
         group: Group | None = None, *, record: bool = True,

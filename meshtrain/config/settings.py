@@ -20,7 +20,7 @@ from meshtrain.cluster import get_cluster
 from meshtrain.errors import SettingError
 from meshtrain.faults import FaultError, FaultPlan, parse_faults
 
-RUNTIMES = ("threads", "processes", "launched")
+RUNTIMES = ("threads", "processes", "launched")  # meshtrain.engine.runtimes.RUNNERS (tested)
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 #: Most intra-op threads a node may ask for: more than any machine meshtrain runs on has
 #: cores, and far below what exhausts memory when torch creates the pool (100000 did).

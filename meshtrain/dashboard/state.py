@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import yaml
 
@@ -306,9 +306,13 @@ def _balance_shares(summary: Mapping[str, Any], nodes: int) -> dict[int, int]:
         if not isinstance(entry, dict):
             continue
         node, size = entry.get("node"), entry.get("batch_size")
-        if all(isinstance(v, int) and not isinstance(v, bool) for v in (node, size)) and 0 <= node < nodes:
+        if _is_count(node) and _is_count(size) and node < nodes:
             shares[node] = size
     return shares
+
+
+def _is_count(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def read_run_directory(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:

@@ -27,6 +27,7 @@ from meshtrain.data import Collate, DataFactory
 from meshtrain.devices import resolve_device
 from meshtrain.engine import balance, loggers, runtimes
 from meshtrain.engine.job import FitResult, NodeJob
+from meshtrain.rank import environment_run_id, launched_rank
 from meshtrain.run_dir import RunDirectory
 from meshtrain.strategies import DiLoCo, Strategy
 
@@ -111,8 +112,9 @@ class Trainer:
             settings["out_dir"] = os.fspath(settings["out_dir"])
         config = replace(config or TrainConfig(), **settings)
         strategy = strategy if strategy is not None else DiLoCo()
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            world = int(os.environ["WORLD_SIZE"])
+        launched = launched_rank()
+        if launched is not None:
+            world = launched.world_size
             if nodes is not None and nodes != world:
                 raise ValueError(f"nodes={nodes} but this launched run has WORLD_SIZE={world}")
             config = replace(config, nodes=world, runtime="launched")
@@ -130,50 +132,52 @@ class Trainer:
                     f"batch size {config.batch_size} is larger than the shard of each node "
                     f"({size // config.nodes} samples of {size} over {config.nodes} nodes)"
                 )
-        resume = checkpoint.find_latest(config.resume) if config.resume else None
-        if resume is not None and resume.nodes < config.nodes:
-            raise ValueError(f"--resume {config.resume}: the checkpoint has {resume.nodes} nodes, "
-                             f"this run {config.nodes} (a run can continue on fewer nodes, not more)")
-        if resume is not None and resume.nodes > config.nodes:
-            refusal = checkpoint.fewer_nodes_refusal(strategy)
-            if refusal:
-                raise ValueError(f"--resume {config.resume} on {config.nodes} of its {resume.nodes} "
-                                 f"nodes: {refusal}")
+        resume = _checkpoint_to_resume(config, strategy)
         interval = strategy.sync_interval()
         if config.checkpoint_every and interval:
             # Checkpoint right after an outer sync (DiLoCo, FedAvg): round up to a multiple of H.
             config = replace(config, checkpoint_every=-(-config.checkpoint_every // interval) * interval)
-        writes = os.environ.get("RANK", "0") == "0"  # only rank 0 writes the run directory
+        writes = launched is None or launched.rank == 0  # only rank 0 writes the run directory
         if writes:
             loggers.require_installed(config)  # a missing wandb/tensorboard: one line, nothing trains
-        run_id = config.run_id or (resume.run_id if resume else None) or os.environ.get("MESHTRAIN_RUN_ID")
+        run_id = config.run_id or (resume.run_id if resume else None) or environment_run_id()
         if run_id is not None:  # from a checkpoint or the environment: a folder name, checked like --run-id
             check_run_id(run_id)
         run_dir = RunDirectory.reserve(Path(config.out_dir), run_id, strategy.name, config.nodes) \
             if writes else None
         run_id = run_dir.run_id if run_dir else (run_id or "rank")
-        checkpoints = None
-        if config.checkpoint_every:
-            checkpoints = resume.folder.parent if resume else checkpoint.checkpoint_folder(
-                config.out_dir, run_id)
-            checkpoints.mkdir(parents=True, exist_ok=True)
-            # Every launched host keeps its own checkpoints, so each needs the settings too.
-            if (writes or config.runtime == "launched") and "spec" in config.extra_config:
-                checkpoint.write_synced(checkpoints / checkpoint.SPEC, lambda f: f.write(
-                    yaml.safe_dump(config.extra_config["spec"], sort_keys=False).encode()))
-        return NodeJob(
-            model=self.model,
-            train_data=self.train_data,
-            val_data=self.val_data,
-            collate_fn=self.collate_fn,
-            strategy=strategy,
-            config=config,
-            run_id=run_id,
-            started=time.time(),
-            run_dir=run_dir,
-            checkpoints=checkpoints,
-            resume=resume,
-        )
+        return NodeJob(model=self.model, train_data=self.train_data, val_data=self.val_data,
+                       collate_fn=self.collate_fn, strategy=strategy, config=config, run_id=run_id,
+                       started=time.time(), run_dir=run_dir,
+                       checkpoints=_checkpoint_folder(config, run_id, resume, writes), resume=resume)
+
+
+def _checkpoint_to_resume(config: TrainConfig, strategy: Strategy) -> checkpoint.Found | None:
+    """The checkpoint ``config.resume`` names, if this run can continue from it."""
+    resume = checkpoint.find_latest(config.resume) if config.resume else None
+    if resume is not None and resume.nodes < config.nodes:
+        raise ValueError(f"--resume {config.resume}: the checkpoint has {resume.nodes} nodes, "
+                         f"this run {config.nodes} (a run can continue on fewer nodes, not more)")
+    if resume is not None and resume.nodes > config.nodes:
+        refusal = checkpoint.fewer_nodes_refusal(strategy)
+        if refusal:
+            raise ValueError(f"--resume {config.resume} on {config.nodes} of its {resume.nodes} "
+                             f"nodes: {refusal}")
+    return resume
+
+
+def _checkpoint_folder(config: TrainConfig, run_id: str, resume: checkpoint.Found | None,
+                       writes: bool) -> Path | None:
+    """Where this run's checkpoints go (created), or None without ``checkpoint_every``."""
+    if not config.checkpoint_every:
+        return None
+    checkpoints = resume.folder.parent if resume else checkpoint.checkpoint_folder(config.out_dir, run_id)
+    checkpoints.mkdir(parents=True, exist_ok=True)
+    # Every launched host keeps its own checkpoints, so each needs the settings too.
+    if (writes or config.runtime == "launched") and "spec" in config.extra_config:
+        checkpoint.write_synced(checkpoints / checkpoint.SPEC, lambda f: f.write(
+            yaml.safe_dump(config.extra_config["spec"], sort_keys=False).encode()))
+    return checkpoints
 
 
 def run_job(job: NodeJob) -> FitResult:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ from meshtrain.comm.sealing import bind_gloo_to_advertise
 from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group, leave_in_order
 from meshtrain.errors import InputError
 from meshtrain.heartbeat import start_heartbeat
+from meshtrain.rank import RankEnvironmentError, launched_rank
 from meshtrain.run_dir import atomic_write_text
 
 ELEMENT_BYTES = 4  # the buffers are float32, like gradients
@@ -264,14 +264,17 @@ def run_rank(sizes: Sequence[int], repeats: int, out: Path, timeout_s: float) ->
     # One thread: summing the chunks takes well under a millisecond per MB, while idle
     # OpenMP workers spinning on shared cores can add tens of ms to every message.
     torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    place = launched_rank()
+    if place is None:
+        raise RankEnvironmentError("a benchmark rank needs RANK and WORLD_SIZE "
+                                   "(set by `meshtrain hosts bench`)")
+    rank, world = place.rank, place.world_size
     # As a training rank does: without an inventory iface, gloo would listen where the host
     # name resolves (often 127.0.0.1), and the other hosts could not connect.
     bind_gloo_to_advertise()
     # Always gloo on CPU: the network between hosts is what is measured, as the strategies
     # use it on CPU and Apple hosts.
-    init_process_group(rank, world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                       torch.device("cpu"), timeout_s)
+    init_process_group(rank, world, *place.rendezvous(), torch.device("cpu"), timeout_s)
     try:
         comm = TorchDistCommunicator()
 
@@ -297,11 +300,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="Timed all-reduces per size.")
     parser.add_argument("--out", type=Path, required=True, help="Where rank 0 writes the JSON timings.")
     args = parser.parse_args(argv)
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        sys.exit(f"error: run by `meshtrain hosts bench`, which sets {', '.join(missing)}")
+    try:
+        place = launched_rank()
+        if place is not None:
+            place.rendezvous()
+    except RankEnvironmentError as exc:
+        sys.exit(f"error: {exc} (run by `meshtrain hosts bench`)")
+    if place is None:
+        sys.exit("error: run by `meshtrain hosts bench`, which sets RANK, WORLD_SIZE, MASTER_ADDR, "
+                 "MASTER_PORT")
     sizes = [int(s) for s in args.sizes.split(",")]
-    run_rank(sizes, args.repeats, args.out, float(os.environ.get("MESHTRAIN_TIMEOUT", "60")))
+    run_rank(sizes, args.repeats, args.out, place.timeout_s if place.timeout_s is not None else 60.0)
 
 
 if __name__ == "__main__":

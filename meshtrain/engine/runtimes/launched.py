@@ -1,13 +1,12 @@
 """This process is one rank of a launched run (``meshtrain launch`` or torchrun).
 
-Reads the torchrun variables RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (and
-MESHTRAIN_TIMEOUT, seconds a collective may wait), joins the TCP rendezvous, trains
-its node, and leaves the group.
+Takes its place in the group from :func:`meshtrain.rank.launched_rank` (the torchrun
+variables, and MESHTRAIN_TIMEOUT, seconds a collective may wait), joins the TCP
+rendezvous, trains its node, and leaves the group.
 """
 
 from __future__ import annotations
 
-import os
 import traceback
 from collections.abc import Callable
 
@@ -20,22 +19,23 @@ from meshtrain.devices import resolve_device
 from meshtrain.engine.job import FitResult, NodeFailed, NodeJob
 from meshtrain.engine.loop import node_seed, train_node
 from meshtrain.heartbeat import start_heartbeat
-
-REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+from meshtrain.rank import RankEnvironmentError, launched_rank
 
 
 def run_launched_rank(job: NodeJob) -> FitResult:
-    missing = [k for k in REQUIRED if k not in os.environ]
-    if missing:
-        raise RuntimeError(f"launched rank is missing environment variables: {', '.join(missing)}")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    """Train ``job`` as the rank the environment names."""
+    place = launched_rank()
+    if place is None:
+        raise RankEnvironmentError("runtime 'launched' needs RANK and WORLD_SIZE (set by meshtrain "
+                                   "launch or torchrun)")
+    addr, port = place.rendezvous()
+    rank, world = place.rank, place.world_size
     raise_open_file_limit()  # headroom for gloo, which holds a descriptor per connection
     bind_gloo_to_advertise()  # gloo listens where the inventory says this host is reached
     start_heartbeat()  # no-op unless `meshtrain launch` started this rank
-    timeout = float(os.environ.get("MESHTRAIN_TIMEOUT", job.config.timeout_s))
+    timeout = place.timeout_s if place.timeout_s is not None else job.config.timeout_s
     try:
-        return join_and_train(job, rank, world, os.environ["MASTER_ADDR"],
-                              int(os.environ["MASTER_PORT"]), timeout, verify_replicas=True)
+        return join_and_train(job, rank, world, addr, port, timeout, verify_replicas=True)
     except Exception as exc:  # the same error a simulated node raises, traceback kept
         message = f"{type(exc).__name__}: {exc}"
         if "gloo" in message.lower():

@@ -1,0 +1,507 @@
+"""What a node does around its training step, one job per class.
+
+The loop (:mod:`meshtrain.engine.loop`) runs the step itself; these callbacks hear of
+every step's start and end and of the end of training. Every node runs the same
+callbacks in the same order, so the collectives they make (sync checks, validation,
+checkpoint hashes, progress numbers) meet across nodes. None of those is recorded: the
+bytes of a run are its strategy's alone.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, astuple, dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshtrain import checkpoint, observers
+from meshtrain.comm import Communicator
+from meshtrain.data import NodeBatches, fetch, resolve_dataset, to_device
+from meshtrain.engine import loggers
+from meshtrain.engine.balance import Balancer
+from meshtrain.engine.job import NodeJob
+from meshtrain.engine.report import NodeReport, bytes_per_step
+from meshtrain.errors import RunFailure
+from meshtrain.faults import FaultPlan
+from meshtrain.heartbeat import StatusReporter, status_reporter
+from meshtrain.progress import Progress
+from meshtrain.strategies import Strategy
+
+RngGuard = Callable[[], Any]
+
+
+class ComputeClock:
+    """Seconds one node spends computing: forward, backward and the optimizer, never the
+    runtime's own work or time inside collectives (waiting for peers included).
+
+    A node whose kernels run on its own thread (``threads`` = 1 on CPU, the default of the
+    local runtimes) is timed by that thread's CPU time, which other nodes sharing the cores
+    do not inflate; otherwise (several intra-op threads, an accelerator) by wall time.
+    Used as ``with clock:`` around the computing parts of a step.
+    """
+
+    def __init__(self, comm: Communicator, *, own_thread: bool) -> None:
+        self.now: Callable[[], float] = time.thread_time if own_thread else time.perf_counter
+        self.comm = comm
+        comm.collective_clock = self.now  # collectives inside a timed part are taken out
+        self.seconds = 0.0
+        self._started = self._in_collectives = 0.0
+
+    def __enter__(self) -> None:
+        self._in_collectives = self.comm.collective_clock_seconds
+        self._started = self.now()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        collectives = self.comm.collective_clock_seconds - self._in_collectives
+        self.seconds += self.now() - self._started - collectives
+
+
+@dataclass
+class NodeRun:
+    """One node's training run: what the loop and its callbacks share."""
+
+    job: NodeJob
+    comm: Communicator
+    model: nn.Module
+    strategy: Strategy
+    train_set: Any
+    batches: NodeBatches
+    device: torch.device
+    max_steps: int
+    plan: FaultPlan
+    clock: ComputeClock
+    rng_guard: RngGuard | None = None
+    startup_sent: int = 0  # bytes sent before the first step (replica checks, strategy setup)
+    losses: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)  # since the run started, per step
+    history_val: dict[int, dict[str, float]] = field(default_factory=dict)
+    skipped: list[int] = field(default_factory=list)  # steps skipped for a non-finite loss
+    departed: dict[int, NodeReport] = field(default_factory=dict)  # rank 0: nodes that left
+    initial: dict[str, float] = field(default_factory=dict)  # the global model before step 1
+    first_step: int = 0
+    seconds_before: float = 0.0  # a resumed run's seconds before this session
+    loop_before: float = 0.0  # and its training-loop seconds
+    loop_started: float = 0.0
+    collectives_before: float = 0.0  # comm.log.seconds when the loop started
+    balancer: Balancer | None = None  # --balance: this node's share of each step's samples
+    progress: Progress = field(default_factory=lambda: Progress(0, enabled=False, title=""))
+    live: loggers.RunLoggers = field(default_factory=loggers.RunLoggers)
+
+    @property
+    def rank(self) -> int:
+        return self.comm.rank
+
+    def report(self) -> NodeReport:
+        """What this node sends rank 0 about the steps it took."""
+        in_collectives = self.comm.log.seconds - self.collectives_before
+        looped = time.perf_counter() - self.loop_started
+        return NodeReport(self.losses, self.seconds, *bytes_per_step(self.comm, self.max_steps),
+                          self.startup_sent, self.clock.seconds, len(self.losses) - self.first_step,
+                          in_collectives / looped if looped > 0 else None,
+                          self.balancer.collective_share() if self.balancer is not None else None)
+
+
+class Callback:
+    """One job around the node loop. Every hook is optional."""
+
+    def step_start(self, run: NodeRun, step: int) -> bool:
+        """Before 0-based ``step``; False makes this node leave the run here."""
+        return True
+
+    def step_end(self, run: NodeRun, step: int) -> None:
+        """After ``step``'s update, its loss in ``run.losses[-1]``."""
+
+    def train_end(self, run: NodeRun) -> None:
+        """After the strategy's final sync."""
+
+
+# ------------------------------------------------------------------- --balance
+class Balancing(Callback):
+    """``--balance``: after each step the balancer may give this node a new share of the
+    step's samples (:mod:`meshtrain.engine.balance`); the watchers are told."""
+
+    def __init__(self, run: NodeRun, status: StatusReport) -> None:
+        assert run.balancer is not None
+        self.balancer, self.status = run.balancer, status
+        status.show_batch_size(run.batches.batch_size)
+
+    def step_end(self, run: NodeRun, step: int) -> None:
+        if self.balancer.step_done(step, run.batches, run.strategy):
+            self.status.show_batch_size(run.batches.batch_size)
+
+
+# ------------------------------------------------------------------- status and progress
+class StatusReport(Callback):
+    """Tells watchers where this node is: the launcher's live view (a launched rank's
+    status frames, :mod:`meshtrain.heartbeat`) and the observers of this process (the live
+    dashboard of ``simulate --dashboard``)."""
+
+    def __init__(self, run: NodeRun) -> None:
+        cfg = run.job.config
+        self.status: StatusReporter | None = \
+            status_reporter(run.max_steps, run.first_step) if cfg.runtime == "launched" else None
+        self.watched = observers.NodeReporter(run.rank, run.max_steps, own_thread=cfg.runtime == "threads") \
+            if observers.active() else None
+
+    def step_end(self, run: NodeRun, step: int) -> None:
+        loss, sent = run.losses[-1], run.comm.log.bytes_sent
+        if self.status is not None:
+            self.status.step_done(step + 1, loss, sent, run.strategy)
+        if self.watched is not None:
+            self.watched.step_done(step + 1, loss, sent)
+
+    def show_batch_size(self, batch_size: int) -> None:
+        """The live view and the dashboard show each node's share under --balance."""
+        for reporter in (self.status, self.watched):
+            if reporter is not None:
+                reporter.batch_size = batch_size
+
+    def last_word(self, run: NodeRun, step: int) -> None:
+        """A node leaving at ``step`` says so (``--fail``)."""
+        if self.watched is not None:
+            self.watched.step_done(step, run.losses[-1] if run.losses else None, run.comm.log.bytes_sent,
+                                   final=True)
+
+    def train_end(self, run: NodeRun) -> None:  # with the final sync's bytes
+        last = run.losses[-1] if run.losses else None
+        if self.status is not None:
+            self.status.step_done(run.max_steps, last, run.comm.log.bytes_sent, run.strategy, final=True)
+        if self.watched is not None:
+            self.watched.step_done(run.max_steps, last, run.comm.log.bytes_sent, final=True)
+
+
+class ProgressNumbers:
+    """What the progress bar shows, defined as in the results: the loss is the mean over
+    nodes, bytes are sent per node (mean) since the first step. Collected by a small
+    unrecorded all-reduce after the first step, then every 1% of the run but at least every
+    25 steps (a long run still shows progress at once), on a schedule every node knows.
+
+    With ``lines_only`` (a launched run without loggers: its ranks print plain lines, about
+    ten per run, never a redrawn bar) they are collected only for those lines, so a
+    launched step pays no extra round trip over the real link."""
+
+    def __init__(self, comm: Communicator, startup_sent: int, steps: int, *,
+                 lines_only: bool = False) -> None:
+        self.comm = comm
+        self.startup_sent = startup_sent
+        self.lines_only = lines_only
+        # Progress prints a line at step 1, then every steps // 10 steps: the same steps.
+        self.every = max(1, steps // 10) if lines_only else max(1, min(steps // 100, 25))
+        self.steps = steps
+
+    def due(self, step: int) -> bool:
+        if self.lines_only:
+            return step % self.every == 0 and step + 1 < self.steps
+        return (step == 0 or (step + 1) % self.every == 0) and step + 1 < self.steps
+
+    def collect(self, loss: float) -> tuple[float, float]:
+        numbers = torch.tensor([loss, self.comm.log.bytes_sent - self.startup_sent], dtype=torch.float64)
+        self.comm.all_reduce(numbers, op="mean", record=False)
+        return float(numbers[0]), float(numbers[1])
+
+
+class ProgressReport(Callback):
+    """The progress bar (rank 0) and the metrics loggers (CSV, TensorBoard, W&B), which get
+    the bar's numbers on its schedule; every node takes part in collecting them."""
+
+    def __init__(self, run: NodeRun) -> None:
+        cfg = run.job.config
+        self.numbers = ProgressNumbers(run.comm, run.startup_sent, run.max_steps,
+                                       lines_only=cfg.runtime == "launched" and not loggers.wanted(cfg)) \
+            if cfg.progress or loggers.wanted(cfg) else None
+
+    def step_end(self, run: NodeRun, step: int) -> None:
+        if self.numbers is not None and self.numbers.due(step):
+            mean_loss_now, sent_now = self.numbers.collect(run.losses[-1])
+            run.progress.update(step + 1, mean_loss_now, sent_now)
+            run.live.log({"train_loss": mean_loss_now, "total_bytes_sent": sent_now}, step + 1)
+
+    def train_end(self, run: NodeRun) -> None:
+        if self.numbers is not None:  # the final sync's bytes count too
+            run.progress.update(run.max_steps, *self.numbers.collect(run.losses[-1]))
+
+
+# ------------------------------------------------------------------------------ guards
+class NonFiniteLoss(RunFailure):
+    """A node's loss became NaN or infinite: the run stops, naming the step and node."""
+
+
+class NonFiniteGuard(Callback):
+    """A NaN or infinite loss or gradient stops the run, naming the step and node; with
+    ``skip_nonfinite`` the step is skipped on every node instead (they agree by one
+    unrecorded max-reduce of a flag)."""
+
+    def skips(self, run: NodeRun, step: int, loss: float) -> bool:
+        """Whether ``step`` must be skipped (raises :class:`NonFiniteLoss` unless skipping)."""
+        problem = _non_finite(loss, run.strategy.params)
+        if run.job.config.skip_nonfinite:
+            flag = torch.tensor([0.0 if problem is None else 1.0], dtype=torch.float64)
+            run.comm.all_reduce(flag, op="max", record=False)
+            skip = bool(flag.item())
+        elif problem is not None:
+            raise NonFiniteLoss(f"{problem} at step {step + 1} on node {run.rank}")
+        else:
+            skip = False
+        if skip:
+            run.skipped.append(step + 1)
+            if run.rank == 0:
+                observers.notify("event", "nonfinite", f"step {step + 1} skipped: a node's loss or "
+                                 "parameters were not finite (--skip-nonfinite)")
+        return skip
+
+
+def _non_finite(loss: float, params: Sequence[torch.Tensor]) -> str | None:
+    """What is NaN or infinite this step (the loss, else a gradient), or None."""
+    if not math.isfinite(loss):
+        return f"loss is {loss}"
+    grads = [p.grad for p in params if p.grad is not None and p.grad.numel()]
+    # One pass over each gradient, allocating nothing its size: its min and max are both
+    # finite exactly when all of it is (NaN propagates through both; a max never overflows,
+    # unlike a sum). A seventh of the time of an inf-norm, which copies |g| first.
+    if grads and not bool(torch.stack([end for g in grads for end in torch.aminmax(g)]).isfinite().all()):
+        return "a gradient is not finite"
+    return None
+
+
+class ReplicaDrift(RunFailure):
+    """Nodes that a strategy keeps identical were found to differ (``check_sync``)."""
+
+
+class SyncCheck(Callback):
+    """``check_sync``: after every step, and after the final sync, compare by SHA-256 what
+    the strategy promises is identical on its nodes."""
+
+    def step_end(self, run: NodeRun, step: int) -> None:
+        if run.job.config.check_sync:
+            check_sync(run.strategy, run.comm, step)
+
+    def train_end(self, run: NodeRun) -> None:
+        if run.job.config.check_sync:
+            check_sync(run.strategy, run.comm, run.max_steps - 1)
+
+
+def check_sync(strategy: Strategy, comm: Communicator, step: int) -> None:
+    """Raise :class:`ReplicaDrift` if what ``strategy`` keeps identical after ``step`` is not."""
+    promised = strategy.synced(step)
+    if promised is None:
+        return
+    tensors, group = promised
+    members = comm.members(group)
+    digests = comm.all_gather(digest(tensors), group=group, record=False)
+    differ = [m for m, d in zip(members, digests, strict=True) if not torch.equal(d, digests[0])]
+    if differ:
+        raise ReplicaDrift(f"after step {step + 1}, node(s) {', '.join(map(str, differ))} hold "
+                           f"parameters that differ from node {members[0]}'s, although "
+                           f"{strategy.name} keeps them identical")
+
+
+def digest(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """SHA-256 of the tensors' bytes, as 32 uint8s (a tensor peers can compare)."""
+    h = hashlib.sha256()
+    for p in params:
+        h.update(p.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8)
+
+
+# --------------------------------------------------------------------------------- faults
+class Faults(Callback):
+    """``--fail``: at the start of a step where the plan removes nodes, they leave.
+
+    Every node of the old membership meets once more: each leaving node hands rank 0 its
+    report (unrecorded: a real failure would lose it, but the simulation keeps the losses
+    and bytes of the steps it took). Then the survivors go on among themselves.
+    """
+
+    def __init__(self, status: StatusReport) -> None:
+        self.status = status
+
+    def step_start(self, run: NodeRun, step: int) -> bool:
+        plan, comm = run.plan, run.comm
+        if not plan.failures:
+            return True
+        now = plan.alive_at(step, comm.world_size)
+        if now == comm.alive:
+            return True
+        leaving = run.rank not in now
+        if leaving:
+            self.status.last_word(run, step)
+        gathered = comm.gather_json(asdict(run.report()) if leaving else None)
+        if gathered is not None:  # rank 0
+            gone = [r for r in comm.alive if r not in now]
+            for r, value in zip(comm.alive, gathered, strict=True):
+                if r in gone:
+                    run.departed[r] = NodeReport(**value)
+            self._announce(run, step, gone, now)
+        comm.set_alive(now)
+        return not leaving
+
+    @staticmethod
+    def _announce(run: NodeRun, step: int, gone: list[int], now: list[int]) -> None:
+        names, s = ", ".join(map(str, gone)), "s" if len(gone) > 1 else ""
+        run.progress.note(f"step {step}/{run.max_steps}  node{s} {names} left "
+                          f"(--fail); {len(now)} node{'s' if len(now) > 1 else ''} go on")
+        for r in gone:
+            observers.notify("node_ended", r, "lost", f"left at step {step} (--fail)")
+        observers.notify("event", "left", f"step {step}: node{s} {names} left (--fail); {len(now)} go on")
+
+
+# ----------------------------------------------------------------------------- validation
+class Validation(Callback):
+    """Validation every ``val_interval`` steps: the global model's metrics (rank 0's scratch
+    copy of the model, loaded with the global parameters) and the mean of the node models'
+    validation losses; also the global model before the first step and after the last."""
+
+    def __init__(self, job: NodeJob, model: nn.Module, rank: int, device: torch.device) -> None:
+        self.batches = _validation_batches(job, rank, device)
+        self.evaluator = _GlobalEvaluator(model, self.batches) if rank == 0 and self.batches else None
+
+    def evaluate_global(self, strategy: Strategy) -> dict[str, float]:
+        """The global model's metrics (rank 0; empty elsewhere or without validation data)."""
+        return self.evaluator.evaluate(strategy.params_data()) if self.evaluator else {}
+
+    def step_end(self, run: NodeRun, step: int) -> None:
+        interval = run.job.config.val_interval
+        last = step == run.max_steps - 1
+        if interval and (step + 1) % interval == 0 and not last and self.batches:
+            run.history_val[step] = self._validate(run)
+            run.live.log(run.history_val[step], step + 1)
+
+    def _validate(self, run: NodeRun) -> dict[str, float]:
+        global_params = run.strategy.global_parameters()
+        node_loss = torch.tensor([mean_loss(run.model, self.batches)], dtype=torch.float64)
+        run.comm.all_reduce(node_loss, op="mean", record=False)
+        out = self.evaluator.evaluate(global_params) if self.evaluator else {}
+        out["node_val_loss"] = float(node_loss)
+        return out
+
+
+def _validation_batches(job: NodeJob, rank: int, device: torch.device) -> list[Any]:
+    if job.val_data is None:
+        return []
+    cfg = job.config
+    val_set, _ = resolve_dataset(job.val_data, rank, cfg.nodes, "val")
+    n = len(val_set)  # type: ignore[arg-type]
+    if cfg.val_size is not None:
+        n = min(n, cfg.val_size)
+    return [
+        to_device(fetch(val_set, list(range(s, min(n, s + cfg.batch_size))), job.collate_fn), device)
+        for s in range(0, n, cfg.batch_size)
+    ]
+
+
+@torch.no_grad()
+def mean_loss(model: nn.Module, batches: list[Any]) -> float:
+    """Mean loss of ``model`` over ``batches`` (weighted by batch length), in eval mode."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for batch in batches:
+        n = _batch_len(batch)
+        total += float(model(batch)) * n
+        count += n
+    model.train(was_training)
+    return total / max(1, count)
+
+
+def _batch_len(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return len(batch)
+    if isinstance(batch, (tuple, list)) and batch:
+        return _batch_len(batch[0])
+    if isinstance(batch, dict) and batch:
+        return _batch_len(next(iter(batch.values())))
+    return 1
+
+
+def node_replica(model: nn.Module) -> nn.Module:
+    """A node's own copy of ``model`` that shares its frozen parameters.
+
+    Frozen weights never change, so the nodes of one process (and rank 0's evaluator)
+    hold one copy of them: under LoRA that is nearly the whole model. Everything that
+    trains, and every buffer, is the node's own.
+    """
+    frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
+    return copy.deepcopy(model, memo=dict(frozen))
+
+
+class _GlobalEvaluator:
+    """Rank 0's scratch copy of the model, loaded with global parameters to evaluate."""
+
+    def __init__(self, model: nn.Module, batches: list[Any]) -> None:
+        self.model = node_replica(model)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.batches = batches
+
+    @torch.no_grad()
+    def evaluate(self, global_params: list[torch.Tensor]) -> dict[str, float]:
+        for p, g in zip(self.params, global_params, strict=True):
+            p.copy_(g)
+        out = {"val_loss": mean_loss(self.model, self.batches)}
+        hook = getattr(self.model, "validation_metrics", None)
+        if callable(hook):
+            self.model.eval()
+            out.update({f"val_{k}": float(v) for k, v in hook(self.batches).items()})
+            self.model.train()
+        return out
+
+
+# ---------------------------------------------------------------------------- checkpoints
+class Checkpointing(Callback):
+    """Every ``checkpoint_every`` steps (not after the last), every node saves its state;
+    rank 0 publishes the checkpoint once all have (a launched rank publishes its own)."""
+
+    def step_end(self, run: NodeRun, step: int) -> None:
+        every = run.job.config.checkpoint_every
+        if every and (step + 1) % every == 0 and step != run.max_steps - 1:
+            self.save(run, step + 1)
+
+    def save(self, run: NodeRun, steps_done: int) -> None:
+        job, cfg, comm = run.job, run.job.config, run.comm
+        assert job.checkpoints is not None
+        digest_hex = checkpoint.save_node(job.checkpoints, steps_done, run.rank, self._state(run, steps_done))
+        hashes = comm.gather_json({"rank": run.rank, "sha256": digest_hex})  # also: every node has saved
+        if cfg.runtime == "launched":  # every host keeps its own rank's checkpoint
+            checkpoint.commit(job.checkpoints, steps_done, job.run_id, {run.rank: digest_hex},
+                              cfg.keep_checkpoints, cfg.nodes)
+        elif hashes is not None:
+            checkpoint.commit(job.checkpoints, steps_done, job.run_id,
+                              {h["rank"]: h["sha256"] for h in hashes}, cfg.keep_checkpoints, cfg.nodes)
+
+    @staticmethod
+    def _state(run: NodeRun, steps_done: int) -> dict[str, Any]:
+        log = run.comm.log
+        return {
+            "run_id": run.job.run_id, "step": steps_done, "rank": run.rank,
+            "model": run.model.state_dict(), "strategy": run.strategy.state_dict(),
+            "data": run.batches.state_dict(), "rng": node_rng_state(run.rng_guard),
+            "comm": [astuple(r) for r in log.records],
+            "comm_totals": [log.bytes_sent, log.bytes_received, log.seconds],
+            "losses": run.losses, "seconds": run.seconds, "val": run.history_val, "initial": run.initial,
+            "skipped": run.skipped,
+            "startup_sent": run.startup_sent,
+            "loop_seconds": run.loop_before + time.perf_counter() - run.loop_started,
+        }
+
+
+def node_rng_state(rng_guard: RngGuard | None) -> torch.Tensor:
+    """This node's random stream (in the threads runtime it lives behind the guard)."""
+    if rng_guard is None:
+        return torch.get_rng_state()
+    with rng_guard():
+        return torch.get_rng_state()
+
+
+def set_node_rng_state(state: torch.Tensor, rng_guard: RngGuard | None) -> None:
+    if rng_guard is None:
+        torch.set_rng_state(state)
+        return
+    with rng_guard():
+        torch.set_rng_state(state)
