@@ -24,7 +24,7 @@ from meshtrain.checkpoint import fewer_nodes_refusal
 from meshtrain.cli import dashboard as dashboard_cli
 from meshtrain.cli.console import errors, fail, fail_on
 from meshtrain.cli.console import wide_console as console  # the hosts commands' output
-from meshtrain.cli.flags import TRAINING_FLAGS as F
+from meshtrain.cli.flags import setting_flags, takes_settings
 from meshtrain.cli.hosts_setup import hosts_setup
 from meshtrain.cluster import cluster_file_text
 from meshtrain.config.settings import MAX_THREADS, SettingError, check_run_id
@@ -65,14 +65,6 @@ from meshtrain.launch.live import rank_output
 from meshtrain.progress import human_bytes
 from meshtrain.run_dir import atomic_write_text
 from meshtrain.tasks import TaskError, check_options, get_task
-
-# simulate's flag name for each training option the launcher forwards.
-FORWARDED = {
-    "profile": "--profile", "strategy": "--strategy", "task": "--task", "data": "--data",
-    "steps": "--steps", "batch_size": "--batch-size", "microbatch_size": "--microbatch-size",
-    "lr": "--lr", "seed": "--seed", "val_interval": "--val-interval",
-    "checkpoint_every": "--checkpoint-every", "keep_checkpoints": "--keep",
-}
 
 
 def resume_command(args: list[str], run_id: str) -> str:
@@ -473,21 +465,16 @@ def register(app: typer.Typer) -> None:
     app.add_typer(hosts_app, name="hosts")
 
     @app.command("launch")
+    @takes_settings("launch")
     def launch_command(
         inventory: Path = typer.Argument(..., help="Inventory file (hosts/NAME.yaml); rank 0 first."),
         command: list[str] = typer.Argument(
             None, help="After --: a command to run on every host instead (python means the host's "
                        "interpreter), e.g. -- python train.py --lr 3e-4"),
-        out: Path = typer.Option(Path("runs"), "--out", help="Local folder for rank 0's run directory."),
-        run_id: str = typer.Option(None, "--run-id", help="Name of the run directory."),
         accept_new_host_keys: bool = typer.Option(
             False, "--accept-new-host-keys", help="Trust hosts seen for the first time (records their "
                                                   "keys in known_hosts; changed keys are still refused)."),
         upload: list[Path] = typer.Option([], "--upload", help="Copy a local file into every workdir first."),
-        progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress lines from rank 0."),
-        threads: int = typer.Option(
-            None, "--threads", help="Torch intra-op threads of every rank (overrides the inventory's "
-                                    "'threads'; default: every core of each host)."),
         heartbeat_timeout: float = typer.Option(
             None, "--heartbeat-timeout", help="Stop the run when a rank sends no heartbeat for this many "
                                               "seconds (stopped or hung); default: the inventory's "
@@ -496,27 +483,6 @@ def register(app: typer.Typer) -> None:
             False, "--plain", help="Stream every rank's lines prefixed with host and rank instead of the "
                                    "live panel (one row per host: step, loss, steps/s, sent, memory, "
                                    "state); always so when the output is not a terminal."),
-        profile: str = F["profile"],
-        strategy: str = F["strategy"],
-        task: str = F["task"],
-        data: str = F["data"],
-        steps: int = F["steps"],
-        batch_size: int = F["batch_size"],
-        microbatch_size: int = F["microbatch_size"],
-        lr: float = F["lr"],
-        device: str = F["device"],
-        seed: int = F["seed"],
-        val_interval: int = F["val_interval"],
-        set_: list[str] = F["set_"],
-        checkpoint_every: int = typer.Option(
-            None, "--checkpoint-every", help="Every rank checkpoints its state every N steps into its "
-                                             "host's workdir (runs/RUN-ID.checkpoints/).",
-            rich_help_panel="Long runs"),
-        keep: int = typer.Option(None, "--keep", help="Checkpoints each host keeps (default 2).",
-                                 rich_help_panel="Long runs"),
-        resume: str = typer.Option(
-            None, "--resume", help="Continue the launch RUN-ID from the newest checkpoint every host "
-                                   "holds (give the same inventory and flags).", rich_help_panel="Long runs"),
         max_restarts: int = typer.Option(
             0, "--max-restarts", min=0, rich_help_panel="Long runs",
             help="When a rank fails, start every rank again from the last checkpoint, up to this "
@@ -538,6 +504,7 @@ def register(app: typer.Typer) -> None:
             False, "--no-ship", help="Do not send --data (and a local task_options.model) into every "
                                      "workdir: every host already holds it at the same path."),
         dashboard: bool = dashboard_cli.DASHBOARD_FLAG,
+        **settings: Any,
     ) -> None:
         """Train with one rank per host of INVENTORY, or run a command on every host (after --).
 
@@ -545,6 +512,11 @@ def register(app: typer.Typer) -> None:
         script calling Trainer.fit (or any torchrun script) joins the group. The output of
         every rank streams here; rank 0's run directory is copied back under --out.
         """
+        set_: list[str] = list(settings.pop("set_"))
+        run_id, resume, device, threads = (settings.pop(k) for k in ("run_id", "resume", "device", "threads"))
+        out = Path(settings.pop("out_dir") or RunSpec.out_dir)
+        progress = settings.pop("progress") is not False
+        strategy = settings["strategy"]
         for flag, value in (("--run-id", run_id), ("--resume", resume)):
             if value is not None:
                 try:
@@ -553,9 +525,8 @@ def register(app: typer.Typer) -> None:
                     raise fail(str(exc)) from None
         inv = _inventory(inventory)
         limits = _copy_limits(copy_back_limit, copy_back_files)
-        flags = dict(profile=profile, strategy=strategy, task=task, data=data, steps=steps,
-                     batch_size=batch_size, microbatch_size=microbatch_size, lr=lr, seed=seed,
-                     val_interval=val_interval, checkpoint_every=checkpoint_every, keep_checkpoints=keep)
+        flags = dict(settings)  # the training settings every rank gets
+        checkpoint_every = flags["checkpoint_every"]
         training = not command
         if command and (resume or max_restarts):
             raise fail("--resume and --max-restarts continue a training run: give training flags, "
@@ -587,7 +558,9 @@ def register(app: typer.Typer) -> None:
                 resolved = _resolved_profile_file(str(flags["profile"]))
                 upload = [*upload, resolved]
                 flags["profile"] = resolved.name
-            forwarded = [w for k, v in flags.items() if v is not None for w in (FORWARDED[k], str(v))]
+            names = {**setting_flags("launch"), "profile": None}
+            forwarded = [w for k, v in flags.items() if v is not None
+                         for w in ((names[k].names[0] if names[k] else "--profile"), str(v))]
             forwarded += [w for item in set_ for w in ("--set", item)]
             if not progress:
                 forwarded.append("--no-progress")

@@ -22,9 +22,9 @@ from meshtrain.cli import launch, research
 from meshtrain.cli import plan as plan_cli
 from meshtrain.cli import transcribe as transcribe_cli
 from meshtrain.cli.console import console, errors, fail, fail_on
-from meshtrain.cli.flags import TRAINING_FLAGS, flag
+from meshtrain.cli.flags import takes_settings
+from meshtrain.cli.help_layout import keep_option_names_whole
 from meshtrain.cluster import CLUSTERS
-from meshtrain.config.settings import help_for
 from meshtrain.config.spec import ConfigError, RunSpec, list_profiles, load_profile, resume_conflict
 from meshtrain.engine.job import NodeFailed
 from meshtrain.engine.trainer import Trainer, run_job
@@ -36,6 +36,7 @@ from meshtrain.strategies import STRATEGIES, Strategy
 from meshtrain.tasks import TASKS, get_task
 from meshtrain.version import __version__
 
+keep_option_names_whole()
 app = typer.Typer(
     help="Train with communication-efficient strategies on simulated nodes or real machines.",
     no_args_is_help=True,
@@ -58,48 +59,13 @@ def _main(
 
 
 @app.command()
+@takes_settings("simulate")
 def simulate(
-    profile: str = TRAINING_FLAGS["profile"],
-    strategy: str = TRAINING_FLAGS["strategy"],
-    task: str = TRAINING_FLAGS["task"],
-    data: str = TRAINING_FLAGS["data"],
-    steps: int = TRAINING_FLAGS["steps"],
-    epochs: float = TRAINING_FLAGS["epochs"],
-    batch_size: int = TRAINING_FLAGS["batch_size"],
-    microbatch_size: int = TRAINING_FLAGS["microbatch_size"],
-    lr: float = TRAINING_FLAGS["lr"],
-    seed: int = TRAINING_FLAGS["seed"],
-    set_: list[str] = TRAINING_FLAGS["set_"],
-    nodes: int = flag("nodes", "--nodes", "-n", rich_help_panel="The simulated cluster"),
-    runtime: str = flag("runtime", "--runtime", rich_help_panel="The simulated cluster"),
-    out: str = flag("out_dir", "--out", rich_help_panel="Output"),
-    run_id: str = flag("run_id", "--run-id", rich_help_panel="Output"),
-    progress: bool = typer.Option(None, "--progress/--no-progress", help=help_for("progress"),
-                                  rich_help_panel="Output"),
-    cluster: str = flag("cluster", "--cluster", rich_help_panel="The simulated cluster"),
-    step_seconds: float = flag("step_seconds", "--step-seconds", rich_help_panel="The simulated cluster"),
-    fail_: list[str] = flag("fail", "--fail", metavar="node=N,step=S",
-                             rich_help_panel="The simulated cluster"),
-    straggler: list[str] = flag("straggler", "--straggler", metavar="node=N,slowdown=X",
-                                 rich_help_panel="The simulated cluster"),
-    check_sync: bool = typer.Option(None, "--check-sync/--no-check-sync", help=help_for("check_sync"),
-                                    rich_help_panel="Long runs"),
-    skip_nonfinite: bool = typer.Option(None, "--skip-nonfinite/--stop-on-nonfinite",
-                                        help=help_for("skip_nonfinite"), rich_help_panel="Long runs"),
-    checkpoint_every: int = flag("checkpoint_every", "--checkpoint-every", rich_help_panel="Long runs"),
-    keep: int = flag("keep_checkpoints", "--keep", rich_help_panel="Long runs"),
-    resume: str = typer.Option(None, "--resume", help="Continue a stopped run from its newest intact "
-                               "checkpoint: its <run-id>.checkpoints folder (settings come from there; "
-                               "flags given now win).", rich_help_panel="Long runs"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="On failure, print the failing "
                                  "node's full traceback (always written to <out>/<run-id>.error.log).",
                                  rich_help_panel="Output"),
-    device: str = TRAINING_FLAGS["device"],
-    threads: int = TRAINING_FLAGS["threads"],
-    val_interval: int = TRAINING_FLAGS["val_interval"],
-    wandb: str = TRAINING_FLAGS["wandb"],
-    tensorboard: bool = TRAINING_FLAGS["tensorboard"],
     dashboard: bool = dashboard_cli.DASHBOARD_FLAG,
+    **settings: Any,
 ) -> None:
     """Train N simulated nodes on this machine and report loss, bytes and time.
 
@@ -122,6 +88,8 @@ def simulate(
       meshtrain simulate --tensorboard --wandb my-project   # also log there (extras)
     """
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    set_: list[str] = list(settings.pop("set_"))
+    profile, out, run_id, resume = (settings[k] for k in ("profile", "out_dir", "run_id", "resume"))
     if dashboard and not launched:
         dashboard_cli.require_extra("--dashboard")  # bad input (2), before anything is prepared
     if launched:  # beat from the start: a rank that stalls while loading data is noticed too
@@ -149,13 +117,8 @@ def simulate(
                        "train it further, give --steps above its steps and a new --run-id or --out")
         console.print(f"resuming run {found.run_id} after step {found.step} ({found.folder})",
                       highlight=False)
-    flags = dict(profile=profile, strategy=strategy, task=task, data=data, steps=steps, epochs=epochs,
-                 batch_size=batch_size, microbatch_size=microbatch_size, lr=lr, device=device,
-                 seed=seed, threads=threads, val_interval=val_interval, nodes=nodes, runtime=runtime,
-                 out_dir=out, run_id=run_id, progress=progress, cluster=cluster,
-                 step_seconds=step_seconds, checkpoint_every=checkpoint_every, keep_checkpoints=keep,
-                 resume=resume, check_sync=check_sync, skip_nonfinite=skip_nonfinite, wandb=wandb,
-                 tensorboard=tensorboard, fail=fail_ or None, straggler=straggler or None)
+    flags = {**settings, "profile": profile, "out_dir": out,
+             "fail": settings["fail"] or None, "straggler": settings["straggler"] or None}
     # Everything is checked before the first step: up to here, an error is bad input (2).
     try:
         if resume:  # the settings must be the checkpointed run's, but for what may change
