@@ -7,15 +7,16 @@ Used by ``meshtrain simulate`` (and each rank of ``meshtrain launch``) and by
 from __future__ import annotations
 
 import copy
-import os
 from typing import Any
 
 from meshtrain.cluster import get_cluster
+from meshtrain.config.environment import launched_rank
 from meshtrain.config.spec import (
     ConfigError,
     RunSpec,
     build_strategy,
     load_profile,
+    load_settings_file,
     merge,
     parse_set,
     resolve_spec,
@@ -61,6 +62,9 @@ def resolve_run(flags: dict[str, Any], overrides: list[str], launched: bool) -> 
     ``flags`` holds the command's options (None: not given); its ``profile`` names the profile.
     """
     flags = dict(flags)
+    settings_file = flags.pop("settings_file", None)
+    if settings_file is not None:
+        return _resolve_settings_file(str(settings_file), flags, overrides, launched)
     auto = flags.get("strategy") == AUTO
     if auto:  # resolved as a DDP run; build_run puts the planner's choice in its place
         flags["strategy"] = "ddp"
@@ -85,11 +89,26 @@ def resolve_run(flags: dict[str, Any], overrides: list[str], launched: bool) -> 
         ("", flags),
         ("--set ", set_layer),
     ])
-    if launched:
-        spec.nodes = int(os.environ["WORLD_SIZE"])
+    rank = launched_rank() if launched else None
+    if rank is not None:
+        spec.nodes = rank.world_size
     if auto:
         spec.strategy, spec.strategy_options = AUTO, {}
     return spec, task
+
+
+def _resolve_settings_file(path: str, flags: dict[str, Any], overrides: list[str],
+                           launched: bool) -> tuple[RunSpec, Task]:
+    """A launched rank's settings: the spec ``meshtrain launch`` resolved once (a settings
+    file), under what is given per rank (device, output folder, run id, resume point).
+    Nothing is resolved again: no task suggestions, profile or ``--set``."""
+    if overrides or flags.pop("profile", None):
+        raise ConfigError(f"--settings-file {path} holds every setting: drop --profile and --set")
+    spec = resolve_spec([(f"settings file {path}: ", load_settings_file(path)), ("", flags)])
+    rank = launched_rank() if launched else None
+    if rank is not None:
+        spec.nodes = rank.world_size
+    return spec, get_task(spec.task)
 
 
 def choose_strategy(spec: RunSpec, task: Task, bundle: TaskBundle) -> Plan:

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from ssh_fixtures import SshWorld, loopback_world, meshtrain
 from typer.testing import CliRunner
 
+from meshtrain.build import resolve_run
 from meshtrain.cli.main import app
+from meshtrain.config.spec import settings_file_text
 
 pytestmark = pytest.mark.slow
 runner = CliRunner()
@@ -78,7 +81,8 @@ def test_a_program_missing_on_the_hosts_starts_no_rank(loopback_ssh: SshWorld, t
     assert {p.name for p in (tmp_path / "remote").glob("started-*")} == {"started-0", "started-1"}
 
 
-def test_launch_sends_the_resolved_profile_not_its_name(loopback_ssh: SshWorld, tmp_path: Path) -> None:
+def test_launch_sends_one_resolved_settings_file_not_a_profile_name(loopback_ssh: SshWorld,
+                                                                    tmp_path: Path) -> None:
     """A profile that exists only here (a relative path, with a base: chain) reaches every
     rank as its resolved settings: the hosts' workdirs hold no such file."""
     inv = two_ranks(loopback_ssh, tmp_path)
@@ -93,8 +97,12 @@ def test_launch_sends_the_resolved_profile_not_its_name(loopback_ssh: SshWorld, 
     config = yaml.safe_load((tmp_path / "runs" / "profiled" / "config.yaml").read_text())
     assert (config["spec"]["strategy"], config["spec"]["steps"], config["spec"]["lr"]) == ("fedavg", 3, 0.05)
     assert not (tmp_path / "remote" / "mine").exists()
-    shipped = list((tmp_path / "remote").glob("profile-*.yaml"))
-    assert len(shipped) == 1 and "base" not in yaml.safe_load(shipped[0].read_text())
+    # What every rank received: the one resolved settings file, no profile and no flags.
+    shipped = yaml.safe_load((tmp_path / "remote" / "profiled.settings.yaml").read_text())
+    assert "base" not in shipped and (shipped["strategy"], shipped["steps"]) == ("fedavg", 3)
+    assert shipped["strategy_options"]["H"] == 1 and shipped["threads"] is None
+    assert not list((tmp_path / "remote").glob("profile-*.yaml"))
+    assert not (tmp_path / "runs" / "profiled.settings.yaml").exists()  # the run came back
 
 
 RANK_SCRIPT = """
@@ -137,3 +145,36 @@ def test_a_launched_fit_is_one_rank_and_only_rank_0_keeps_history(loopback_ssh: 
     assert "rank 0 history 4 run_dir True" in result.stdout
     assert "rank 1 history 0 run_dir False" in result.stdout
     assert "rank 1 refused: nodes=4 but this launched run has WORLD_SIZE=2" in result.stdout
+
+
+def test_launch_resume_is_checked_here_before_any_host_is_contacted(loopback_ssh: SshWorld,
+                                                                    tmp_path: Path) -> None:
+    """``launch --resume RUN-ID`` applies simulate's resume rules to the settings the run
+    was launched with (<out>/RUN-ID.settings.yaml, kept while the run may be resumed)."""
+    inv = two_ranks(loopback_ssh, tmp_path)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    launched = ["--strategy", "diloco", "--steps", "20", "--checkpoint-every", "5"]
+    spec, _ = resolve_run({"strategy": "diloco", "steps": 20, "checkpoint_every": 5}, [], launched=False)
+    (runs / "old.settings.yaml").write_text(settings_file_text(spec, "as launch writes it"))
+
+    def resume(run_id: str, *args: str) -> Any:
+        return runner.invoke(app, ["launch", str(inv), "--out", str(runs), "--resume", run_id, *args])
+
+    changed = resume("old", *launched[2:], "--strategy", "ddp")
+    assert changed.exit_code == 2, changed.output
+    assert changed.output.strip().splitlines() == [
+        "error: --resume old: strategy was 'diloco' in the checkpointed run, now 'ddp'; a resumed run "
+        "keeps its settings (it may change: steps upward, logging, threads, device and other settings "
+        "of how it runs)"]
+    assert not (tmp_path / "remote").exists()  # no host was contacted
+    (runs / "done").mkdir()
+    (runs / "done" / "summary.json").write_text("{}")
+    finished = resume("done", *launched)
+    assert finished.exit_code == 2 and "--resume done: the run already finished" in finished.output
+    assert not (tmp_path / "remote").exists()
+    # A change a resume may make passes here; the hosts then say they hold no checkpoint.
+    longer = resume("old", *launched[:2], "--steps", "40", *launched[4:])
+    assert longer.exit_code == 2, longer.output
+    assert "--resume old: no checkpoint that every host holds" in longer.output
+    assert (runs / "old.settings.yaml").is_file()  # still there to resume with

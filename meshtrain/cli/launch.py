@@ -8,7 +8,6 @@ launcher stopped by Ctrl-C or SIGTERM exits 130 or 143 after stopping every rank
 from __future__ import annotations
 
 import dataclasses
-import json
 import shlex
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from meshtrain.checkpoint import fewer_nodes_refusal
 from meshtrain.cli import dashboard as dashboard_cli
 from meshtrain.cli.console import errors, fail, fail_on
 from meshtrain.cli.console import wide_console as console  # the hosts commands' output
-from meshtrain.cli.flags import setting_flags, takes_settings
+from meshtrain.cli.flags import takes_settings
 from meshtrain.cli.hosts_setup import hosts_setup
 from meshtrain.cluster import cluster_file_text
 from meshtrain.config.settings import MAX_THREADS, SettingError, check_run_id
@@ -32,9 +31,9 @@ from meshtrain.config.spec import (
     ConfigError,
     RunSpec,
     build_strategy,
-    load_profile,
-    merge,
-    parse_set,
+    load_settings_file,
+    resume_conflict,
+    settings_file_text,
 )
 from meshtrain.hosts import discovery as d
 from meshtrain.hosts.bench import (
@@ -64,7 +63,7 @@ from meshtrain.launch.launcher import (
 from meshtrain.launch.live import rank_output
 from meshtrain.progress import human_bytes
 from meshtrain.run_dir import atomic_write_text
-from meshtrain.tasks import TaskError, check_options, get_task
+from meshtrain.tasks import Task, check_options
 
 
 def resume_command(args: list[str], run_id: str) -> str:
@@ -315,9 +314,11 @@ def hosts_discover(
     console.print(f"wrote {write} ({len(found)} hosts); next: meshtrain hosts check {write}", highlight=False)
 
 
-def _check_training_flags(flags: dict[str, Any], overrides: list[str], world_size: int) -> None:
-    """Resolve the run's settings here as every rank will (exit 2 on any fault) before any
-    host is contacted: a bad value must not start ``world_size`` ranks that each fail."""
+def _resolve_training(flags: dict[str, Any], overrides: list[str], world_size: int
+                      ) -> tuple[RunSpec, Task]:
+    """The run's settings, resolved here once by the one resolver (exit 2 on any fault)
+    before any host is contacted: a bad value must not start ``world_size`` ranks that
+    each fail. Every rank receives this spec (:func:`_settings_file`)."""
     try:
         spec, task = resolve_run(flags, overrides, launched=False)
         if spec.strategy == AUTO:
@@ -330,54 +331,40 @@ def _check_training_flags(flags: dict[str, Any], overrides: list[str], world_siz
         check_options(task, spec.task_options)
     except ValueError as exc:  # ConfigError, SettingError, FaultError, TaskError
         raise fail(str(exc)) from None
+    return spec, task
 
 
-def _check_shrink(flags: dict[str, Any], overrides: list[str], max_restarts: int) -> None:
+def _check_shrink(spec: RunSpec, max_restarts: int) -> None:
     """``--allow-shrink`` needs restarts, checkpoints, and a strategy whose checkpoint can
     continue on fewer nodes (see checkpoint.fewer_nodes_refusal); exit 2 otherwise."""
     if max_restarts < 1:
         raise fail("--allow-shrink continues after a restart: give --max-restarts 1 or more")
-    profile = load_profile(flags["profile"]) if flags.get("profile") else {}
-    if not (flags.get("checkpoint_every") or profile.get("checkpoint_every")):
+    if not spec.checkpoint_every:
         raise fail("--allow-shrink continues from a checkpoint: give --checkpoint-every")
-    name = flags.get("strategy") or profile.get("strategy") or RunSpec.strategy
-    options = merge(profile, parse_set(overrides, name)).get("strategy_options") or {}
-    try:
-        strategy = build_strategy(RunSpec(strategy=name, strategy_options=options))
-    except ConfigError as exc:
-        raise fail(str(exc)) from None
-    refusal = fewer_nodes_refusal(strategy)
+    refusal = fewer_nodes_refusal(build_strategy(spec))
     if refusal:
         raise fail(f"--allow-shrink: {refusal}")
 
 
-def _local_inputs(flags: dict[str, Any], overrides: list[str]) -> list[tuple[str, str, str]]:
+def _local_inputs(spec: RunSpec, task: Task) -> list[tuple[str, str, str]]:
     """(what, setting, path) for what a training run reads from this machine's disk: its
     data, and ``task_options.model`` when that names a local file or folder (not a hub id)."""
-    profile = load_profile(flags["profile"]) if flags.get("profile") else {}
-    strategy = flags.get("strategy") or profile.get("strategy") or RunSpec.strategy
-    given = {k: flags[k] for k in ("data", "task") if flags.get(k) is not None}
-    settings = merge(merge(profile, given), parse_set(overrides, strategy))
-    try:
-        task = get_task(settings.get("task") or RunSpec.task)
-    except TaskError as exc:
-        raise fail(str(exc)) from None
-    if settings.get("data") and not task.takes_data:  # here, before anything is shipped
-        raise fail(f"task {task.name!r} reads no data file: drop --data {settings['data']}")
-    found = [("--data", "data", str(settings["data"]))] if settings.get("data") else []
-    model = (settings.get("task_options") or {}).get("model")
+    if spec.data and not task.takes_data:  # here, before anything is shipped
+        raise fail(f"task {task.name!r} reads no data file: drop --data {spec.data}")
+    found = [("--data", "data", str(spec.data))] if spec.data else []
+    model = spec.task_options.get("model")
     if isinstance(model, str) and model and Path(model).expanduser().exists():
         found.append(("task_options.model", "task_options.model", model))
     return found
 
 
-def _ship_inputs(flags: dict[str, Any], overrides: list[str], no_ship: bool
-                 ) -> tuple[list[str], list[Shipment], list[tuple[str, str]]]:
-    """Hash the local data and model (exit 2 if unreadable) and point the ranks at their
-    shipped copies: (the --set items, what to ship, what every host must hold)."""
-    inputs = _local_inputs(flags, overrides)
-    if no_ship:  # today's behaviour: the same path on every host, checked before starting
-        return overrides, [], [(what, path) for what, _, path in inputs]
+def _ship_inputs(spec: RunSpec, task: Task, no_ship: bool
+                 ) -> tuple[list[Shipment], list[tuple[str, str]]]:
+    """Hash the local data and model (exit 2 if unreadable) and point ``spec`` at the
+    copies shipped into every workdir: (what to ship, what every host must hold)."""
+    inputs = _local_inputs(spec, task)
+    if no_ship:  # the same path on every host, checked before starting
+        return [], [(what, path) for what, _, path in inputs]
     try:
         shipments = [hash_path(what, Path(path).expanduser()) for what, _, path in inputs]
     except ShipError as exc:
@@ -385,9 +372,12 @@ def _ship_inputs(flags: dict[str, Any], overrides: list[str], no_ship: bool
     for shipment in shipments:
         if not shipment.files:  # every rank would start, then find nothing to read
             raise fail(f"{shipment.what} {shipment.local}: the folder holds no files")
-    # --set is the last layer: it wins over --data and the profile; JSON is a YAML string.
-    moved = [f"{key}={json.dumps(s.remote)}" for (_, key, _), s in zip(inputs, shipments, strict=True)]
-    return [*overrides, *moved], shipments, []
+    for (_, key, _), shipment in zip(inputs, shipments, strict=True):
+        if key == "data":
+            spec.data = shipment.remote
+        else:
+            spec.task_options = {**spec.task_options, "model": shipment.remote}
+    return shipments, []
 
 
 def _check_out_dir(out: Path) -> None:
@@ -406,25 +396,37 @@ def _check_out_dir(out: Path) -> None:
         raise fail(f"--out {out}: cannot write into {existing} ({exc.strerror or exc})") from None
 
 
-def _resolved_profile_file(name: str) -> Path:
-    """The profile ``name`` resolved here (its ``base:`` chain merged) as a YAML file to
-    upload into every workdir: a host needs neither this profile nor a checkout. Named by
-    its content, so a relaunch re-sends the same file; removed here when the command ends."""
-    import atexit
-    import hashlib
-    import shutil
-
-    import yaml
-
-    from meshtrain.config.spec import load_profile
-
-    text = ("# resolved by meshtrain launch from --profile " + name.replace("\n", " ") + "\n"
-            + yaml.safe_dump(load_profile(name), sort_keys=False))
-    folder = Path(tempfile.mkdtemp(prefix="meshtrain-profile-"))
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    path = folder / f"profile-{hashlib.sha256(text.encode()).hexdigest()[:12]}.yaml"
-    path.write_text(text)
+def _settings_file(spec: RunSpec, out: Path, run_id: str) -> Path:
+    """Write the run's resolved settings to ``<out>/<run-id>.settings.yaml``: uploaded
+    into every workdir, it is all a rank is told about what to train (no flags, no
+    profile to look up there), and it stays here so that ``--resume`` can check a
+    continuation before contacting any host. Removed once the run directory is back."""
+    path = out / f"{run_id}.settings.yaml"
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, settings_file_text(spec, f"resolved by meshtrain launch for run {run_id}"))
     return path
+
+
+def _check_resume_here(spec: RunSpec, out: Path, run_id: str) -> None:
+    """``--resume RUN-ID``: refuse, before any host is contacted, a finished run or
+    settings the checkpointed run cannot continue with (simulate's rules: steps, logging
+    and how it runs may change; what is trained and how may not). The hosts' checkpoints
+    are checked again by every rank."""
+    if (out / run_id / "summary.json").is_file():
+        raise fail(f"--resume {run_id}: the run already finished ({out / run_id}); to train it "
+                   "further, give --steps above its steps and a new --run-id")
+    record = out / f"{run_id}.settings.yaml"
+    if not record.is_file():  # launched from another machine or folder: the ranks check
+        errors.print(f"note: {record} is missing, so the settings are checked on the hosts",
+                     highlight=False, soft_wrap=True, markup=False)
+        return
+    try:
+        saved = load_settings_file(str(record))
+    except ConfigError as exc:
+        raise fail(str(exc)) from None
+    conflict = resume_conflict(saved, spec, 0)  # the step is known on the hosts
+    if conflict:
+        raise fail(f"--resume {run_id}: {conflict}")
 
 
 def _apply_overrides(inv: Inventory, threads: int | None, heartbeat_timeout: float | None) -> Inventory:
@@ -525,8 +527,7 @@ def register(app: typer.Typer) -> None:
                     raise fail(str(exc)) from None
         inv = _inventory(inventory)
         limits = _copy_limits(copy_back_limit, copy_back_files)
-        flags = dict(settings)  # the training settings every rank gets
-        checkpoint_every = flags["checkpoint_every"]
+        flags = dict(settings)  # the training settings, resolved here for every rank
         training = not command
         if command and (resume or max_restarts):
             raise fail("--resume and --max-restarts continue a training run: give training flags, "
@@ -548,27 +549,22 @@ def register(app: typer.Typer) -> None:
             raise fail("--allow-shrink continues a training run: give training flags, not a command after --")
         _check_out_dir(out)
         if training:
-            _check_training_flags(flags, set_, inv.world_size)
+            spec, task = _resolve_training(flags, set_, inv.world_size)
             if allow_shrink:
-                _check_shrink(flags, set_, max_restarts)
-            set_, shipments, required = _ship_inputs(flags, set_, no_ship)
-            if shipments and flags["data"]:
-                flags["data"] = None  # the ranks read the shipped copy (--set data=...)
-            if flags["profile"]:  # the ranks get its settings, not a name to look up there
-                resolved = _resolved_profile_file(str(flags["profile"]))
-                upload = [*upload, resolved]
-                flags["profile"] = resolved.name
-            names = {**setting_flags("launch"), "profile": None}
-            forwarded = [w for k, v in flags.items() if v is not None
-                         for w in ((names[k].names[0] if names[k] else "--profile"), str(v))]
-            forwarded += [w for item in set_ for w in ("--set", item)]
-            if not progress:
-                forwarded.append("--no-progress")
-            argv = training_argv(forwarded)
+                _check_shrink(spec, max_restarts)
+            shipments, required = _ship_inputs(spec, task, no_ship)
+            spec.progress = progress
+            checkpoint_every = spec.checkpoint_every  # from a flag, the profile or --set
+            if resume:
+                _check_resume_here(spec, out, resume)
+            run_id = resume or run_id or new_launch_id(strategy or "train", inv.world_size, out)
+            settings_file = _settings_file(spec, out, run_id)
+            upload = [*upload, settings_file]
+            argv = training_argv(["--settings-file", settings_file.name])
             label = strategy or "train"
         else:
             argv, label = list(command), "script"
-            shipments, required = [], []
+            shipments, required, settings_file, checkpoint_every = [], [], None, None
         # The program of a script command is looked up on every host in preflight, unless
         # it is the host's python or a file this launch uploads first.
         program = None if training or argv[0] in ("python", "python3") or \
@@ -595,7 +591,13 @@ def register(app: typer.Typer) -> None:
             for problem in exc.problems:
                 errors.print(Text.assemble(("error: ", "bold red"), problem), soft_wrap=True)
             errors.print("nothing was started; `meshtrain hosts check` shows every host's state")
+            if settings_file is not None and not resume:  # no run exists to continue
+                settings_file.unlink(missing_ok=True)
             raise typer.Exit(2) from None
+        # Kept while a run may be resumed: until its run directory is back (its config.yaml
+        # then records the settings), and only if it wrote checkpoints.
+        if settings_file is not None and (result.run_dir is not None or not spec.checkpoint_every):
+            settings_file.unlink(missing_ok=True)
         logs = output.keep_logs(result.run_dir)
         if logs:
             console.print(logs, highlight=False, soft_wrap=True)

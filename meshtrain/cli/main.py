@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import io
-import os
 import traceback
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from meshtrain.cli.console import console, errors, fail, fail_on
 from meshtrain.cli.flags import takes_settings
 from meshtrain.cli.help_layout import keep_option_names_whole
 from meshtrain.cluster import CLUSTERS
+from meshtrain.config.environment import launched_rank
 from meshtrain.config.spec import ConfigError, RunSpec, list_profiles, load_profile, resume_conflict
 from meshtrain.engine.job import NodeFailed
 from meshtrain.engine.trainer import Trainer, run_job
@@ -65,6 +65,8 @@ def simulate(
                                  "node's full traceback (always written to <out>/<run-id>.error.log).",
                                  rich_help_panel="Output"),
     dashboard: bool = dashboard_cli.DASHBOARD_FLAG,
+    settings_file: str = typer.Option(None, "--settings-file", hidden=True,
+                                      help="A launched rank's resolved settings (meshtrain launch)."),
     **settings: Any,
 ) -> None:
     """Train N simulated nodes on this machine and report loss, bytes and time.
@@ -87,7 +89,7 @@ def simulate(
 
       meshtrain simulate --tensorboard --wandb my-project   # also log there (extras)
     """
-    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    launched = launched_rank() is not None
     set_: list[str] = list(settings.pop("set_"))
     profile, out, run_id, resume = (settings[k] for k in ("profile", "out_dir", "run_id", "resume"))
     if dashboard and not launched:
@@ -105,7 +107,7 @@ def simulate(
         if not spec_file.is_file():  # without it nothing says which run the state belongs to
             raise fail(f"--resume {resume}: {spec_file} is missing, so the run's settings are "
                        "unknown; resume from a <run-id>.checkpoints folder as the run wrote it")
-        if profile is None:
+        if profile is None and settings_file is None:
             profile = str(spec_file)
         # <out>/<id>.checkpoints while a run goes, <out>/<id>/checkpoints once it finished.
         holder = found.folder.parent
@@ -117,7 +119,7 @@ def simulate(
                        "train it further, give --steps above its steps and a new --run-id or --out")
         console.print(f"resuming run {found.run_id} after step {found.step} ({found.folder})",
                       highlight=False)
-    flags = {**settings, "profile": profile, "out_dir": out,
+    flags = {**settings, "profile": profile, "out_dir": out, "settings_file": settings_file,
              "fail": settings["fail"] or None, "straggler": settings["straggler"] or None}
     # Everything is checked before the first step: up to here, an error is bad input (2).
     try:

@@ -114,6 +114,25 @@ def _comparable(value: Any) -> Any:
     return value
 
 
+def settings_file_text(spec: RunSpec, comment: str) -> str:
+    """A resolved spec as a settings file (YAML): what a launched rank trains with. Unlike
+    :meth:`RunSpec.to_dict` it keeps ``data`` as given (a path on the hosts) and
+    ``progress``; a run's id and resume point are given per launch."""
+    values = {k: v for k, v in asdict(spec).items() if k not in ("extra_config", "run_id", "resume")}
+    return f"# {comment}\n" + yaml.safe_dump(values, sort_keys=False)
+
+
+def load_settings_file(path: str) -> dict[str, Any]:
+    """The settings of a file :func:`settings_file_text` wrote; :class:`ConfigError` names it."""
+    try:
+        raw = yaml12.load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"settings file {path}: cannot read it ({type(exc).__name__})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"settings file {path}: expected a mapping of settings")
+    return raw
+
+
 def find_profile(name: str) -> Path:
     """A profile by name (``profiles/NAME.yaml``) or by path."""
     path = Path(name)

@@ -239,7 +239,6 @@ def rank_env(inventory: Inventory, host: Host, run_id: str) -> dict[str, str]:
         "MESHTRAIN_TIMEOUT": f"{inventory.rendezvous.timeout:g}",
         "MESHTRAIN_RUN_ID": run_id,
         SECRET_FILE_ENV: secret_file_name(run_id, host.rank),
-        "MESHTRAIN_DEVICE": host.device,
         "PYTHONUNBUFFERED": "1",
     })
     if host.rank == 0:  # the rendezvous gate admits connections from these hosts only

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from meshtrain.comm.sealing import GLOO_HINT, bind_gloo_to_advertise, raise_open_file_limit
 from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group, leave_in_order
+from meshtrain.config.environment import launched_rank
 from meshtrain.devices import resolve_device
 from meshtrain.engine.job import FitResult, NodeFailed, NodeJob
 from meshtrain.engine.loop import node_seed, train_node
@@ -28,7 +29,9 @@ def run_launched_rank(job: NodeJob) -> FitResult:
     missing = [k for k in REQUIRED if k not in os.environ]
     if missing:
         raise RuntimeError(f"launched rank is missing environment variables: {', '.join(missing)}")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    launched = launched_rank()
+    assert launched is not None  # RANK and WORLD_SIZE are in REQUIRED
+    rank, world = launched.rank, launched.world_size
     raise_open_file_limit()  # headroom for gloo, which holds a descriptor per connection
     bind_gloo_to_advertise()  # gloo listens where the inventory says this host is reached
     start_heartbeat()  # no-op unless `meshtrain launch` started this rank
