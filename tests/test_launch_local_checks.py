@@ -13,9 +13,7 @@ import yaml
 from ssh_fixtures import SshWorld, loopback_world, meshtrain
 from typer.testing import CliRunner
 
-from meshtrain.build import resolve_run
 from meshtrain.cli.main import app
-from meshtrain.config.spec import settings_file_text
 
 pytestmark = pytest.mark.slow
 runner = CliRunner()
@@ -147,34 +145,41 @@ def test_a_launched_fit_is_one_rank_and_only_rank_0_keeps_history(loopback_ssh: 
     assert "rank 1 refused: nodes=4 but this launched run has WORLD_SIZE=2" in result.stdout
 
 
-def test_launch_resume_is_checked_here_before_any_host_is_contacted(loopback_ssh: SshWorld,
-                                                                    tmp_path: Path) -> None:
+def test_launch_resume_is_checked_here_before_any_host_is_contacted(
+    loopback_ssh: SshWorld, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``launch --resume RUN-ID`` applies simulate's resume rules to the settings the run
     was launched with (<out>/RUN-ID.settings.yaml, kept while the run may be resumed)."""
     inv = two_ranks(loopback_ssh, tmp_path)
     runs = tmp_path / "runs"
-    runs.mkdir()
-    launched = ["--strategy", "diloco", "--steps", "20", "--checkpoint-every", "5"]
-    spec, _ = resolve_run({"strategy": "diloco", "steps": 20, "checkpoint_every": 5}, [], launched=False)
-    (runs / "old.settings.yaml").write_text(settings_file_text(spec, "as launch writes it"))
+    launched = ["--strategy", "ddp", "--set", "optim=sgd", "--lr", "1e30", "--checkpoint-every", "1",
+                "--steps", "5"]
+    failed = meshtrain(loopback_ssh, "launch", str(inv), "--run-id", "old", "--out", str(runs), "--plain",
+                       "--threads", "1", *launched, cwd=tmp_path, timeout=300)
+    assert failed.returncode == 1, failed.stdout + failed.stderr  # the loss overflows at step 2
+    assert "continue with: meshtrain launch" in failed.stderr
+    assert (runs / "old.settings.yaml").is_file()
+
+    def no_host(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a host was contacted")
+
+    monkeypatch.setattr("meshtrain.cli.launch.launch", no_host)
 
     def resume(run_id: str, *args: str) -> Any:
         return runner.invoke(app, ["launch", str(inv), "--out", str(runs), "--resume", run_id, *args])
 
-    changed = resume("old", *launched[2:], "--strategy", "ddp")
+    changed = resume("old", *launched[2:], "--strategy", "diloco")
     assert changed.exit_code == 2, changed.output
     assert changed.output.strip().splitlines() == [
-        "error: --resume old: strategy was 'diloco' in the checkpointed run, now 'ddp'; a resumed run "
+        "error: --resume old: strategy was 'ddp' in the checkpointed run, now 'diloco'; a resumed run "
         "keeps its settings (it may change: steps upward, logging, threads, device and other settings "
         "of how it runs)"]
-    assert not (tmp_path / "remote").exists()  # no host was contacted
+    wrong_lr = resume("old", *launched[:4], "--lr", "0.1", *launched[6:])
+    assert wrong_lr.exit_code == 2 and "lr was 1e+30 in the checkpointed run, now 0.1" in wrong_lr.output
     (runs / "done").mkdir()
     (runs / "done" / "summary.json").write_text("{}")
     finished = resume("done", *launched)
     assert finished.exit_code == 2 and "--resume done: the run already finished" in finished.output
-    assert not (tmp_path / "remote").exists()
-    # A change a resume may make passes here; the hosts then say they hold no checkpoint.
-    longer = resume("old", *launched[:2], "--steps", "40", *launched[4:])
-    assert longer.exit_code == 2, longer.output
-    assert "--resume old: no checkpoint that every host holds" in longer.output
-    assert (runs / "old.settings.yaml").is_file()  # still there to resume with
+    # A change a resume may make passes here, and the hosts are contacted.
+    allowed = resume("old", *launched[:-1], "10")  # steps upward
+    assert "a host was contacted" in str(allowed.exception), allowed.output
