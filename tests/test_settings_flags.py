@@ -144,6 +144,9 @@ def test_flags_keep_their_names_and_short_forms() -> None:
             "--device", "--seed", "--val-interval", "--set", "--checkpoint-every", "--keep",
             "--resume", "--max-restarts", "--restart-wait", "--allow-shrink", "--copy-back-limit",
             "--copy-back-files", "--no-ship", "--dashboard"} <= options("launch")
+    assert {"--strategies", "-s", "--nodes", "-n", "--task", "-t", "--data", "--steps", "--seed", "--lr",
+            "--cluster", "--set", "--out", "--target-loss", "--progress", "--no-progress"} \
+        <= options("compare")
 
 
 def _commands(group: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:

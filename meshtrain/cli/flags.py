@@ -27,13 +27,17 @@ from meshtrain.tasks import TASKS, get_task
 Command = TypeVar("Command", bound=Callable[..., Any])
 
 #: The layers that are not settings: a profile, and ``--set`` (kwargs ``profile``, ``set_``).
-LAYER_OPTIONS = {
-    "profile": (str, typer.Option(None, "--profile", "-p", help="Profile name (profiles/NAME.yaml) or path.",
-                                  rich_help_panel=WHAT)),
-    "set_": (list[str], typer.Option([], "--set", help="Override any setting: key=value (H=50, steps=100, "
-                                                       "task_options.arch=cnn); values are read as YAML.",
-                                     rich_help_panel=WHAT)),
+PROFILE_OPTION = typer.Option(None, "--profile", "-p", help="Profile name (profiles/NAME.yaml) or path.",
+                              rich_help_panel=WHAT)
+SET_OPTIONS = {
+    "simulate": typer.Option([], "--set", help="Override any setting: key=value (H=50, steps=100, "
+                                               "task_options.arch=cnn); values are read as YAML.",
+                             rich_help_panel=WHAT),
+    "compare": typer.Option([], "--set", help="KEY=VALUE for every run (lr=0.01, val_interval=25) or "
+                                              "STRATEGY.KEY=VALUE for one (diloco.H=50).",
+                            rich_help_panel=WHAT),
 }
+SET_OPTIONS["launch"] = SET_OPTIONS["simulate"]
 
 
 def _steps_help(setting_help: str) -> str:
@@ -74,8 +78,8 @@ def setting_parameters(command: str) -> list[inspect.Parameter]:
     """The typer parameters of ``command``'s settings and layers (profile, --set)."""
     hints = typing.get_type_hints(RunSpec)
     helps = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(RunSpec)}
-    kind, option = LAYER_OPTIONS["profile"]
-    params = [inspect.Parameter("profile", inspect.Parameter.KEYWORD_ONLY, default=option, annotation=kind)]
+    params = [] if command == "compare" else [  # compare's runs differ only by strategy: no profile
+        inspect.Parameter("profile", inspect.Parameter.KEYWORD_ONLY, default=PROFILE_OPTION, annotation=str)]
     for name, flag in setting_flags(command).items():
         text = flag.help_in(command, helps[name])
         text = _LIVE_HELP[name](text) if name in _LIVE_HELP and command not in dict(flag.help) else text
@@ -84,9 +88,8 @@ def setting_parameters(command: str) -> list[inspect.Parameter]:
                               rich_help_panel=_PANEL_IN.get(command, {}).get(flag.panel, flag.panel))
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option,
                                         annotation=_option_type(hints[name])))
-    kind, option = LAYER_OPTIONS["set_"]
-    return [*params, inspect.Parameter("set_", inspect.Parameter.KEYWORD_ONLY, default=option,
-                                       annotation=kind)]
+    return [*params, inspect.Parameter("set_", inspect.Parameter.KEYWORD_ONLY, default=SET_OPTIONS[command],
+                                       annotation=list[str])]
 
 
 def takes_settings(command: str) -> Callable[[Command], Command]:

@@ -38,10 +38,10 @@ def check_run_id(run_id: str, where: str = "run id") -> str:
 
 
 #: The commands a setting's flag can belong to.
-COMMANDS = ("simulate", "launch")
+COMMANDS = ("simulate", "launch", "compare")
 #: Help panels of the training commands, in the order ``--help`` shows them.
 WHAT, CLUSTER, OUTPUT, LONG_RUNS = "What to train", "The simulated cluster", "Output", "Long runs"
-BOTH = COMMANDS
+BOTH, ALL = ("simulate", "launch"), COMMANDS
 
 
 @dataclass(frozen=True)
@@ -83,10 +83,10 @@ class TrainConfig:
     """Everything about a run except the model, the data and the strategy."""
 
     nodes: int = _setting(4, "Number of nodes (simulated, or ranks of a launch).", minimum=1,
-                      flag=Flag(("--nodes", "-n"), CLUSTER))
+                      flag=Flag(("--nodes", "-n"), CLUSTER, ("simulate", "compare")))
     steps: int | None = _setting(None, "Training steps; each node takes one batch a step "
                                        "(default 100 when epochs is not given).", minimum=1,
-                                flag=Flag(("--steps",), WHAT, BOTH))
+                                flag=Flag(("--steps",), WHAT, ALL))
     epochs: float | None = _setting(None, "Train for this many passes over the smallest node's "
                                           "data instead of a number of steps.", above=0,
                                   flag=Flag(("--epochs",), WHAT))
@@ -95,7 +95,7 @@ class TrainConfig:
     microbatch_size: int | None = _setting(None, "Accumulate gradients in pieces of this size.",
                                            minimum=1, flag=Flag(("--microbatch-size",), WHAT, BOTH))
     seed: int = _setting(0, "Seed of weights, data order and shared random choices.",
-                         flag=Flag(("--seed",), WHAT, BOTH))
+                         flag=Flag(("--seed",), WHAT, ALL))
     device: str = _setting("cpu", "cpu, cuda, mps or auto.", flag=Flag(("--device",), CLUSTER, BOTH))
     runtime: str = _setting("threads", "Where simulated nodes live: threads (fast) or processes "
                                        "(one process per node over gloo).", choices=RUNTIMES,
@@ -113,18 +113,20 @@ class TrainConfig:
                                      flag=Flag(("--val-interval",), OUTPUT, BOTH))
     val_size: int | None = _setting(None, "Evaluate on at most this many validation samples.",
                                     minimum=1)
-    out_dir: str = _setting("runs", "Where run directories go.", flag=Flag(("--out",), OUTPUT, BOTH, help=(
-        ("launch", "Local folder for rank 0's run directory (default: runs)."),)))
+    out_dir: str = _setting("runs", "Where run directories go.", flag=Flag(("--out",), OUTPUT, ALL, help=(
+        ("launch", "Local folder for rank 0's run directory (default: runs)."),
+        ("compare", "Folder that gets the compare-<time> folder (default: runs)."))))
     run_id: str | None = _setting(None, "Name of the run directory (letters, digits, . _ -).",
                                  flag=Flag(("--run-id",), OUTPUT, BOTH))
     progress: bool = _setting(True, "Show a progress bar (plain lines when not a terminal).",
-                              flag=Flag(("--progress/--no-progress",), OUTPUT, BOTH, help=(
-                                  ("launch", "Progress lines from rank 0."),)))
+                              flag=Flag(("--progress/--no-progress",), OUTPUT, ALL, help=(
+                                  ("launch", "Progress lines from rank 0."),
+                                  ("compare", "Progress bar of each run."))))
     timeout_s: float = _setting(1800.0, "Seconds a collective may wait before the run fails.",
                                 above=0)
     cluster: str = _setting("gbe", "Project wall-clock on this named cluster "
                                    "(`meshtrain clusters` lists them).",
-                           flag=Flag(("--cluster",), CLUSTER))
+                           flag=Flag(("--cluster",), CLUSTER, ("simulate", "compare")))
     step_seconds: float | None = _setting(None, "A node's compute per step on that cluster, if "
                                                 "known (default: measured here).", above=0,
                                         flag=Flag(("--step-seconds",), CLUSTER))

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from meshtrain import yaml12
-from meshtrain.config.settings import BOTH, WHAT, Flag, SettingError, TrainConfig, check_settings
+from meshtrain.config.settings import ALL, BOTH, WHAT, Flag, SettingError, TrainConfig, check_settings
 from meshtrain.strategies import STRATEGIES, Optim, Strategy
 
 #: Where ``--profile NAME`` looks: the working directory's profiles/ (your own), then the
@@ -39,11 +39,11 @@ class RunSpec(TrainConfig):
     description: str = field(default="", metadata={"help": "What this run is for (profiles)."})
     task: str = field(default="digits", metadata={
         "help": "What to train: `meshtrain tasks` lists the tasks.",
-        "flag": Flag(("--task", "-t"), WHAT, BOTH)})
+        "flag": Flag(("--task", "-t"), WHAT, ALL)})
     task_options: dict[str, Any] = field(default_factory=dict, metadata={
         "help": "The task's own options (task_options.arch=cnn)."})
     data: str | None = field(default=None, metadata={"help": "Data file or folder the task reads.",
-                                                      "flag": Flag(("--data",), WHAT, BOTH)})
+                                                      "flag": Flag(("--data",), WHAT, ALL)})
     strategy: str = field(default="diloco", metadata={
         "help": "Strategy: " + ", ".join(STRATEGIES) + " (`meshtrain strategies`), or "
                 "package.module:Class for your own.",
@@ -52,7 +52,7 @@ class RunSpec(TrainConfig):
         "help": "The strategy's parameters (H=50 with --set)."})
     lr: float | None = field(default=None, metadata={
         "help": "Learning rate (DiLoCo: the inner optimizer's).", "above": 0,
-        "flag": Flag(("--lr",), WHAT, BOTH)})
+        "flag": Flag(("--lr",), WHAT, ALL)})
 
     @classmethod
     def field_names(cls) -> list[str]:
