@@ -167,7 +167,7 @@ def test_launch_rejects_bad_flags_before_connecting(tmp_path: Path) -> None:
         (["--steps", "5", "--", "python", "x.py"], "training flags or a command after --, not both"),
         (["--upload", str(tmp_path / "missing.py"), "--", "true"], "--upload"),
         (["--threads", "0", "--", "true"], "--threads: expected a whole number of threads from 1 to 1024"),
-        (["--heartbeat-timeout", "-1", "--", "true"], "--heartbeat-timeout: expected seconds > 0"),
+        (["--heartbeat-timeout", "-1", "--", "true"], "--heartbeat-timeout must be > 0, got -1.0"),
     ]:
         result = runner.invoke(app, ["launch", str(inv), *args])
         assert result.exit_code == 2, (args, result.output)

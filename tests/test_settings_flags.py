@@ -1,8 +1,9 @@
 """Every setting is defined once and reaches every way of giving it.
 
-The test walks every RunSpec setting: a setting with a Flag appears, with its help, in the
-``--help`` of each command the flag names, and its flag sets it; every setting a profile
-may hold is accepted by ``--set`` and by a profile. A new setting needs only its
+The test walks every setting (a run's RunSpec and a launch's LaunchSettings): a setting
+with a Flag appears, with its help, in the ``--help`` of each command the flag names, and
+its flag sets it; every setting a profile may hold is accepted by ``--set`` and by a
+profile. A new setting needs only its
 definition (and, if its type is text, a sample value below) for all of this to hold.
 """
 
@@ -22,12 +23,14 @@ from typer.testing import CliRunner
 import meshtrain.cli.main as cli_main
 from meshtrain.build import resolve_run
 from meshtrain.cli.main import app
+from meshtrain.config.launching import LaunchSettings
 from meshtrain.config.settings import Flag
 from meshtrain.config.spec import NOT_IN_PROFILES, ConfigError, RunSpec
 
 runner = CliRunner()
-FIELDS = {f.name: f for f in dataclasses.fields(RunSpec) if f.name != "extra_config"}
-HINTS = typing.get_type_hints(RunSpec)
+RUN = [f.name for f in dataclasses.fields(RunSpec) if f.name != "extra_config"]
+FIELDS = {f.name: f for cls in (RunSpec, LaunchSettings) for f in dataclasses.fields(cls)}
+HINTS = {**typing.get_type_hints(RunSpec), **typing.get_type_hints(LaunchSettings)}
 
 #: A valid value other than the default for each setting whose type is text or a mapping
 #: (numbers and switches get one from their type and limits).
@@ -36,7 +39,7 @@ TEXT_SAMPLES: dict[str, Any] = {
     "wandb": "my-project", "resume": "runs/old.checkpoints", "description": "a run",
     "task": "gpt", "data": "input.txt", "strategy": "ddp", "fail": ["node=1,step=2"],
     "straggler": ["node=1,slowdown=2"], "task_options": {"arch": "cnn"},
-    "strategy_options": {"outer_lr": 0.5},
+    "strategy_options": {"outer_lr": 0.5}, "copy_back_limit": "1GiB", "upload": ["a.txt"],
 }
 
 
@@ -110,7 +113,7 @@ def test_a_setting_with_a_flag_is_in_its_commands_help_and_its_flag_sets_it(
     assert getattr(seen[0], name) == value
 
 
-@pytest.mark.parametrize("name", [n for n in FIELDS if n not in NOT_IN_PROFILES])
+@pytest.mark.parametrize("name", [n for n in RUN if n not in NOT_IN_PROFILES])
 def test_every_setting_is_accepted_by_set_and_by_a_profile(name: str, tmp_path: Path) -> None:
     value = sample(name)
     as_set = [f"{name}.{k}={v}" for k, v in value.items()] if isinstance(value, dict) else \

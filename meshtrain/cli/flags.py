@@ -20,6 +20,7 @@ from typing import Any, TypeVar, Union
 import typer
 from rich.markup import escape
 
+from meshtrain.config.launching import LaunchSettings
 from meshtrain.config.settings import CLUSTER, WHAT, Flag, TrainConfig
 from meshtrain.config.spec import RunSpec
 from meshtrain.tasks import TASKS, get_task
@@ -55,13 +56,19 @@ _PANEL_IN = {"launch": {CLUSTER: "Every rank"}}
 _LIVE_HELP: dict[str, Callable[[str], str]] = {"steps": _steps_help}
 
 
-def setting_flags(command: str) -> dict[str, Flag]:
-    """The settings ``command`` takes as flags, by setting name: what to train (RunSpec's
-    own) first, then the training settings, each in definition order."""
+def _fields(command: str) -> list[dataclasses.Field[Any]]:
+    """The setting fields with a flag in ``command``: what to train (RunSpec's own) first,
+    then the training settings, then the launcher's, each in definition order."""
     inherited = {f.name for f in dataclasses.fields(TrainConfig)}
-    ordered = sorted(dataclasses.fields(RunSpec), key=lambda f: f.name in inherited)
-    return {f.name: f.metadata["flag"] for f in ordered
-            if f.metadata.get("flag") is not None and command in f.metadata["flag"].commands}
+    ordered = [*sorted(dataclasses.fields(RunSpec), key=lambda f: f.name in inherited),
+               *dataclasses.fields(LaunchSettings)]
+    return [f for f in ordered
+            if f.metadata.get("flag") is not None and command in f.metadata["flag"].commands]
+
+
+def setting_flags(command: str) -> dict[str, Flag]:
+    """The settings ``command`` takes as flags, by setting name."""
+    return {f.name: f.metadata["flag"] for f in _fields(command)}
 
 
 def _option_type(annotation: Any) -> Any:
@@ -76,15 +83,19 @@ def _option_type(annotation: Any) -> Any:
 
 def setting_parameters(command: str) -> list[inspect.Parameter]:
     """The typer parameters of ``command``'s settings and layers (profile, --set)."""
-    hints = typing.get_type_hints(RunSpec)
-    helps = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(RunSpec)}
+    hints = {**typing.get_type_hints(RunSpec), **typing.get_type_hints(LaunchSettings)}
+    own = {f.name for f in dataclasses.fields(LaunchSettings)}
     params = [] if command == "compare" else [  # compare's runs differ only by strategy: no profile
         inspect.Parameter("profile", inspect.Parameter.KEYWORD_ONLY, default=PROFILE_OPTION, annotation=str)]
-    for name, flag in setting_flags(command).items():
-        text = flag.help_in(command, helps[name])
+    for field in _fields(command):
+        name, flag = field.name, field.metadata["flag"]
+        text = flag.help_in(command, field.metadata.get("help", ""))
         text = _LIVE_HELP[name](text) if name in _LIVE_HELP and command not in dict(flag.help) else text
         # Escaped: typer renders help as rich markup, which would swallow "meshtrain[wandb]".
-        option = typer.Option(None, *flag.names, help=escape(text), metavar=flag.metavar,
+        # A launch's own settings have no layers below the flag: show their defaults.
+        default = None if name not in own else \
+            field.default_factory() if callable(field.default_factory) else field.default
+        option = typer.Option(default, *flag.names, help=escape(text), metavar=flag.metavar,
                               rich_help_panel=_PANEL_IN.get(command, {}).get(flag.panel, flag.panel))
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option,
                                         annotation=_option_type(hints[name])))

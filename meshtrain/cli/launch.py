@@ -26,6 +26,7 @@ from meshtrain.cli.console import wide_console as console  # the hosts commands'
 from meshtrain.cli.flags import takes_settings
 from meshtrain.cli.hosts_setup import hosts_setup
 from meshtrain.cluster import cluster_file_text
+from meshtrain.config.launching import LaunchSettings
 from meshtrain.config.settings import MAX_THREADS, SettingError, check_run_id
 from meshtrain.config.spec import (
     ConfigError,
@@ -49,11 +50,10 @@ from meshtrain.hosts.bench import (
 )
 from meshtrain.hosts.checks import CHECKS, check_hosts
 from meshtrain.hosts.inventory import Inventory, InventoryError, load_inventory
-from meshtrain.hosts.safe_copy import DEFAULT_MAX_FILES, CopyLimits
+from meshtrain.hosts.safe_copy import CopyLimits
 from meshtrain.hosts.shipping import ShipError, Shipment, hash_path
 from meshtrain.launch.launcher import (
     REMOTE_RUNS,
-    RESTART_WAIT_S,
     LaunchOptions,
     PreflightError,
     launch,
@@ -437,22 +437,18 @@ def _apply_overrides(inv: Inventory, threads: int | None, heartbeat_timeout: flo
                        f"got {threads}")
         inv = dataclasses.replace(inv, hosts=tuple(dataclasses.replace(h, threads=threads)
                                                    for h in inv.hosts))
-    if heartbeat_timeout is not None:
-        if not 0 < heartbeat_timeout < float("inf"):
-            raise fail(f"--heartbeat-timeout: expected seconds > 0, got {heartbeat_timeout}")
+    if heartbeat_timeout is not None:  # checked by LaunchSettings
         inv = dataclasses.replace(inv, rendezvous=dataclasses.replace(
             inv.rendezvous, heartbeat_timeout=heartbeat_timeout))
     return inv
 
 
 def _copy_limits(size: str, files: int) -> CopyLimits:
-    """The caps on the copy-back from --copy-back-limit and --copy-back-files."""
+    """The caps on the copy-back from --copy-back-limit and --copy-back-files (checked)."""
     try:
         max_bytes = parse_size(size)
     except BenchError:
         raise fail(f"--copy-back-limit {size!r}: expected a size such as 64GiB or 500MB") from None
-    if files < 1:
-        raise fail(f"--copy-back-files: expected a whole number >= 1, got {files}")
     return CopyLimits(max_bytes=max_bytes, max_files=files)
 
 
@@ -473,38 +469,6 @@ def register(app: typer.Typer) -> None:
         command: list[str] = typer.Argument(
             None, help="After --: a command to run on every host instead (python means the host's "
                        "interpreter), e.g. -- python train.py --lr 3e-4"),
-        accept_new_host_keys: bool = typer.Option(
-            False, "--accept-new-host-keys", help="Trust hosts seen for the first time (records their "
-                                                  "keys in known_hosts; changed keys are still refused)."),
-        upload: list[Path] = typer.Option([], "--upload", help="Copy a local file into every workdir first."),
-        heartbeat_timeout: float = typer.Option(
-            None, "--heartbeat-timeout", help="Stop the run when a rank sends no heartbeat for this many "
-                                              "seconds (stopped or hung); default: the inventory's "
-                                              "rendezvous.heartbeat_timeout, else 30."),
-        plain: bool = typer.Option(
-            False, "--plain", help="Stream every rank's lines prefixed with host and rank instead of the "
-                                   "live panel (one row per host: step, loss, steps/s, sent, memory, "
-                                   "state); always so when the output is not a terminal."),
-        max_restarts: int = typer.Option(
-            0, "--max-restarts", min=0, rich_help_panel="Long runs",
-            help="When a rank fails, start every rank again from the last checkpoint, up to this "
-                 "many times."),
-        restart_wait: float = typer.Option(
-            RESTART_WAIT_S, "--restart-wait", rich_help_panel="Long runs",
-            help="Before a restart, wait this many seconds for a host that was cut off to answer again."),
-        allow_shrink: bool = typer.Option(
-            False, "--allow-shrink", rich_help_panel="Long runs",
-            help="A host still unreachable after --restart-wait is left out: the others continue "
-                 "without it from the last checkpoint (ddp, diloco, sparta-diloco, fedavg)."),
-        copy_back_limit: str = typer.Option(
-            "64GiB", "--copy-back-limit", help="Most bytes rank 0's host may send back as the run "
-                                               "directory (e.g. 200GiB); more stops the copy."),
-        copy_back_files: int = typer.Option(
-            DEFAULT_MAX_FILES, "--copy-back-files", help="Most files and folders rank 0's host may "
-                                                         "send back as the run directory."),
-        no_ship: bool = typer.Option(
-            False, "--no-ship", help="Do not send --data (and a local task_options.model) into every "
-                                     "workdir: every host already holds it at the same path."),
         dashboard: bool = dashboard_cli.DASHBOARD_FLAG,
         **settings: Any,
     ) -> None:
@@ -515,6 +479,12 @@ def register(app: typer.Typer) -> None:
         every rank streams here; rank 0's run directory is copied back under --out.
         """
         set_: list[str] = list(settings.pop("set_"))
+        try:
+            how = LaunchSettings.checked({f.name: settings.pop(f.name)
+                                          for f in dataclasses.fields(LaunchSettings)})
+        except SettingError as exc:
+            raise fail(str(exc)) from None
+        upload = [Path(f) for f in how.upload]
         run_id, resume, device, threads = (settings.pop(k) for k in ("run_id", "resume", "device", "threads"))
         out = Path(settings.pop("out_dir") or RunSpec.out_dir)
         progress = settings.pop("progress") is not False
@@ -526,10 +496,10 @@ def register(app: typer.Typer) -> None:
                 except SettingError as exc:
                     raise fail(str(exc)) from None
         inv = _inventory(inventory)
-        limits = _copy_limits(copy_back_limit, copy_back_files)
+        limits = _copy_limits(how.copy_back_limit, how.copy_back_files)
         flags = dict(settings)  # the training settings, resolved here for every rank
         training = not command
-        if command and (resume or max_restarts):
+        if command and (resume or how.max_restarts):
             raise fail("--resume and --max-restarts continue a training run: give training flags, "
                        "not a command after --")
         if resume and run_id and resume != run_id:
@@ -542,17 +512,15 @@ def register(app: typer.Typer) -> None:
         if device:
             inv = dataclasses.replace(inv, hosts=tuple(dataclasses.replace(h, device=device)
                                                        for h in inv.hosts))
-        inv = _apply_overrides(inv, threads, heartbeat_timeout)
-        if not 0 < restart_wait < float("inf"):
-            raise fail(f"--restart-wait: expected seconds > 0, got {restart_wait:g}")
-        if allow_shrink and not training:
+        inv = _apply_overrides(inv, threads, how.heartbeat_timeout)
+        if how.allow_shrink and not training:
             raise fail("--allow-shrink continues a training run: give training flags, not a command after --")
         _check_out_dir(out)
         if training:
             spec, task = _resolve_training(flags, set_, inv.world_size)
-            if allow_shrink:
-                _check_shrink(spec, max_restarts)
-            shipments, required = _ship_inputs(spec, task, no_ship)
+            if how.allow_shrink:
+                _check_shrink(spec, how.max_restarts)
+            shipments, required = _ship_inputs(spec, task, how.no_ship)
             spec.progress = progress
             checkpoint_every = spec.checkpoint_every  # from a flag, the profile or --set
             if resume:
@@ -570,12 +538,12 @@ def register(app: typer.Typer) -> None:
         program = None if training or argv[0] in ("python", "python3") or \
             Path(argv[0]).name in {f.name for f in upload} else argv[0]
         options = LaunchOptions(run_id=resume or run_id or new_launch_id(label, inv.world_size, out),
-                                out_dir=out, accept_new_host_keys=accept_new_host_keys,
-                                uploads=list(upload), resume=bool(resume), max_restarts=max_restarts,
-                                restart_wait=restart_wait, allow_shrink=allow_shrink,
+                                out_dir=out, accept_new_host_keys=how.accept_new_host_keys,
+                                uploads=list(upload), resume=bool(resume), max_restarts=how.max_restarts,
+                                restart_wait=how.restart_wait, allow_shrink=how.allow_shrink,
                                 shipments=shipments, required_paths=required, copy_limits=limits,
                                 program=program)
-        output = rank_output([h.name for h in inv.hosts], plain=plain, title=options.run_id,
+        output = rank_output([h.name for h in inv.hosts], plain=how.plain, title=options.run_id,
                              log_dir=out / f"{options.run_id}.ranks")  # moved into the run directory
         try:
             names = [h.name for h in inv.hosts]
