@@ -11,17 +11,10 @@ from typing import Any
 
 from meshtrain.cluster import get_cluster
 from meshtrain.config.environment import launched_rank
-from meshtrain.config.spec import (
-    ConfigError,
-    RunSpec,
-    build_strategy,
-    load_profile,
-    load_settings_file,
-    merge,
-    parse_set,
-    resolve_spec,
-    strategy_class,
-)
+from meshtrain.config.layers import merge, parse_set, resolve_spec
+from meshtrain.config.profiles import load_profile
+from meshtrain.config.spec import ConfigError, RunSpec, load_settings_file
+from meshtrain.config.strategy_options import build_strategy, strategy_class
 from meshtrain.devices import resolve_device
 from meshtrain.planning import Plan, Workload, measure_step_seconds, recommend, trainable_parameters
 from meshtrain.tasks import Task, TaskBundle, TaskOptions, check_options, get_task

@@ -27,15 +27,10 @@ from meshtrain.cli.flags import takes_settings
 from meshtrain.cli.hosts_setup import hosts_setup
 from meshtrain.cluster import cluster_file_text
 from meshtrain.config.launching import LaunchSettings
+from meshtrain.config.resume import resume_conflict
 from meshtrain.config.settings import MAX_THREADS, SettingError, check_run_id
-from meshtrain.config.spec import (
-    ConfigError,
-    RunSpec,
-    build_strategy,
-    load_settings_file,
-    resume_conflict,
-    settings_file_text,
-)
+from meshtrain.config.spec import ConfigError, RunSpec, load_settings_file, settings_file_text
+from meshtrain.config.strategy_options import build_strategy
 from meshtrain.hosts import discovery as d
 from meshtrain.hosts.bench import (
     BENCH_FILE,

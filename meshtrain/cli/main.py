@@ -25,7 +25,9 @@ from meshtrain.cli.flags import takes_settings
 from meshtrain.cli.help_layout import keep_option_names_whole
 from meshtrain.cluster import CLUSTERS
 from meshtrain.config.environment import launched_rank
-from meshtrain.config.spec import ConfigError, RunSpec, list_profiles, load_profile, resume_conflict
+from meshtrain.config.profiles import list_profiles, load_profile
+from meshtrain.config.resume import resume_conflict
+from meshtrain.config.spec import ConfigError, RunSpec
 from meshtrain.engine.job import NodeFailed
 from meshtrain.engine.trainer import Trainer, run_job
 from meshtrain.errors import MeshtrainError
