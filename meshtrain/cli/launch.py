@@ -28,7 +28,7 @@ from meshtrain.cli.hosts_setup import hosts_setup
 from meshtrain.cluster import cluster_file_text
 from meshtrain.config.launching import LaunchSettings
 from meshtrain.config.resume import resume_conflict
-from meshtrain.config.settings import MAX_THREADS, SettingError, check_run_id
+from meshtrain.config.settings import SettingError, check_flag, check_run_id
 from meshtrain.config.spec import ConfigError, RunSpec, load_settings_file, settings_file_text
 from meshtrain.config.strategy_options import build_strategy
 from meshtrain.hosts import discovery as d
@@ -427,9 +427,10 @@ def _check_resume_here(spec: RunSpec, out: Path, run_id: str) -> None:
 def _apply_overrides(inv: Inventory, threads: int | None, heartbeat_timeout: float | None) -> Inventory:
     """``--threads`` and ``--heartbeat-timeout`` over the inventory's settings (bad value: exit 2)."""
     if threads is not None:
-        if not 1 <= threads <= MAX_THREADS:
-            raise fail(f"--threads: expected a whole number of threads from 1 to {MAX_THREADS}, "
-                       f"got {threads}")
+        try:
+            check_flag(RunSpec, "threads", threads)  # the setting's own rule
+        except SettingError as exc:
+            raise fail(str(exc)) from None
         inv = dataclasses.replace(inv, hosts=tuple(dataclasses.replace(h, threads=threads)
                                                    for h in inv.hosts))
     if heartbeat_timeout is not None:  # checked by LaunchSettings

@@ -8,11 +8,10 @@ generated from them, and :meth:`LaunchSettings.checked` applies the limits.
 
 from __future__ import annotations
 
-import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from meshtrain.config.settings import LONG_RUNS, OUTPUT, Flag, check_value, setting
+from meshtrain.config.settings import LONG_RUNS, OUTPUT, Flag, check_flag, setting
 
 #: The launcher's panel of help: what concerns the hosts themselves.
 HOSTS = "The hosts"
@@ -67,10 +66,7 @@ class LaunchSettings:
     def checked(cls, given: dict[str, Any]) -> LaunchSettings:
         """The settings from ``given`` (None: not given, the default), each checked
         against its type and limits; a :class:`SettingError` names the flag."""
-        hints = typing.get_type_hints(cls)
-        known = {f.name: f for f in fields(cls)}
         values = {k: v for k, v in given.items() if v is not None}
         for name, value in values.items():
-            meta = known[name].metadata
-            check_value(meta["flag"].names[0], value, hints[name], meta)
+            check_flag(cls, name, value)
         return cls(**values)

@@ -227,6 +227,14 @@ def check_settings(cls: type, values: dict[str, Any], where: str) -> None:
         check_value(f"{where}{name}", value, hints[name], known[name].metadata)
 
 
+def check_flag(cls: type, name: str, value: Any) -> None:
+    """``value`` of setting ``name`` of dataclass ``cls``, given by its flag: checked by the
+    setting's own rule, the error naming the flag (``--threads must be >= 1, got 0``)."""
+    field_ = next(f for f in fields(cls) if f.name == name)
+    check_value(field_.metadata["flag"].names[0].partition("/")[0], value,
+                typing.get_type_hints(cls)[name], field_.metadata)
+
+
 def check_value(label: str, value: Any, annotation: Any, meta: Any = None) -> None:
     """One value against its annotation (int, float, bool, str, dict, ``X | None``) and limits."""
     meta = meta or {}
