@@ -170,3 +170,14 @@ def test_help_at_80_columns_shows_every_option_name_whole(path: tuple[str, ...],
             if name.startswith("-"):
                 assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", result.output), \
                     f"{' '.join(path)} --help at 80 columns: {name} is not shown whole"
+
+
+def test_settings_lists_every_setting_with_its_flag() -> None:
+    listed = runner.invoke(app, ["settings"], env={"COLUMNS": "300"})
+    assert listed.exit_code == 0, listed.output
+    rows = {line.split("│")[1].strip(): line for line in listed.output.splitlines() if line.count("│") > 3}
+    for name in RUN:
+        flag = FIELDS[name].metadata.get("flag")
+        assert name in rows, f"{name} not listed"
+        if flag:
+            assert f"{', '.join(flag.names)} ({', '.join(flag.commands)})" in rows[name], rows[name]

@@ -268,13 +268,16 @@ def list_settings() -> None:
     """List every run setting with its default: flags, profiles and --set all take these."""
     table = Table(title="settings (a profile key, --set NAME=VALUE, or the flag shown)")
     table.add_column("name", style="bold")
+    table.add_column("flag (commands)", no_wrap=True)
     table.add_column("default")
     table.add_column("what it sets")
     for f in dataclasses.fields(RunSpec):
         if f.name in ("extra_config",):
             continue
         default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
-        table.add_row(f.name, escape(_show_default(default)), escape(f.metadata.get("help", "")))
+        flag = f.metadata.get("flag")
+        shown = f"{', '.join(flag.names)} ({', '.join(flag.commands)})" if flag else "-"
+        table.add_row(f.name, shown, escape(_show_default(default)), escape(f.metadata.get("help", "")))
     console.print(table)
 
 
