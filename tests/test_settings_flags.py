@@ -172,8 +172,9 @@ def test_help_at_80_columns_shows_every_option_name_whole(path: tuple[str, ...],
                     f"{' '.join(path)} --help at 80 columns: {name} is not shown whole"
 
 
-def test_settings_lists_every_setting_with_its_flag() -> None:
-    listed = runner.invoke(app, ["settings"], env={"COLUMNS": "300"})
+def test_settings_lists_every_setting_with_its_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli_main.console, "width", 300)  # one line a row, however it was imported
+    listed = runner.invoke(app, ["settings"])
     assert listed.exit_code == 0, listed.output
     rows = {line.split("│")[1].strip(): line for line in listed.output.splitlines() if line.count("│") > 3}
     for name in RUN:

@@ -267,10 +267,11 @@ def _show_default(value: Any) -> str:
 def list_settings() -> None:
     """List every run setting with its default: flags, profiles and --set all take these."""
     table = Table(title="settings (a profile key, --set NAME=VALUE, or the flag shown)")
-    table.add_column("name", style="bold")
-    table.add_column("flag (commands)", no_wrap=True)
-    table.add_column("default")
-    table.add_column("what it sets")
+    # Long words (flags, paths) fold rather than being cut: at 80 columns every cell is whole.
+    table.add_column("name", style="bold", overflow="fold")
+    table.add_column("flag (commands)", overflow="fold")
+    table.add_column("default", overflow="fold")
+    table.add_column("what it sets", overflow="fold")
     for f in dataclasses.fields(RunSpec):
         if f.name in ("extra_config",):
             continue
