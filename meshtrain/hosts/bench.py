@@ -37,7 +37,8 @@ import torch.distributed as dist
 from meshtrain.cluster import Cluster, collective_seconds
 from meshtrain.comm import CommRecord, Communicator, ring_all_reduce_bytes
 from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group, leave_in_order
-from meshtrain.errors import InputError
+from meshtrain.config.environment import launched_rank
+from meshtrain.errors import InputError, SettingError
 from meshtrain.heartbeat import start_heartbeat
 from meshtrain.run_dir import atomic_write_text
 
@@ -263,7 +264,10 @@ def run_rank(sizes: Sequence[int], repeats: int, out: Path, timeout_s: float) ->
     # One thread: summing the chunks takes well under a millisecond per MB, while idle
     # OpenMP workers spinning on shared cores can add tens of ms to every message.
     torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    launched = launched_rank()
+    if launched is None:
+        raise SettingError("a bench rank runs under `meshtrain hosts bench`, which sets RANK and WORLD_SIZE")
+    rank, world = launched.rank, launched.world_size
     # Always gloo on CPU: the network between hosts is what is measured, as the strategies
     # use it on CPU and Apple hosts.
     init_process_group(rank, world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
