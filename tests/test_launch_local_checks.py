@@ -183,3 +183,25 @@ def test_launch_resume_is_checked_here_before_any_host_is_contacted(
     # A change a resume may make passes here, and the hosts are contacted.
     allowed = resume("old", *launched[:-1], "10")  # steps upward
     assert "a host was contacted" in str(allowed.exception), allowed.output
+
+
+def test_every_rank_gets_the_resolved_settings_file_and_no_training_flags(
+    loopback_ssh: SshWorld, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    inv = two_ranks(loopback_ssh, tmp_path)
+    seen: dict[str, Any] = {}
+
+    def capture(inventory: Any, argv: list[str], options: Any, **kwargs: Any) -> None:
+        seen.update(argv=argv, uploads=[p.name for p in options.uploads])
+        raise AssertionError("captured")
+
+    monkeypatch.setattr("meshtrain.cli.launch.launch", capture)
+    result = runner.invoke(app, ["launch", str(inv), "--out", str(tmp_path / "runs"), "--run-id", "r",
+                                 "--strategy", "fedavg", "--set", "H=3", "--steps", "7", "--lr", "0.05"])
+    assert "captured" in str(result.exception), result.output
+    # The launcher adds what differs per host (--device, --out, --run-id) in rank_command.
+    assert seen == {"argv": ["-m", "meshtrain", "simulate", "--settings-file", "r.settings.yaml"],
+                    "uploads": ["r.settings.yaml"]}
+    settings = yaml.safe_load((tmp_path / "runs" / "r.settings.yaml").read_text())
+    assert (settings["strategy"], settings["steps"], settings["lr"]) == ("fedavg", 7, 0.05)
+    assert settings["strategy_options"]["H"] == 3 and settings["task"] == "digits"
