@@ -10,19 +10,13 @@ import copy
 from typing import Any
 
 from meshtrain.cluster import get_cluster
-from meshtrain.config.spec import (
-    ConfigError,
-    RunSpec,
-    build_strategy,
-    load_profile,
-    merge,
-    parse_set,
-    resolve_spec,
-    strategy_class,
-)
+from meshtrain.config.environment import launched_rank
+from meshtrain.config.layers import merge, parse_set, resolve_spec
+from meshtrain.config.profiles import load_profile
+from meshtrain.config.spec import ConfigError, RunSpec, load_settings_file
+from meshtrain.config.strategy_options import build_strategy, strategy_class
 from meshtrain.devices import resolve_device
 from meshtrain.planning import Plan, Workload, measure_step_seconds, recommend, trainable_parameters
-from meshtrain.rank import launched_rank
 from meshtrain.tasks import Task, TaskBundle, TaskOptions, check_options, get_task
 
 #: ``--strategy auto``: the planner chooses (:func:`choose_strategy`).
@@ -61,6 +55,9 @@ def resolve_run(flags: dict[str, Any], overrides: list[str], launched: bool) -> 
     ``flags`` holds the command's options (None: not given); its ``profile`` names the profile.
     """
     flags = dict(flags)
+    settings_file = flags.pop("settings_file", None)
+    if settings_file is not None:
+        return _resolve_settings_file(str(settings_file), flags, overrides, launched)
     auto = flags.get("strategy") == AUTO
     if auto:  # resolved as a DDP run; build_run puts the planner's choice in its place
         flags["strategy"] = "ddp"
@@ -91,6 +88,20 @@ def resolve_run(flags: dict[str, Any], overrides: list[str], launched: bool) -> 
     if auto:
         spec.strategy, spec.strategy_options = AUTO, {}
     return spec, task
+
+
+def _resolve_settings_file(path: str, flags: dict[str, Any], overrides: list[str],
+                           launched: bool) -> tuple[RunSpec, Task]:
+    """A launched rank's settings: the spec ``meshtrain launch`` resolved once (a settings
+    file), under what is given per rank (device, output folder, run id, resume point).
+    Nothing is resolved again: no task suggestions, profile or ``--set``."""
+    if overrides or flags.pop("profile", None):
+        raise ConfigError(f"--settings-file {path} holds every setting: drop --profile and --set")
+    spec = resolve_spec([(f"settings file {path}: ", load_settings_file(path)), ("", flags)])
+    rank = launched_rank() if launched else None
+    if rank is not None:
+        spec.nodes = rank.world_size
+    return spec, get_task(spec.task)
 
 
 def choose_strategy(spec: RunSpec, task: Task, bundle: TaskBundle) -> Plan:

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from meshtrain.build import build_run  # the one resolution of settings layers
-from meshtrain.config.spec import ConfigError, RunSpec, strategy_class
+from meshtrain.config.spec import ConfigError, RunSpec
+from meshtrain.config.strategy_options import strategy_class
 from meshtrain.engine.trainer import Trainer, run_job
 from meshtrain.plots import plot_runs
 from meshtrain.run_dir import atomic_write_text

@@ -22,7 +22,9 @@ from typing import Any
 import yaml
 
 from meshtrain.build import AUTO, choose_strategy, resolve_run, task_suggestions
-from meshtrain.config.spec import ConfigError, RunSpec, load_profile, merge, parse_set
+from meshtrain.config.layers import merge, parse_set
+from meshtrain.config.profiles import load_profile
+from meshtrain.config.spec import ConfigError, RunSpec
 from meshtrain.hosts import discovery as d
 from meshtrain.hosts.inventory import Host
 from meshtrain.planning import Plan

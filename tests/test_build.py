@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from meshtrain.build import resolve_run, task_suggestions
-from meshtrain.config.spec import ConfigError, build_strategy
+from meshtrain.config.spec import ConfigError
+from meshtrain.config.strategy_options import build_strategy
 from meshtrain.tasks import get_task
 
 

@@ -10,7 +10,9 @@ import pytest
 from cli_process import run_cli
 from speech_fixtures import SpeechAssets, speech_fixture  # noqa: F401 (the fixture)
 
-from meshtrain.config.spec import build_strategy, list_profiles, load_profile, parse_set, resolve_spec
+from meshtrain.config.layers import parse_set, resolve_spec
+from meshtrain.config.profiles import list_profiles, load_profile
+from meshtrain.config.strategy_options import build_strategy
 from meshtrain.tasks import check_options, get_task
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -152,7 +152,7 @@ def test_clean_host_is_set_up_then_checks_and_trains(loopback_ssh: SshWorld, ins
 
     # A rank on the set-up host (no checkout, no profiles/ in its workdir) resolves a built-in
     # profile by name from its installed meshtrain.
-    lookup = ("from meshtrain.config.spec import find_profile as f, load_profile as p; "
+    lookup = ("from meshtrain.config.profiles import find_profile as f, load_profile as p; "
               "print('profile', f('whisper-tiny-lora'), p('whisper-tiny-lora')['task'])")
     resolved = meshtrain(loopback_ssh, "launch", str(launch_inventory), "--plain",
                          "--out", str(installed.folder / "runs"), "--", "python", "-c", lookup,

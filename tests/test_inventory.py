@@ -134,6 +134,7 @@ def test_rank_environment_and_command(tmp_path: Path) -> None:
     assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["MESHTRAIN_TIMEOUT"]) == ("10.0.0.1", "29511", "90")
     assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("1", "2")  # c shares a's machine
     assert env["MESHTRAIN_RUN_ID"] == "run-1" and env["PYTHONUNBUFFERED"] == "1"
+    assert "MESHTRAIN_DEVICE" not in env  # never read: the device reaches the rank as --device
     assert rank_env(inv, a, "run-1")["GLOO_SOCKET_IFNAME"] == "en0"
     assert "GLOO_SOCKET_IFNAME" not in env
     # Rank 0's gate admits the other hosts only (names and addresses, one entry per host).
@@ -166,8 +167,9 @@ def test_launch_rejects_bad_flags_before_connecting(tmp_path: Path) -> None:
         (["--profile", "no-such-profile"], "no profile named 'no-such-profile'"),
         (["--steps", "5", "--", "python", "x.py"], "training flags or a command after --, not both"),
         (["--upload", str(tmp_path / "missing.py"), "--", "true"], "--upload"),
-        (["--threads", "0", "--", "true"], "--threads: expected a whole number of threads from 1 to 1024"),
-        (["--heartbeat-timeout", "-1", "--", "true"], "--heartbeat-timeout: expected seconds > 0"),
+        (["--threads", "0", "--", "true"], "--threads must be >= 1, got 0"),
+        (["--threads", "100000", "--", "true"], "--threads must be <= 1024, got 100000"),
+        (["--heartbeat-timeout", "-1", "--", "true"], "--heartbeat-timeout must be > 0, got -1.0"),
     ]:
         result = runner.invoke(app, ["launch", str(inv), *args])
         assert result.exit_code == 2, (args, result.output)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -78,7 +79,8 @@ def test_a_program_missing_on_the_hosts_starts_no_rank(loopback_ssh: SshWorld, t
     assert {p.name for p in (tmp_path / "remote").glob("started-*")} == {"started-0", "started-1"}
 
 
-def test_launch_sends_the_resolved_profile_not_its_name(loopback_ssh: SshWorld, tmp_path: Path) -> None:
+def test_launch_sends_one_resolved_settings_file_not_a_profile_name(loopback_ssh: SshWorld,
+                                                                    tmp_path: Path) -> None:
     """A profile that exists only here (a relative path, with a base: chain) reaches every
     rank as its resolved settings: the hosts' workdirs hold no such file."""
     inv = two_ranks(loopback_ssh, tmp_path)
@@ -93,8 +95,12 @@ def test_launch_sends_the_resolved_profile_not_its_name(loopback_ssh: SshWorld, 
     config = yaml.safe_load((tmp_path / "runs" / "profiled" / "config.yaml").read_text())
     assert (config["spec"]["strategy"], config["spec"]["steps"], config["spec"]["lr"]) == ("fedavg", 3, 0.05)
     assert not (tmp_path / "remote" / "mine").exists()
-    shipped = list((tmp_path / "remote").glob("profile-*.yaml"))
-    assert len(shipped) == 1 and "base" not in yaml.safe_load(shipped[0].read_text())
+    # What every rank received: the one resolved settings file, no profile and no flags.
+    shipped = yaml.safe_load((tmp_path / "remote" / "profiled.settings.yaml").read_text())
+    assert "base" not in shipped and (shipped["strategy"], shipped["steps"]) == ("fedavg", 3)
+    assert shipped["strategy_options"]["H"] == 1 and shipped["threads"] is None
+    assert not list((tmp_path / "remote").glob("profile-*.yaml"))
+    assert not (tmp_path / "runs" / "profiled.settings.yaml").exists()  # the run came back
 
 
 RANK_SCRIPT = """
@@ -137,3 +143,65 @@ def test_a_launched_fit_is_one_rank_and_only_rank_0_keeps_history(loopback_ssh: 
     assert "rank 0 history 4 run_dir True" in result.stdout
     assert "rank 1 history 0 run_dir False" in result.stdout
     assert "rank 1 refused: nodes=4 but this launched run has WORLD_SIZE=2" in result.stdout
+
+
+def test_launch_resume_is_checked_here_before_any_host_is_contacted(
+    loopback_ssh: SshWorld, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``launch --resume RUN-ID`` applies simulate's resume rules to the settings the run
+    was launched with (<out>/RUN-ID.settings.yaml, kept while the run may be resumed)."""
+    inv = two_ranks(loopback_ssh, tmp_path)
+    runs = tmp_path / "runs"
+    launched = ["--strategy", "ddp", "--set", "optim=sgd", "--lr", "1e30", "--checkpoint-every", "1",
+                "--steps", "5"]
+    failed = meshtrain(loopback_ssh, "launch", str(inv), "--run-id", "old", "--out", str(runs), "--plain",
+                       "--threads", "1", *launched, cwd=tmp_path, timeout=300)
+    assert failed.returncode == 1, failed.stdout + failed.stderr  # the loss overflows at step 2
+    assert "continue with: meshtrain launch" in failed.stderr
+    assert (runs / "old.settings.yaml").is_file()
+
+    def no_host(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a host was contacted")
+
+    monkeypatch.setattr("meshtrain.cli.launch.launch", no_host)
+
+    def resume(run_id: str, *args: str) -> Any:
+        return runner.invoke(app, ["launch", str(inv), "--out", str(runs), "--resume", run_id, *args])
+
+    changed = resume("old", *launched[2:], "--strategy", "diloco")
+    assert changed.exit_code == 2, changed.output
+    assert changed.output.strip().splitlines() == [
+        "error: --resume old: strategy was 'ddp' in the checkpointed run, now 'diloco'; a resumed run "
+        "keeps its settings (it may change: steps upward, logging, threads, device and other settings "
+        "of how it runs)"]
+    wrong_lr = resume("old", *launched[:4], "--lr", "0.1", *launched[6:])
+    assert wrong_lr.exit_code == 2 and "lr was 1e+30 in the checkpointed run, now 0.1" in wrong_lr.output
+    (runs / "done").mkdir()
+    (runs / "done" / "summary.json").write_text("{}")
+    finished = resume("done", *launched)
+    assert finished.exit_code == 2 and "--resume done: the run already finished" in finished.output
+    # A change a resume may make passes here, and the hosts are contacted.
+    allowed = resume("old", *launched[:-1], "10")  # steps upward
+    assert "a host was contacted" in str(allowed.exception), allowed.output
+
+
+def test_every_rank_gets_the_resolved_settings_file_and_no_training_flags(
+    loopback_ssh: SshWorld, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    inv = two_ranks(loopback_ssh, tmp_path)
+    seen: dict[str, Any] = {}
+
+    def capture(inventory: Any, argv: list[str], options: Any, **kwargs: Any) -> None:
+        seen.update(argv=argv, uploads=[p.name for p in options.uploads])
+        raise AssertionError("captured")
+
+    monkeypatch.setattr("meshtrain.cli.launch.launch", capture)
+    result = runner.invoke(app, ["launch", str(inv), "--out", str(tmp_path / "runs"), "--run-id", "r",
+                                 "--strategy", "fedavg", "--set", "H=3", "--steps", "7", "--lr", "0.05"])
+    assert "captured" in str(result.exception), result.output
+    # The launcher adds what differs per host (--device, --out, --run-id) in rank_command.
+    assert seen == {"argv": ["-m", "meshtrain", "simulate", "--settings-file", "r.settings.yaml"],
+                    "uploads": ["r.settings.yaml"]}
+    settings = yaml.safe_load((tmp_path / "runs" / "r.settings.yaml").read_text())
+    assert (settings["strategy"], settings["steps"], settings["lr"]) == ("fedavg", 7, 0.05)
+    assert settings["strategy_options"]["H"] == 3 and settings["task"] == "digits"

@@ -221,8 +221,8 @@ def test_missing_package_is_one_line_naming_the_extra_and_nothing_trains(
 
 
 def test_settings_reach_profiles_and_set(tmp_path: Path) -> None:
+    from meshtrain.config.layers import parse_set, resolve_spec
     from meshtrain.config.settings import SettingError
-    from meshtrain.config.spec import parse_set, resolve_spec
 
     spec = resolve_spec([("--set ", parse_set(["wandb=proj", "tensorboard=true"], "diloco"))])
     assert (spec.wandb, spec.tensorboard) == ("proj", True)

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 import meshtrain
+from meshtrain.config.environment import LaunchedRank, launched_rank
 from meshtrain.config.settings import RUNTIMES
 from meshtrain.engine import runtimes
 from meshtrain.errors import InputError
-from meshtrain.rank import LaunchedRank, launched_rank
 
 PACKAGE = Path(meshtrain.__file__).resolve().parent
 

@@ -29,7 +29,7 @@ from ssh_fixtures import PYTHON, Namespaces, SshWorld, generate_key, start_adver
 from typer.testing import CliRunner
 
 from meshtrain.cli.main import app
-from meshtrain.config.spec import load_profile
+from meshtrain.config.profiles import load_profile
 from meshtrain.guided import (
     ADD_TO_AGENT,
     CANNOT_FIX_HERE,

@@ -1,28 +1,47 @@
-"""Options that several commands share, each with its help taken from the setting's one
-definition (:class:`~meshtrain.config.spec.RunSpec`)."""
+"""The training commands' options, generated from the settings' one definition.
+
+Every :class:`~meshtrain.config.spec.RunSpec` field whose metadata carries a
+:class:`~meshtrain.config.settings.Flag` becomes an option of each command the flag names,
+with the setting's help, type and panel. :func:`takes_settings` gives a command function
+those options: typer reads the function's ``__signature__``, and the function receives
+the given values as ``**settings`` keyed by the settings' names (``None``: not given).
+So adding a setting with a flag is one edit, in its definition.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import inspect
+import types
+import typing
+from collections.abc import Callable
+from typing import Any, TypeVar, Union
 
 import typer
 from rich.markup import escape
 
-from meshtrain.config.settings import help_for
+from meshtrain.config.launching import LaunchSettings
+from meshtrain.config.settings import CLUSTER, WHAT, Flag, TrainConfig
 from meshtrain.config.spec import RunSpec
 from meshtrain.tasks import TASKS, get_task
 
+Command = TypeVar("Command", bound=Callable[..., Any])
 
-def flag(name: str, *flags: str, **kwargs: Any) -> Any:
-    """A CLI option for setting ``name``, its help taken from the setting's one definition
-    (escaped: typer renders help as rich markup, which would swallow "meshtrain[wandb]")."""
-    spec_fields = {f.name: f for f in dataclasses.fields(RunSpec)}
-    kwargs.setdefault("help", escape(spec_fields[name].metadata.get("help", "")))
-    return typer.Option(None, *flags, **kwargs)
+#: The layers that are not settings: a profile, and ``--set`` (kwargs ``profile``, ``set_``).
+PROFILE_OPTION = typer.Option(None, "--profile", "-p", help="Profile name (profiles/NAME.yaml) or path.",
+                              rich_help_panel=WHAT)
+SET_OPTIONS = {
+    "simulate": typer.Option([], "--set", help="Override any setting: key=value (H=50, steps=100, "
+                                               "task_options.arch=cnn); values are read as YAML.",
+                             rich_help_panel=WHAT),
+    "compare": typer.Option([], "--set", help="KEY=VALUE for every run (lr=0.01, val_interval=25) or "
+                                              "STRATEGY.KEY=VALUE for one (diloco.H=50).",
+                            rich_help_panel=WHAT),
+}
+SET_OPTIONS["launch"] = SET_OPTIONS["simulate"]
 
 
-def _steps_help() -> str:
+def _steps_help(setting_help: str) -> str:
     """--steps help naming each task's suggested step count (the default a run gets)."""
     suggested = ", ".join(f"{entry.name} {get_task(entry.name).defaults['steps']}"
                           for entry in TASKS.values() if "steps" in get_task(entry.name).defaults)
@@ -30,28 +49,71 @@ def _steps_help() -> str:
             f"{suggested}; 100 for a task without one; none when epochs is given).")
 
 
-# Flags shared by `simulate` and `launch` (the launcher forwards them to every rank).
-TRAINING_FLAGS = dict(
-    profile=typer.Option(None, "--profile", "-p", help="Profile name (profiles/NAME.yaml) or path.",
-                         rich_help_panel="What to train"),
-    strategy=flag("strategy", "--strategy", "-s", rich_help_panel="What to train"),
-    task=flag("task", "--task", "-t", rich_help_panel="What to train"),
-    data=flag("data", "--data", rich_help_panel="What to train"),
-    steps=flag("steps", "--steps", help=_steps_help(), rich_help_panel="What to train"),
-    epochs=flag("epochs", "--epochs", rich_help_panel="What to train"),
-    batch_size=flag("batch_size", "--batch-size", "-b", rich_help_panel="What to train"),
-    microbatch_size=flag("microbatch_size", "--microbatch-size", rich_help_panel="What to train"),
-    lr=flag("lr", "--lr", rich_help_panel="What to train"),
-    device=flag("device", "--device", rich_help_panel="The simulated cluster"),
-    seed=flag("seed", "--seed", rich_help_panel="What to train"),
-    threads=flag("threads", "--threads", rich_help_panel="The simulated cluster"),
-    val_interval=flag("val_interval", "--val-interval", rich_help_panel="Output"),
-    wandb=flag("wandb", "--wandb", metavar="PROJECT", rich_help_panel="Output"),
-    tensorboard=typer.Option(None, "--tensorboard/--no-tensorboard", help=escape(help_for("tensorboard")),
-                             rich_help_panel="Output"),
-    balance=typer.Option(None, "--balance/--no-balance", help=escape(help_for("balance")),
-                         rich_help_panel="What to train"),
-    set_=typer.Option([], "--set", help="Override any setting: key=value (H=50, steps=100, "
-                                        "task_options.arch=cnn); values are read as YAML.",
-                      rich_help_panel="What to train"),
-)
+#: A panel's name in a command where the setting's usual panel would mislead.
+_PANEL_IN = {"launch": {CLUSTER: "Every rank"}}
+
+#: Help that depends on what is installed, not on the setting alone.
+_LIVE_HELP: dict[str, Callable[[str], str]] = {"steps": _steps_help}
+
+
+def _fields(command: str) -> list[dataclasses.Field[Any]]:
+    """The setting fields with a flag in ``command``: what to train (RunSpec's own) first,
+    then the training settings, then the launcher's, each in definition order."""
+    inherited = {f.name for f in dataclasses.fields(TrainConfig)}
+    ordered = [*sorted(dataclasses.fields(RunSpec), key=lambda f: f.name in inherited),
+               *dataclasses.fields(LaunchSettings)]
+    return [f for f in ordered
+            if f.metadata.get("flag") is not None and command in f.metadata["flag"].commands]
+
+
+def setting_flags(command: str) -> dict[str, Flag]:
+    """The settings ``command`` takes as flags, by setting name."""
+    return {f.name: f.metadata["flag"] for f in _fields(command)}
+
+
+def _option_type(annotation: Any) -> Any:
+    """The type typer parses a flag as: the setting's type without None; a setting that
+    takes one text or a list of them (``fail``) is a repeatable flag."""
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        kinds = [a for a in typing.get_args(annotation) if a is not type(None)]
+        lists = [a for a in kinds if typing.get_origin(a) is list]
+        return lists[0] if lists else kinds[0]
+    return annotation
+
+
+def setting_parameters(command: str) -> list[inspect.Parameter]:
+    """The typer parameters of ``command``'s settings and layers (profile, --set)."""
+    hints = {**typing.get_type_hints(RunSpec), **typing.get_type_hints(LaunchSettings)}
+    own = {f.name for f in dataclasses.fields(LaunchSettings)}
+    params = [] if command == "compare" else [  # compare's runs differ only by strategy: no profile
+        inspect.Parameter("profile", inspect.Parameter.KEYWORD_ONLY, default=PROFILE_OPTION, annotation=str)]
+    for field in _fields(command):
+        name, flag = field.name, field.metadata["flag"]
+        text = flag.help_in(command, field.metadata.get("help", ""))
+        text = _LIVE_HELP[name](text) if name in _LIVE_HELP and command not in dict(flag.help) else text
+        # Escaped: typer renders help as rich markup, which would swallow "meshtrain[wandb]".
+        # A launch's own settings have no layers below the flag: show their defaults.
+        default = None if name not in own else \
+            field.default_factory() if callable(field.default_factory) else field.default
+        option = typer.Option(default, *flag.names, help=escape(text), metavar=flag.metavar,
+                              rich_help_panel=_PANEL_IN.get(command, {}).get(flag.panel, flag.panel))
+        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option,
+                                        annotation=_option_type(hints[name])))
+    return [*params, inspect.Parameter("set_", inspect.Parameter.KEYWORD_ONLY, default=SET_OPTIONS[command],
+                                       annotation=list[str])]
+
+
+def takes_settings(command: str) -> Callable[[Command], Command]:
+    """Give a command function (``def f(own options..., **settings)``) the options of
+    ``command``'s settings: its signature, as typer reads it, is its own parameters plus
+    :func:`setting_parameters`."""
+    def decorate(function: Command) -> Command:
+        own = [p for p in inspect.signature(function).parameters.values()
+               if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        hints = typing.get_type_hints(function)
+        own = [p.replace(annotation=hints.get(p.name, p.annotation)) for p in own]
+        generated = [p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD)
+                     for p in setting_parameters(command)]
+        function.__signature__ = inspect.Signature([*own, *generated])  # type: ignore[attr-defined]
+        return function
+    return decorate

@@ -8,7 +8,6 @@ launcher stopped by Ctrl-C or SIGTERM exits 130 or 143 after stopping every rank
 from __future__ import annotations
 
 import dataclasses
-import json
 import shlex
 import sys
 import tempfile
@@ -24,18 +23,14 @@ from meshtrain.checkpoint import fewer_nodes_refusal
 from meshtrain.cli import dashboard as dashboard_cli
 from meshtrain.cli.console import errors, fail, fail_on
 from meshtrain.cli.console import wide_console as console  # the hosts commands' output
-from meshtrain.cli.flags import TRAINING_FLAGS as F
+from meshtrain.cli.flags import takes_settings
 from meshtrain.cli.hosts_setup import hosts_setup
 from meshtrain.cluster import cluster_file_text
-from meshtrain.config.settings import MAX_THREADS, SettingError, check_run_id
-from meshtrain.config.spec import (
-    ConfigError,
-    RunSpec,
-    build_strategy,
-    load_profile,
-    merge,
-    parse_set,
-)
+from meshtrain.config.launching import LaunchSettings
+from meshtrain.config.resume import resume_conflict
+from meshtrain.config.settings import SettingError, check_flag, check_run_id
+from meshtrain.config.spec import ConfigError, RunSpec, load_settings_file, settings_file_text
+from meshtrain.config.strategy_options import build_strategy
 from meshtrain.engine.balance import check_strategy as check_strategy_balance
 from meshtrain.hosts import discovery as d
 from meshtrain.hosts.bench import (
@@ -51,11 +46,10 @@ from meshtrain.hosts.bench import (
 )
 from meshtrain.hosts.checks import CHECKS, check_hosts
 from meshtrain.hosts.inventory import Inventory, InventoryError, load_inventory
-from meshtrain.hosts.safe_copy import DEFAULT_MAX_FILES, CopyLimits
+from meshtrain.hosts.safe_copy import CopyLimits
 from meshtrain.hosts.shipping import ShipError, Shipment, hash_path
 from meshtrain.launch.launcher import (
     REMOTE_RUNS,
-    RESTART_WAIT_S,
     LaunchOptions,
     PreflightError,
     launch,
@@ -65,15 +59,7 @@ from meshtrain.launch.launcher import (
 from meshtrain.launch.live import rank_output
 from meshtrain.progress import human_bytes
 from meshtrain.run_dir import atomic_write_text
-from meshtrain.tasks import TaskError, check_options, get_task
-
-# simulate's flag name for each training option the launcher forwards.
-FORWARDED = {
-    "profile": "--profile", "strategy": "--strategy", "task": "--task", "data": "--data",
-    "steps": "--steps", "batch_size": "--batch-size", "microbatch_size": "--microbatch-size",
-    "lr": "--lr", "seed": "--seed", "val_interval": "--val-interval",
-    "checkpoint_every": "--checkpoint-every", "keep_checkpoints": "--keep",
-}
+from meshtrain.tasks import Task, check_options
 
 
 def resume_command(args: list[str], run_id: str) -> str:
@@ -324,11 +310,12 @@ def hosts_discover(
     console.print(f"wrote {write} ({len(found)} hosts); next: meshtrain hosts check {write}", highlight=False)
 
 
-def _check_training_flags(flags: dict[str, Any], overrides: list[str], world_size: int,
-                          restarts: bool = False) -> None:
-    """Resolve the run's settings here as every rank will (exit 2 on any fault) before any
-    host is contacted: a bad value must not start ``world_size`` ranks that each fail.
-    ``restarts``: the ranks may be started again with --resume (--resume, --max-restarts)."""
+def _resolve_training(flags: dict[str, Any], overrides: list[str], world_size: int,
+                      restarts: bool = False) -> tuple[RunSpec, Task]:
+    """The run's settings, resolved here once by the one resolver (exit 2 on any fault)
+    before any host is contacted: a bad value must not start ``world_size`` ranks that
+    each fail. Every rank receives this spec (:func:`_settings_file`). ``restarts``: the
+    ranks may be started again with --resume (--resume, --max-restarts)."""
     try:
         spec, task = resolve_run(flags, overrides, launched=False)
         if spec.strategy == AUTO:
@@ -346,54 +333,40 @@ def _check_training_flags(flags: dict[str, Any], overrides: list[str], world_siz
         check_options(task, spec.task_options)
     except ValueError as exc:  # ConfigError, SettingError, FaultError, TaskError
         raise fail(str(exc)) from None
+    return spec, task
 
 
-def _check_shrink(flags: dict[str, Any], overrides: list[str], max_restarts: int) -> None:
+def _check_shrink(spec: RunSpec, max_restarts: int) -> None:
     """``--allow-shrink`` needs restarts, checkpoints, and a strategy whose checkpoint can
     continue on fewer nodes (see checkpoint.fewer_nodes_refusal); exit 2 otherwise."""
     if max_restarts < 1:
         raise fail("--allow-shrink continues after a restart: give --max-restarts 1 or more")
-    profile = load_profile(flags["profile"]) if flags.get("profile") else {}
-    if not (flags.get("checkpoint_every") or profile.get("checkpoint_every")):
+    if not spec.checkpoint_every:
         raise fail("--allow-shrink continues from a checkpoint: give --checkpoint-every")
-    name = flags.get("strategy") or profile.get("strategy") or RunSpec.strategy
-    options = merge(profile, parse_set(overrides, name)).get("strategy_options") or {}
-    try:
-        strategy = build_strategy(RunSpec(strategy=name, strategy_options=options))
-    except ConfigError as exc:
-        raise fail(str(exc)) from None
-    refusal = fewer_nodes_refusal(strategy)
+    refusal = fewer_nodes_refusal(build_strategy(spec))
     if refusal:
         raise fail(f"--allow-shrink: {refusal}")
 
 
-def _local_inputs(flags: dict[str, Any], overrides: list[str]) -> list[tuple[str, str, str]]:
+def _local_inputs(spec: RunSpec, task: Task) -> list[tuple[str, str, str]]:
     """(what, setting, path) for what a training run reads from this machine's disk: its
     data, and ``task_options.model`` when that names a local file or folder (not a hub id)."""
-    profile = load_profile(flags["profile"]) if flags.get("profile") else {}
-    strategy = flags.get("strategy") or profile.get("strategy") or RunSpec.strategy
-    given = {k: flags[k] for k in ("data", "task") if flags.get(k) is not None}
-    settings = merge(merge(profile, given), parse_set(overrides, strategy))
-    try:
-        task = get_task(settings.get("task") or RunSpec.task)
-    except TaskError as exc:
-        raise fail(str(exc)) from None
-    if settings.get("data") and not task.takes_data:  # here, before anything is shipped
-        raise fail(f"task {task.name!r} reads no data file: drop --data {settings['data']}")
-    found = [("--data", "data", str(settings["data"]))] if settings.get("data") else []
-    model = (settings.get("task_options") or {}).get("model")
+    if spec.data and not task.takes_data:  # here, before anything is shipped
+        raise fail(f"task {task.name!r} reads no data file: drop --data {spec.data}")
+    found = [("--data", "data", str(spec.data))] if spec.data else []
+    model = spec.task_options.get("model")
     if isinstance(model, str) and model and Path(model).expanduser().exists():
         found.append(("task_options.model", "task_options.model", model))
     return found
 
 
-def _ship_inputs(flags: dict[str, Any], overrides: list[str], no_ship: bool
-                 ) -> tuple[list[str], list[Shipment], list[tuple[str, str]]]:
-    """Hash the local data and model (exit 2 if unreadable) and point the ranks at their
-    shipped copies: (the --set items, what to ship, what every host must hold)."""
-    inputs = _local_inputs(flags, overrides)
-    if no_ship:  # today's behaviour: the same path on every host, checked before starting
-        return overrides, [], [(what, path) for what, _, path in inputs]
+def _ship_inputs(spec: RunSpec, task: Task, no_ship: bool
+                 ) -> tuple[list[Shipment], list[tuple[str, str]]]:
+    """Hash the local data and model (exit 2 if unreadable) and point ``spec`` at the
+    copies shipped into every workdir: (what to ship, what every host must hold)."""
+    inputs = _local_inputs(spec, task)
+    if no_ship:  # the same path on every host, checked before starting
+        return [], [(what, path) for what, _, path in inputs]
     try:
         shipments = [hash_path(what, Path(path).expanduser()) for what, _, path in inputs]
     except ShipError as exc:
@@ -401,9 +374,12 @@ def _ship_inputs(flags: dict[str, Any], overrides: list[str], no_ship: bool
     for shipment in shipments:
         if not shipment.files:  # every rank would start, then find nothing to read
             raise fail(f"{shipment.what} {shipment.local}: the folder holds no files")
-    # --set is the last layer: it wins over --data and the profile; JSON is a YAML string.
-    moved = [f"{key}={json.dumps(s.remote)}" for (_, key, _), s in zip(inputs, shipments, strict=True)]
-    return [*overrides, *moved], shipments, []
+    for (_, key, _), shipment in zip(inputs, shipments, strict=True):
+        if key == "data":
+            spec.data = shipment.remote
+        else:
+            spec.task_options = {**spec.task_options, "model": shipment.remote}
+    return shipments, []
 
 
 def _check_out_dir(out: Path) -> None:
@@ -422,51 +398,60 @@ def _check_out_dir(out: Path) -> None:
         raise fail(f"--out {out}: cannot write into {existing} ({exc.strerror or exc})") from None
 
 
-def _resolved_profile_file(name: str) -> Path:
-    """The profile ``name`` resolved here (its ``base:`` chain merged) as a YAML file to
-    upload into every workdir: a host needs neither this profile nor a checkout. Named by
-    its content, so a relaunch re-sends the same file; removed here when the command ends."""
-    import atexit
-    import hashlib
-    import shutil
-
-    import yaml
-
-    from meshtrain.config.spec import load_profile
-
-    text = ("# resolved by meshtrain launch from --profile " + name.replace("\n", " ") + "\n"
-            + yaml.safe_dump(load_profile(name), sort_keys=False))
-    folder = Path(tempfile.mkdtemp(prefix="meshtrain-profile-"))
-    atexit.register(shutil.rmtree, folder, ignore_errors=True)
-    path = folder / f"profile-{hashlib.sha256(text.encode()).hexdigest()[:12]}.yaml"
-    path.write_text(text)
+def _settings_file(spec: RunSpec, out: Path, run_id: str) -> Path:
+    """Write the run's resolved settings to ``<out>/<run-id>.settings.yaml``: uploaded
+    into every workdir, it is all a rank is told about what to train (no flags, no
+    profile to look up there), and it stays here so that ``--resume`` can check a
+    continuation before contacting any host. Removed once the run directory is back."""
+    path = out / f"{run_id}.settings.yaml"
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, settings_file_text(spec, f"resolved by meshtrain launch for run {run_id}"))
     return path
+
+
+def _check_resume_here(spec: RunSpec, out: Path, run_id: str) -> None:
+    """``--resume RUN-ID``: refuse, before any host is contacted, a finished run or
+    settings the checkpointed run cannot continue with (simulate's rules: steps, logging
+    and how it runs may change; what is trained and how may not). The hosts' checkpoints
+    are checked again by every rank."""
+    if (out / run_id / "summary.json").is_file():
+        raise fail(f"--resume {run_id}: the run already finished ({out / run_id}); to train it "
+                   "further, give --steps above its steps and a new --run-id")
+    record = out / f"{run_id}.settings.yaml"
+    if not record.is_file():  # launched from another machine or folder: the ranks check
+        errors.print(f"note: {record} is missing, so the settings are checked on the hosts",
+                     highlight=False, soft_wrap=True, markup=False)
+        return
+    try:
+        saved = load_settings_file(str(record))
+    except ConfigError as exc:
+        raise fail(str(exc)) from None
+    conflict = resume_conflict(saved, spec, 0)  # the step is known on the hosts
+    if conflict:
+        raise fail(f"--resume {run_id}: {conflict}")
 
 
 def _apply_overrides(inv: Inventory, threads: int | None, heartbeat_timeout: float | None) -> Inventory:
     """``--threads`` and ``--heartbeat-timeout`` over the inventory's settings (bad value: exit 2)."""
     if threads is not None:
-        if not 1 <= threads <= MAX_THREADS:
-            raise fail(f"--threads: expected a whole number of threads from 1 to {MAX_THREADS}, "
-                       f"got {threads}")
+        try:
+            check_flag(RunSpec, "threads", threads)  # the setting's own rule
+        except SettingError as exc:
+            raise fail(str(exc)) from None
         inv = dataclasses.replace(inv, hosts=tuple(dataclasses.replace(h, threads=threads)
                                                    for h in inv.hosts))
-    if heartbeat_timeout is not None:
-        if not 0 < heartbeat_timeout < float("inf"):
-            raise fail(f"--heartbeat-timeout: expected seconds > 0, got {heartbeat_timeout}")
+    if heartbeat_timeout is not None:  # checked by LaunchSettings
         inv = dataclasses.replace(inv, rendezvous=dataclasses.replace(
             inv.rendezvous, heartbeat_timeout=heartbeat_timeout))
     return inv
 
 
 def _copy_limits(size: str, files: int) -> CopyLimits:
-    """The caps on the copy-back from --copy-back-limit and --copy-back-files."""
+    """The caps on the copy-back from --copy-back-limit and --copy-back-files (checked)."""
     try:
         max_bytes = parse_size(size)
     except BenchError:
         raise fail(f"--copy-back-limit {size!r}: expected a size such as 64GiB or 500MB") from None
-    if files < 1:
-        raise fail(f"--copy-back-files: expected a whole number >= 1, got {files}")
     return CopyLimits(max_bytes=max_bytes, max_files=files)
 
 
@@ -481,72 +466,14 @@ def register(app: typer.Typer) -> None:
     app.add_typer(hosts_app, name="hosts")
 
     @app.command("launch")
+    @takes_settings("launch")
     def launch_command(
         inventory: Path = typer.Argument(..., help="Inventory file (hosts/NAME.yaml); rank 0 first."),
         command: list[str] = typer.Argument(
             None, help="After --: a command to run on every host instead (python means the host's "
                        "interpreter), e.g. -- python train.py --lr 3e-4"),
-        out: Path = typer.Option(Path("runs"), "--out", help="Local folder for rank 0's run directory."),
-        run_id: str = typer.Option(None, "--run-id", help="Name of the run directory."),
-        accept_new_host_keys: bool = typer.Option(
-            False, "--accept-new-host-keys", help="Trust hosts seen for the first time (records their "
-                                                  "keys in known_hosts; changed keys are still refused)."),
-        upload: list[Path] = typer.Option([], "--upload", help="Copy a local file into every workdir first."),
-        progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress lines from rank 0."),
-        threads: int = typer.Option(
-            None, "--threads", help="Torch intra-op threads of every rank (overrides the inventory's "
-                                    "'threads'; default: every core of each host)."),
-        heartbeat_timeout: float = typer.Option(
-            None, "--heartbeat-timeout", help="Stop the run when a rank sends no heartbeat for this many "
-                                              "seconds (stopped or hung); default: the inventory's "
-                                              "rendezvous.heartbeat_timeout, else 30."),
-        plain: bool = typer.Option(
-            False, "--plain", help="Stream every rank's lines prefixed with host and rank instead of the "
-                                   "live panel (one row per host: step, loss, steps/s, sent, memory, "
-                                   "state); always so when the output is not a terminal."),
-        profile: str = F["profile"],
-        strategy: str = F["strategy"],
-        task: str = F["task"],
-        data: str = F["data"],
-        steps: int = F["steps"],
-        batch_size: int = F["batch_size"],
-        microbatch_size: int = F["microbatch_size"],
-        lr: float = F["lr"],
-        device: str = F["device"],
-        seed: int = F["seed"],
-        val_interval: int = F["val_interval"],
-        balance: bool = F["balance"],
-        set_: list[str] = F["set_"],
-        checkpoint_every: int = typer.Option(
-            None, "--checkpoint-every", help="Every rank checkpoints its state every N steps into its "
-                                             "host's workdir (runs/RUN-ID.checkpoints/).",
-            rich_help_panel="Long runs"),
-        keep: int = typer.Option(None, "--keep", help="Checkpoints each host keeps (default 2).",
-                                 rich_help_panel="Long runs"),
-        resume: str = typer.Option(
-            None, "--resume", help="Continue the launch RUN-ID from the newest checkpoint every host "
-                                   "holds (give the same inventory and flags).", rich_help_panel="Long runs"),
-        max_restarts: int = typer.Option(
-            0, "--max-restarts", min=0, rich_help_panel="Long runs",
-            help="When a rank fails, start every rank again from the last checkpoint, up to this "
-                 "many times."),
-        restart_wait: float = typer.Option(
-            RESTART_WAIT_S, "--restart-wait", rich_help_panel="Long runs",
-            help="Before a restart, wait this many seconds for a host that was cut off to answer again."),
-        allow_shrink: bool = typer.Option(
-            False, "--allow-shrink", rich_help_panel="Long runs",
-            help="A host still unreachable after --restart-wait is left out: the others continue "
-                 "without it from the last checkpoint (ddp, diloco, sparta-diloco, fedavg)."),
-        copy_back_limit: str = typer.Option(
-            "64GiB", "--copy-back-limit", help="Most bytes rank 0's host may send back as the run "
-                                               "directory (e.g. 200GiB); more stops the copy."),
-        copy_back_files: int = typer.Option(
-            DEFAULT_MAX_FILES, "--copy-back-files", help="Most files and folders rank 0's host may "
-                                                         "send back as the run directory."),
-        no_ship: bool = typer.Option(
-            False, "--no-ship", help="Do not send --data (and a local task_options.model) into every "
-                                     "workdir: every host already holds it at the same path."),
         dashboard: bool = dashboard_cli.DASHBOARD_FLAG,
+        **settings: Any,
     ) -> None:
         """Train with one rank per host of INVENTORY, or run a command on every host (after --).
 
@@ -554,6 +481,17 @@ def register(app: typer.Typer) -> None:
         script calling Trainer.fit (or any torchrun script) joins the group. The output of
         every rank streams here; rank 0's run directory is copied back under --out.
         """
+        set_: list[str] = list(settings.pop("set_"))
+        try:
+            how = LaunchSettings.checked({f.name: settings.pop(f.name)
+                                          for f in dataclasses.fields(LaunchSettings)})
+        except SettingError as exc:
+            raise fail(str(exc)) from None
+        upload = [Path(f) for f in how.upload]
+        run_id, resume, device, threads = (settings.pop(k) for k in ("run_id", "resume", "device", "threads"))
+        out = Path(settings.pop("out_dir") or RunSpec.out_dir)
+        progress = settings.pop("progress") is not False
+        strategy = settings["strategy"]
         for flag, value in (("--run-id", run_id), ("--resume", resume)):
             if value is not None:
                 try:
@@ -561,13 +499,10 @@ def register(app: typer.Typer) -> None:
                 except SettingError as exc:
                     raise fail(str(exc)) from None
         inv = _inventory(inventory)
-        limits = _copy_limits(copy_back_limit, copy_back_files)
-        flags = dict(profile=profile, strategy=strategy, task=task, data=data, steps=steps,
-                     batch_size=batch_size, microbatch_size=microbatch_size, lr=lr, seed=seed,
-                     val_interval=val_interval, checkpoint_every=checkpoint_every, keep_checkpoints=keep,
-                     balance=balance)
+        limits = _copy_limits(how.copy_back_limit, how.copy_back_files)
+        flags = dict(settings)  # the training settings, resolved here for every rank
         training = not command
-        if command and (resume or max_restarts):
+        if command and (resume or how.max_restarts):
             raise fail("--resume and --max-restarts continue a training run: give training flags, "
                        "not a command after --")
         if resume and run_id and resume != run_id:
@@ -580,46 +515,39 @@ def register(app: typer.Typer) -> None:
         if device:
             inv = dataclasses.replace(inv, hosts=tuple(dataclasses.replace(h, device=device)
                                                        for h in inv.hosts))
-        inv = _apply_overrides(inv, threads, heartbeat_timeout)
-        if not 0 < restart_wait < float("inf"):
-            raise fail(f"--restart-wait: expected seconds > 0, got {restart_wait:g}")
-        if allow_shrink and not training:
+        inv = _apply_overrides(inv, threads, how.heartbeat_timeout)
+        if how.allow_shrink and not training:
             raise fail("--allow-shrink continues a training run: give training flags, not a command after --")
         _check_out_dir(out)
         if training:
-            _check_training_flags(flags, set_, inv.world_size, restarts=bool(resume or max_restarts))
-            if allow_shrink:
-                _check_shrink(flags, set_, max_restarts)
-            set_, shipments, required = _ship_inputs(flags, set_, no_ship)
-            if shipments and flags["data"]:
-                flags["data"] = None  # the ranks read the shipped copy (--set data=...)
-            if flags["profile"]:  # the ranks get its settings, not a name to look up there
-                resolved = _resolved_profile_file(str(flags["profile"]))
-                upload = [*upload, resolved]
-                flags["profile"] = resolved.name
-            forwarded = [w for k, v in flags.items() if v is not None and k != "balance"
-                         for w in (FORWARDED[k], str(v))]
-            if balance is not None:  # a switch, not a flag with a value
-                forwarded.append("--balance" if balance else "--no-balance")
-            forwarded += [w for item in set_ for w in ("--set", item)]
-            if not progress:
-                forwarded.append("--no-progress")
-            argv = training_argv(forwarded)
+            spec, task = _resolve_training(flags, set_, inv.world_size,
+                                           restarts=bool(resume or how.max_restarts))
+            if how.allow_shrink:
+                _check_shrink(spec, how.max_restarts)
+            shipments, required = _ship_inputs(spec, task, how.no_ship)
+            spec.progress = progress
+            checkpoint_every = spec.checkpoint_every  # from a flag, the profile or --set
+            if resume:
+                _check_resume_here(spec, out, resume)
+            run_id = resume or run_id or new_launch_id(strategy or "train", inv.world_size, out)
+            settings_file = _settings_file(spec, out, run_id)
+            upload = [*upload, settings_file]
+            argv = training_argv(["--settings-file", settings_file.name])
             label = strategy or "train"
         else:
             argv, label = list(command), "script"
-            shipments, required = [], []
+            shipments, required, settings_file, checkpoint_every = [], [], None, None
         # The program of a script command is looked up on every host in preflight, unless
         # it is the host's python or a file this launch uploads first.
         program = None if training or argv[0] in ("python", "python3") or \
             Path(argv[0]).name in {f.name for f in upload} else argv[0]
         options = LaunchOptions(run_id=resume or run_id or new_launch_id(label, inv.world_size, out),
-                                out_dir=out, accept_new_host_keys=accept_new_host_keys,
-                                uploads=list(upload), resume=bool(resume), max_restarts=max_restarts,
-                                restart_wait=restart_wait, allow_shrink=allow_shrink,
+                                out_dir=out, accept_new_host_keys=how.accept_new_host_keys,
+                                uploads=list(upload), resume=bool(resume), max_restarts=how.max_restarts,
+                                restart_wait=how.restart_wait, allow_shrink=how.allow_shrink,
                                 shipments=shipments, required_paths=required, copy_limits=limits,
                                 program=program)
-        output = rank_output([h.name for h in inv.hosts], plain=plain, title=options.run_id,
+        output = rank_output([h.name for h in inv.hosts], plain=how.plain, title=options.run_id,
                              log_dir=out / f"{options.run_id}.ranks")  # moved into the run directory
         try:
             names = [h.name for h in inv.hosts]
@@ -635,7 +563,13 @@ def register(app: typer.Typer) -> None:
             for problem in exc.problems:
                 errors.print(Text.assemble(("error: ", "bold red"), problem), soft_wrap=True)
             errors.print("nothing was started; `meshtrain hosts check` shows every host's state")
+            if settings_file is not None and not resume:  # no run exists to continue
+                settings_file.unlink(missing_ok=True)
             raise typer.Exit(2) from None
+        # Kept while a run may be resumed: until its run directory is back (its config.yaml
+        # then records the settings), and only if it wrote checkpoints.
+        if settings_file is not None and (result.run_dir is not None or not spec.checkpoint_every):
+            settings_file.unlink(missing_ok=True)
         logs = output.keep_logs(result.run_dir)
         if logs:
             console.print(logs, highlight=False, soft_wrap=True)

@@ -22,21 +22,24 @@ from meshtrain.cli import plan as plan_cli
 from meshtrain.cli import transcribe as transcribe_cli
 from meshtrain.cli import up as up_cli
 from meshtrain.cli.console import console, errors, fail, fail_on
-from meshtrain.cli.flags import TRAINING_FLAGS, flag
+from meshtrain.cli.flags import takes_settings
+from meshtrain.cli.help_layout import keep_option_names_whole
 from meshtrain.cluster import CLUSTERS
-from meshtrain.config.settings import help_for
-from meshtrain.config.spec import ConfigError, RunSpec, list_profiles, load_profile, resume_conflict
+from meshtrain.config.environment import launched_rank
+from meshtrain.config.profiles import list_profiles, load_profile
+from meshtrain.config.resume import resume_conflict
+from meshtrain.config.spec import ConfigError, RunSpec
 from meshtrain.engine.job import NodeFailed
 from meshtrain.engine.trainer import Trainer, run_job
 from meshtrain.errors import MeshtrainError
 from meshtrain.heartbeat import start_heartbeat
 from meshtrain.progress import human_bytes
-from meshtrain.rank import launched_rank
 from meshtrain.run_dir import atomic_write_text
 from meshtrain.strategies import STRATEGIES, Strategy
 from meshtrain.tasks import TASKS, get_task
 from meshtrain.version import __version__
 
+keep_option_names_whole()
 app = typer.Typer(
     help="Train with communication-efficient strategies on simulated nodes or real machines.",
     no_args_is_help=True,
@@ -59,49 +62,15 @@ def _main(
 
 
 @app.command()
+@takes_settings("simulate")
 def simulate(
-    profile: str = TRAINING_FLAGS["profile"],
-    strategy: str = TRAINING_FLAGS["strategy"],
-    task: str = TRAINING_FLAGS["task"],
-    data: str = TRAINING_FLAGS["data"],
-    steps: int = TRAINING_FLAGS["steps"],
-    epochs: float = TRAINING_FLAGS["epochs"],
-    batch_size: int = TRAINING_FLAGS["batch_size"],
-    microbatch_size: int = TRAINING_FLAGS["microbatch_size"],
-    lr: float = TRAINING_FLAGS["lr"],
-    seed: int = TRAINING_FLAGS["seed"],
-    set_: list[str] = TRAINING_FLAGS["set_"],
-    balance: bool = TRAINING_FLAGS["balance"],
-    nodes: int = flag("nodes", "--nodes", "-n", rich_help_panel="The simulated cluster"),
-    runtime: str = flag("runtime", "--runtime", rich_help_panel="The simulated cluster"),
-    out: str = flag("out_dir", "--out", rich_help_panel="Output"),
-    run_id: str = flag("run_id", "--run-id", rich_help_panel="Output"),
-    progress: bool = typer.Option(None, "--progress/--no-progress", help=help_for("progress"),
-                                  rich_help_panel="Output"),
-    cluster: str = flag("cluster", "--cluster", rich_help_panel="The simulated cluster"),
-    step_seconds: float = flag("step_seconds", "--step-seconds", rich_help_panel="The simulated cluster"),
-    fail_: list[str] = flag("fail", "--fail", metavar="node=N,step=S",
-                             rich_help_panel="The simulated cluster"),
-    straggler: list[str] = flag("straggler", "--straggler", metavar="node=N,slowdown=X",
-                                 rich_help_panel="The simulated cluster"),
-    check_sync: bool = typer.Option(None, "--check-sync/--no-check-sync", help=help_for("check_sync"),
-                                    rich_help_panel="Long runs"),
-    skip_nonfinite: bool = typer.Option(None, "--skip-nonfinite/--stop-on-nonfinite",
-                                        help=help_for("skip_nonfinite"), rich_help_panel="Long runs"),
-    checkpoint_every: int = flag("checkpoint_every", "--checkpoint-every", rich_help_panel="Long runs"),
-    keep: int = flag("keep_checkpoints", "--keep", rich_help_panel="Long runs"),
-    resume: str = typer.Option(None, "--resume", help="Continue a stopped run from its newest intact "
-                               "checkpoint: its <run-id>.checkpoints folder (settings come from there; "
-                               "flags given now win).", rich_help_panel="Long runs"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="On failure, print the failing "
                                  "node's full traceback (always written to <out>/<run-id>.error.log).",
                                  rich_help_panel="Output"),
-    device: str = TRAINING_FLAGS["device"],
-    threads: int = TRAINING_FLAGS["threads"],
-    val_interval: int = TRAINING_FLAGS["val_interval"],
-    wandb: str = TRAINING_FLAGS["wandb"],
-    tensorboard: bool = TRAINING_FLAGS["tensorboard"],
     dashboard: bool = dashboard_cli.DASHBOARD_FLAG,
+    settings_file: str = typer.Option(None, "--settings-file", hidden=True,
+                                      help="A launched rank's resolved settings (meshtrain launch)."),
+    **settings: Any,
 ) -> None:
     """Train N simulated nodes on this machine and report loss, bytes and time.
 
@@ -124,6 +93,8 @@ def simulate(
       meshtrain simulate --tensorboard --wandb my-project   # also log there (extras)
     """
     launched = launched_rank() is not None
+    set_: list[str] = list(settings.pop("set_"))
+    profile, out, run_id, resume = (settings[k] for k in ("profile", "out_dir", "run_id", "resume"))
     if dashboard and not launched:
         dashboard_cli.require_extra("--dashboard")  # bad input (2), before anything is prepared
     if launched:  # beat from the start: a rank that stalls while loading data is noticed too
@@ -139,7 +110,7 @@ def simulate(
         if not spec_file.is_file():  # without it nothing says which run the state belongs to
             raise fail(f"--resume {resume}: {spec_file} is missing, so the run's settings are "
                        "unknown; resume from a <run-id>.checkpoints folder as the run wrote it")
-        if profile is None:
+        if profile is None and settings_file is None:
             profile = str(spec_file)
         # <out>/<id>.checkpoints while a run goes, <out>/<id>/checkpoints once it finished.
         holder = found.folder.parent
@@ -151,14 +122,8 @@ def simulate(
                        "train it further, give --steps above its steps and a new --run-id or --out")
         console.print(f"resuming run {found.run_id} after step {found.step} ({found.folder})",
                       highlight=False)
-    flags = dict(profile=profile, strategy=strategy, task=task, data=data, steps=steps, epochs=epochs,
-                 batch_size=batch_size, microbatch_size=microbatch_size, lr=lr, device=device,
-                 seed=seed, threads=threads, val_interval=val_interval, nodes=nodes, runtime=runtime,
-                 out_dir=out, run_id=run_id, progress=progress, cluster=cluster,
-                 step_seconds=step_seconds, checkpoint_every=checkpoint_every, keep_checkpoints=keep,
-                 resume=resume, check_sync=check_sync, skip_nonfinite=skip_nonfinite, wandb=wandb,
-                 tensorboard=tensorboard, fail=fail_ or None, straggler=straggler or None,
-                 balance=balance)
+    flags = {**settings, "profile": profile, "out_dir": out, "settings_file": settings_file,
+             "fail": settings["fail"] or None, "straggler": settings["straggler"] or None}
     # Everything is checked before the first step: up to here, an error is bad input (2).
     try:
         if resume:  # the settings must be the checkpointed run's, but for what may change
@@ -307,14 +272,18 @@ def _show_default(value: Any) -> str:
 def list_settings() -> None:
     """List every run setting with its default: flags, profiles and --set all take these."""
     table = Table(title="settings (a profile key, --set NAME=VALUE, or the flag shown)")
-    table.add_column("name", style="bold")
-    table.add_column("default")
-    table.add_column("what it sets")
+    # Long words (flags, paths) fold rather than being cut: at 80 columns every cell is whole.
+    table.add_column("name", style="bold", overflow="fold")
+    table.add_column("flag (commands)", overflow="fold")
+    table.add_column("default", overflow="fold")
+    table.add_column("what it sets", overflow="fold")
     for f in dataclasses.fields(RunSpec):
         if f.name in ("extra_config",):
             continue
         default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
-        table.add_row(f.name, escape(_show_default(default)), escape(f.metadata.get("help", "")))
+        flag = f.metadata.get("flag")
+        shown = f"{', '.join(flag.names)} ({', '.join(flag.commands)})" if flag else "-"
+        table.add_row(f.name, shown, escape(_show_default(default)), escape(f.metadata.get("help", "")))
     console.print(table)
 
 

@@ -15,29 +15,20 @@ from rich import box
 from rich.table import Table
 
 from meshtrain.cli.console import console, fail, fail_on
+from meshtrain.cli.flags import takes_settings
 from meshtrain.compare import CompareSpec, plan, run_comparison
 from meshtrain.plots import plot_runs
 from meshtrain.progress import human_bytes
 from meshtrain.runs import FinishedRun, RunError, list_runs, load_run
 
 
+@takes_settings("compare")
 def compare(
     strategies: str = typer.Option("ddp,diloco,sparta", "--strategies", "-s",
                                    help="Comma-separated strategies to compare."),
-    nodes: int = typer.Option(4, "--nodes", "-n", help="Nodes of every run."),
-    task: str = typer.Option(None, "--task", "-t", help="Task of every run (default: digits)."),
-    data: str = typer.Option(None, "--data", help="Data file or folder the task reads."),
-    steps: int = typer.Option(None, "--steps", help="Step budget of every run (default: the task's)."),
-    seed: int = typer.Option(None, "--seed", help="Seed of every run (weights, data order)."),
-    lr: float = typer.Option(None, "--lr", help="Learning rate of every run (default: each strategy's)."),
-    cluster: str = typer.Option(None, "--cluster", help="Project wall-clock on this cluster (name or "
-                                                        "file; default gbe)."),
-    set_: list[str] = typer.Option([], "--set", help="KEY=VALUE for every run (lr=0.01, val_interval=25) "
-                                                     "or STRATEGY.KEY=VALUE for one (diloco.H=50)."),
-    out: str = typer.Option("runs", "--out", help="Folder that gets the compare-<time> folder."),
     target_loss: float = typer.Option(None, "--target-loss", help="Validation loss to count steps "
                                       "and time to (default: 1.05 x DDP's final val loss)."),
-    progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar of each run."),
+    **settings: Any,
 ) -> None:
     """Run several strategies under identical conditions and compare loss, bytes and time.
 
@@ -53,9 +44,10 @@ def compare(
 
       meshtrain compare --set diloco.H=50 --set sparta.p=0.001 --set val_interval=25
     """
+    given = {k: v for k, v in settings.items() if v is not None and k != "set_"}
+    nodes = given.pop("nodes", CompareSpec.nodes)
     spec = CompareSpec(strategies=[s.strip() for s in strategies.split(",") if s.strip()], nodes=nodes,
-                       task=task, data=data, steps=steps, seed=seed, lr=lr, cluster=cluster,
-                       overrides=list(set_), out_dir=out, target_loss=target_loss, progress=progress)
+                       overrides=list(settings["set_"]), target_loss=target_loss, **given)
     if nodes < 1:
         raise fail(f"--nodes must be >= 1, got {nodes}")
     try:

@@ -37,11 +37,42 @@ def check_run_id(run_id: str, where: str = "run id") -> str:
     return run_id
 
 
-def _setting(default: Any, help: str, *, minimum: float | None = None, above: float | None = None,
+#: The commands a setting's flag can belong to.
+COMMANDS = ("simulate", "launch", "compare")
+#: Help panels of the training commands, in the order ``--help`` shows them.
+WHAT, CLUSTER, OUTPUT, LONG_RUNS = "What to train", "The simulated cluster", "Output", "Long runs"
+BOTH, ALL = ("simulate", "launch"), COMMANDS
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a setting is given on the command line: the CLI builds its options from these.
+
+    ``names`` are the flag and its short form (``("--nodes", "-n")``); a bool setting
+    names its on and off forms in one (``"--check-sync/--no-check-sync"``). ``commands``
+    are the commands that take it; ``help`` replaces the setting's help in one command
+    where the flag means something more there (``launch --threads`` overrides the
+    inventory's).
+    """
+
+    names: tuple[str, ...]
+    panel: str
+    commands: tuple[str, ...] = ("simulate",)
+    metavar: str | None = None
+    help: tuple[tuple[str, str], ...] = ()
+
+    def help_in(self, command: str, setting_help: str) -> str:
+        """The flag's help text in ``command``."""
+        return dict(self.help).get(command, setting_help)
+
+
+def setting(default: Any, help: str, *, minimum: float | None = None, above: float | None = None,
              maximum: float | None = None, choices: tuple[str, ...] | None = None,
-             factory: Any = None) -> Any:
-    """A dataclass field carrying the setting's help text and limits."""
-    meta = {"help": help, "minimum": minimum, "above": above, "maximum": maximum, "choices": choices}
+             factory: Any = None, flag: Flag | None = None) -> Any:
+    """A dataclass field carrying the setting's help text, limits and command-line flag
+    (none: given by a profile or ``--set`` only)."""
+    meta = {"help": help, "minimum": minimum, "above": above, "maximum": maximum, "choices": choices,
+            "flag": flag}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -51,69 +82,103 @@ def _setting(default: Any, help: str, *, minimum: float | None = None, above: fl
 class TrainConfig:
     """Everything about a run except the model, the data and the strategy."""
 
-    nodes: int = _setting(4, "Number of nodes (simulated, or ranks of a launch).", minimum=1)
-    steps: int | None = _setting(None, "Training steps; each node takes one batch a step "
-                                       "(default 100 when epochs is not given).", minimum=1)
-    epochs: float | None = _setting(None, "Train for this many passes over the smallest node's "
-                                          "data instead of a number of steps.", above=0)
-    batch_size: int = _setting(32, "Batch size per node.", minimum=1)
-    microbatch_size: int | None = _setting(None, "Accumulate gradients in pieces of this size.",
-                                           minimum=1)
-    seed: int = _setting(0, "Seed of weights, data order and shared random choices.")
-    device: str = _setting("cpu", "cpu, cuda, mps or auto.")
-    runtime: str = _setting("threads", "Where simulated nodes live: threads (fast) or processes "
-                                       "(one process per node over gloo).", choices=RUNTIMES)
-    threads: int | None = _setting(None, "Torch intra-op threads per node (default: 1 per simulated "
+    nodes: int = setting(4, "Number of nodes (simulated, or ranks of a launch).", minimum=1,
+                      flag=Flag(("--nodes", "-n"), CLUSTER, ("simulate", "compare")))
+    steps: int | None = setting(None, "Training steps; each node takes one batch a step "
+                                       "(default 100 when epochs is not given).", minimum=1,
+                                flag=Flag(("--steps",), WHAT, ALL))
+    epochs: float | None = setting(None, "Train for this many passes over the smallest node's "
+                                          "data instead of a number of steps.", above=0,
+                                  flag=Flag(("--epochs",), WHAT))
+    batch_size: int = setting(32, "Batch size per node.", minimum=1,
+                                flag=Flag(("--batch-size", "-b"), WHAT, BOTH))
+    microbatch_size: int | None = setting(None, "Accumulate gradients in pieces of this size.",
+                                           minimum=1, flag=Flag(("--microbatch-size",), WHAT, BOTH))
+    seed: int = setting(0, "Seed of weights, data order and shared random choices.",
+                         flag=Flag(("--seed",), WHAT, ALL))
+    device: str = setting("cpu", "cpu, cuda, mps or auto.", flag=Flag(("--device",), CLUSTER, BOTH))
+    runtime: str = setting("threads", "Where simulated nodes live: threads (fast) or processes "
+                                       "(one process per node over gloo).", choices=RUNTIMES,
+                           flag=Flag(("--runtime",), CLUSTER))
+    threads: int | None = setting(None, "Torch intra-op threads per node (default: 1 per simulated "
                                          "node, every core on a launched rank; MESHTRAIN_THREADS "
                                          "sets it too). Runs are bit-identical only at the same "
                                          f"thread count. At most {MAX_THREADS}.", minimum=1,
-                                 maximum=MAX_THREADS)
-    shuffle: bool = _setting(True, "Reshuffle each node's shard every epoch (seeded).")
-    val_interval: int | None = _setting(None, "Evaluate the global model every N steps.", minimum=1)
-    val_size: int | None = _setting(None, "Evaluate on at most this many validation samples.",
+                                 maximum=MAX_THREADS, flag=Flag(("--threads",), CLUSTER, BOTH, help=(
+                                     ("launch", "Torch intra-op threads of every rank (overrides the "
+                                                "inventory's 'threads'; default: every core of each "
+                                                "host)."),)))
+    shuffle: bool = setting(True, "Reshuffle each node's shard every epoch (seeded).")
+    val_interval: int | None = setting(None, "Evaluate the global model every N steps.", minimum=1,
+                                     flag=Flag(("--val-interval",), OUTPUT, BOTH))
+    val_size: int | None = setting(None, "Evaluate on at most this many validation samples.",
                                     minimum=1)
-    out_dir: str = _setting("runs", "Where run directories go.")
-    run_id: str | None = _setting(None, "Name of the run directory (letters, digits, . _ -).")
-    progress: bool = _setting(True, "Show a progress bar (plain lines when not a terminal).")
-    timeout_s: float = _setting(1800.0, "Seconds a collective may wait before the run fails.",
+    out_dir: str = setting("runs", "Where run directories go.", flag=Flag(("--out",), OUTPUT, ALL, help=(
+        ("launch", "Local folder for rank 0's run directory (default: runs)."),
+        ("compare", "Folder that gets the compare-<time> folder (default: runs)."))))
+    run_id: str | None = setting(None, "Name of the run directory (letters, digits, . _ -).",
+                                 flag=Flag(("--run-id",), OUTPUT, BOTH))
+    progress: bool = setting(True, "Show a progress bar (plain lines when not a terminal).",
+                              flag=Flag(("--progress/--no-progress",), OUTPUT, ALL, help=(
+                                  ("launch", "Progress lines from rank 0."),
+                                  ("compare", "Progress bar of each run."))))
+    timeout_s: float = setting(1800.0, "Seconds a collective may wait before the run fails.",
                                 above=0)
-    cluster: str = _setting("gbe", "Project wall-clock on this named cluster "
-                                   "(`meshtrain clusters` lists them).")
-    step_seconds: float | None = _setting(None, "A node's compute per step on that cluster, if "
-                                                "known (default: measured here).", above=0)
-    checkpoint_every: int | None = _setting(None, "Write a checkpoint every N steps (DiLoCo-like "
+    cluster: str = setting("gbe", "Project wall-clock on this named cluster "
+                                   "(`meshtrain clusters` lists them).",
+                           flag=Flag(("--cluster",), CLUSTER, ("simulate", "compare")))
+    step_seconds: float | None = setting(None, "A node's compute per step on that cluster, if "
+                                                "known (default: measured here).", above=0,
+                                        flag=Flag(("--step-seconds",), CLUSTER))
+    checkpoint_every: int | None = setting(None, "Write a checkpoint every N steps (DiLoCo-like "
                                                    "strategies: rounded up to a multiple of H, so "
-                                                   "it follows an outer sync).", minimum=1)
-    keep_checkpoints: int = _setting(2, "How many of the newest checkpoints to keep.", minimum=1)
-    resume: str | None = _setting(None, "Continue a stopped run from its newest intact checkpoint "
-                                        "(its <run-id>.checkpoints folder or run directory).")
-    check_sync: bool = _setting(False, "After every sync, verify by a hash all-gather that the "
+                                                   "it follows an outer sync).", minimum=1,
+                                           flag=Flag(("--checkpoint-every",), LONG_RUNS, BOTH, help=(
+                                               ("launch", "Every rank checkpoints its state every N "
+                                                          "steps into its host's workdir "
+                                                          "(runs/RUN-ID.checkpoints/)."),)))
+    keep_checkpoints: int = setting(2, "How many of the newest checkpoints to keep.", minimum=1,
+                                   flag=Flag(("--keep",), LONG_RUNS, BOTH, help=(
+                                       ("launch", "Checkpoints each host keeps (default 2)."),)))
+    resume: str | None = setting(None, "Continue a stopped run from its newest intact checkpoint "
+                                        "(its <run-id>.checkpoints folder or run directory; its settings "
+                                        "come from there).",
+                                flag=Flag(("--resume",), LONG_RUNS, BOTH, help=(
+                                    ("launch", "Continue the launch RUN-ID from the newest checkpoint "
+                                               "every host holds (give the same inventory and flags)."),)))
+    check_sync: bool = setting(False, "After every sync, verify by a hash all-gather that the "
                                        "nodes hold the identical parameters the strategy promises "
                                        "(DDP, DeMo: all; DiLoCo: the outer ones; FedAvg: each "
-                                       "island); a difference stops the run naming the nodes.")
-    skip_nonfinite: bool = _setting(False, "When a loss or gradient is NaN or infinite on any node, "
+                                       "island); a difference stops the run naming the nodes.",
+                              flag=Flag(("--check-sync/--no-check-sync",), LONG_RUNS))
+    skip_nonfinite: bool = setting(False, "When a loss or gradient is NaN or infinite on any node, "
                                            "skip that step on every node (counted in metrics) "
-                                           "instead of stopping the run.")
-    wandb: str | None = _setting(None, "Also log to Weights & Biases, in this project (rank 0: loss, "
+                                           "instead of stopping the run.",
+                                  flag=Flag(("--skip-nonfinite/--stop-on-nonfinite",), LONG_RUNS))
+    wandb: str | None = setting(None, "Also log to Weights & Biases, in this project (rank 0: loss, "
                                        "bytes, validation, summary; needs pip install "
-                                       "'meshtrain[wandb]'; WANDB_MODE=offline logs locally).")
-    tensorboard: bool = _setting(False, "Also write TensorBoard event files into <run>/tensorboard/ "
+                                       "'meshtrain[wandb]'; WANDB_MODE=offline logs locally).",
+                              flag=Flag(("--wandb",), OUTPUT, metavar="PROJECT"))
+    tensorboard: bool = setting(False, "Also write TensorBoard event files into <run>/tensorboard/ "
                                         "(the numbers of metrics.csv; needs pip install "
-                                        "'meshtrain[tensorboard]').")
-    fail: list[str] | str = _setting(None, "Simulate a node leaving: node=2,step=150 makes node 2 take "
+                                        "'meshtrain[tensorboard]').",
+                                flag=Flag(("--tensorboard/--no-tensorboard",), OUTPUT))
+    fail: list[str] | str = setting(None, "Simulate a node leaving: node=2,step=150 makes node 2 take "
                                      "150 steps, then stop; the others go on without it "
                                      "(repeatable; simulate only; node 0 cannot fail).",
-                               factory=list)
-    straggler: list[str] | str = _setting(None, "Project a slow node: node=1,slowdown=3 makes node 1's "
+                               factory=list, flag=Flag(("--fail",), CLUSTER, metavar="node=N,step=S"))
+    straggler: list[str] | str = setting(None, "Project a slow node: node=1,slowdown=3 makes node 1's "
                                           "compute 3x longer in the projected timeline, the others "
                                           "waiting for it (repeatable; simulate only).",
-                                    factory=list)
-    balance: bool = _setting(False, "Give each node a share of every step's samples in proportion "
-                                    "to its throughput (launch: measured by warm-up passes; simulate: "
-                                    "1/slowdown of --straggler). The global batch stays nodes x "
-                                    "batch_size and every average is weighted by samples (see "
-                                    "meshtrain.balance).")
-    extra_config: dict[str, Any] = _setting(None, "Recorded in config.yaml as given.", factory=dict)
+                                    factory=list,
+                                    flag=Flag(("--straggler",), CLUSTER, metavar="node=N,slowdown=X"))
+    balance: bool = setting(False, "Give each node a share of every step's samples in proportion "
+                                   "to its throughput (launch: measured by warm-up passes; simulate: "
+                                   "1/slowdown of --straggler). The global batch stays nodes x "
+                                   "batch_size and every average is weighted by samples (see "
+                                   "meshtrain.engine.balance).",
+                            flag=Flag(("--balance/--no-balance",), WHAT, BOTH))
+    extra_config: dict[str, Any] = setting(None, "Recorded in config.yaml as given.", factory=dict)
 
     def validate(self) -> None:
         """Check every setting and the rules between them; raise :class:`SettingError`."""
@@ -169,6 +234,14 @@ def check_settings(cls: type, values: dict[str, Any], where: str) -> None:
         if name not in known:
             raise SettingError(f"{where}unknown setting {name!r}")
         check_value(f"{where}{name}", value, hints[name], known[name].metadata)
+
+
+def check_flag(cls: type, name: str, value: Any) -> None:
+    """``value`` of setting ``name`` of dataclass ``cls``, given by its flag: checked by the
+    setting's own rule, the error naming the flag (``--threads must be >= 1, got 0``)."""
+    field_ = next(f for f in fields(cls) if f.name == name)
+    check_value(field_.metadata["flag"].names[0].partition("/")[0], value,
+                typing.get_type_hints(cls)[name], field_.metadata)
 
 
 def check_value(label: str, value: Any, annotation: Any, meta: Any = None) -> None:

@@ -22,12 +22,17 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from meshtrain import checkpoint
-from meshtrain.config.settings import MAX_THREADS, TrainConfig, check_run_id
+from meshtrain.config.environment import (
+    environment_run_id,
+    launched_rank,
+    threads_from_environment,
+    writes_run_directory,
+)
+from meshtrain.config.settings import TrainConfig, check_run_id
 from meshtrain.data import Collate, DataFactory
 from meshtrain.devices import resolve_device
 from meshtrain.engine import balance, loggers, runtimes
 from meshtrain.engine.job import FitResult, NodeJob
-from meshtrain.rank import environment_run_id, launched_rank
 from meshtrain.run_dir import RunDirectory
 from meshtrain.strategies import DiLoCo, Strategy
 
@@ -137,7 +142,7 @@ class Trainer:
         if config.checkpoint_every and interval:
             # Checkpoint right after an outer sync (DiLoCo, FedAvg): round up to a multiple of H.
             config = replace(config, checkpoint_every=-(-config.checkpoint_every // interval) * interval)
-        writes = launched is None or launched.rank == 0  # only rank 0 writes the run directory
+        writes = writes_run_directory()
         if writes:
             loggers.require_installed(config)  # a missing wandb/tensorboard: one line, nothing trains
         run_id = config.run_id or (resume.run_id if resume else None) or environment_run_id()
@@ -196,16 +201,9 @@ def resolve_threads(threads: int | None, runtime: str) -> int:
     """Intra-op threads per node: explicit, else MESHTRAIN_THREADS, else the runtime's default."""
     if threads is not None:
         return threads
-    env = os.environ.get("MESHTRAIN_THREADS")
-    if env:
-        try:
-            value = int(env)
-        except ValueError:
-            value = 0
-        if not 1 <= value <= MAX_THREADS:
-            raise ValueError(f"MESHTRAIN_THREADS must be a whole number from 1 to {MAX_THREADS}, "
-                             f"got {env!r}")
-        return value
+    from_environment = threads_from_environment()
+    if from_environment is not None:
+        return from_environment
     if runtime == "launched":
         return os.cpu_count() or 1  # a real host: use all of its cores
     return 1  # simulated nodes share this machine's cores

@@ -37,9 +37,9 @@ from meshtrain.cluster import Cluster, collective_seconds
 from meshtrain.comm import CommRecord, Communicator, ring_all_reduce_bytes
 from meshtrain.comm.sealing import bind_gloo_to_advertise
 from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group, leave_in_order
+from meshtrain.config.environment import RankEnvironmentError, launched_rank
 from meshtrain.errors import InputError
 from meshtrain.heartbeat import start_heartbeat
-from meshtrain.rank import RankEnvironmentError, launched_rank
 from meshtrain.run_dir import atomic_write_text
 
 ELEMENT_BYTES = 4  # the buffers are float32, like gradients

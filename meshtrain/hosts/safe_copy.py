@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from meshtrain.config.launching import DEFAULT_MAX_FILES
 from meshtrain.errors import RunFailure
 
 CHUNK = 1 << 16
@@ -43,7 +44,6 @@ MAX_PATH_BYTES = 1024  # a whole relative path (macOS's PATH_MAX is 1024)
 MAX_DEPTH = 64  # directory levels
 MAX_HEADER_BYTES = 1 << 20  # a pax or GNU long-name header: names are short, this is generous
 DEFAULT_MAX_BYTES = 64 << 30  # 64 GiB: a run directory with a few large models
-DEFAULT_MAX_FILES = 100_000
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ import paramiko
 
 from meshtrain.comm.rendezvous import PEERS_ENV, SECRET_FILE_ENV, SECRET_FOLDER_PREFIX, new_secret
 from meshtrain.comm.sealing import ADVERTISE_ENV, GLOO_HINT
+from meshtrain.config.launching import RESTART_WAIT_S
 from meshtrain.config.settings import check_run_id
 from meshtrain.errors import InputError
 from meshtrain.heartbeat import HEARTBEAT_FD, heartbeat_interval
@@ -66,7 +67,6 @@ from meshtrain.launch.output import STOPPED, RankOutput
 from meshtrain.run_dir import atomic_write_text
 
 POLL_SECONDS = 0.1
-RESTART_WAIT_S = 120.0  # before a restart: how long a cut-off host may take to come back
 REMOTE_RUNS = "runs"  # under each host's workdir: where rank 0 writes <run_id>/
 
 
@@ -239,7 +239,6 @@ def rank_env(inventory: Inventory, host: Host, run_id: str) -> dict[str, str]:
         "MESHTRAIN_TIMEOUT": f"{inventory.rendezvous.timeout:g}",
         "MESHTRAIN_RUN_ID": run_id,
         SECRET_FILE_ENV: secret_file_name(run_id, host.rank),
-        "MESHTRAIN_DEVICE": host.device,
         "PYTHONUNBUFFERED": "1",
     })
     if host.rank == 0:  # the rendezvous gate admits connections from these hosts only

@@ -1,6 +1,6 @@
 """This process is one rank of a launched run (``meshtrain launch`` or torchrun).
 
-Takes its place in the group from :func:`meshtrain.rank.launched_rank` (the torchrun
+Takes its place in the group from :func:`meshtrain.config.environment.launched_rank` (the torchrun
 variables, and MESHTRAIN_TIMEOUT, seconds a collective may wait), joins the TCP
 rendezvous, trains its node, and leaves the group.
 """
@@ -15,11 +15,11 @@ import torch.distributed as dist
 
 from meshtrain.comm.sealing import GLOO_HINT, bind_gloo_to_advertise, raise_open_file_limit
 from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group, leave_in_order
+from meshtrain.config.environment import RankEnvironmentError, launched_rank
 from meshtrain.devices import resolve_device
 from meshtrain.engine.job import FitResult, NodeFailed, NodeJob
 from meshtrain.engine.loop import node_seed, train_node
 from meshtrain.heartbeat import start_heartbeat
-from meshtrain.rank import RankEnvironmentError, launched_rank
 
 
 def run_launched_rank(job: NodeJob) -> FitResult:

@@ -1,11 +1,13 @@
-"""Is this process a rank of a launched run? The one place that reads it from the environment.
+"""The settings a process reads from its environment, read in this one place.
 
-``meshtrain launch`` (and torchrun) start each rank with RANK and WORLD_SIZE set, the
-rendezvous in MASTER_ADDR and MASTER_PORT, and (meshtrain launch only) MESHTRAIN_TIMEOUT,
-seconds a collective may wait, and MESHTRAIN_RUN_ID (:func:`environment_run_id`). A
-process with RANK and WORLD_SIZE is a launched rank; the Trainer, the launched runtime,
-the CLI's settings resolver and the hosts benchmark all ask :func:`launched_rank` rather
-than the environment.
+A launched rank (``meshtrain launch``, or torchrun) is told who it is by torchrun's
+variables: RANK and WORLD_SIZE, the rendezvous in MASTER_ADDR and MASTER_PORT. Everything
+else a launched rank trains with comes in one resolved settings file, not in variables;
+MESHTRAIN_THREADS (a host's thread count from the inventory), MESHTRAIN_RUN_ID and
+MESHTRAIN_TIMEOUT (seconds a collective may wait) are what differs per host or per launch.
+A process with RANK and WORLD_SIZE is a launched rank: the Trainer, the launched runtime,
+the settings resolver and the hosts benchmark all ask :func:`launched_rank` rather than
+the environment.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from meshtrain.errors import InputError
+from meshtrain.config.settings import MAX_THREADS
+from meshtrain.errors import SettingError
 
 
-class RankEnvironmentError(InputError):
+class RankEnvironmentError(SettingError):
     """A launched rank's environment variable that cannot be read: one line naming it."""
 
 
@@ -79,4 +82,26 @@ def _whole(env: Mapping[str, str], name: str, least: int) -> int:
         value = least - 1
     if value < least:
         raise RankEnvironmentError(f"{name} must be a whole number of at least {least}, got {env[name]!r}")
+    return value
+
+
+def writes_run_directory() -> bool:
+    """Whether this process writes the run directory: a simulation does, and of a launched
+    run only rank 0."""
+    rank = launched_rank()
+    return rank is None or rank.rank == 0
+
+
+def threads_from_environment() -> int | None:
+    """MESHTRAIN_THREADS, checked (a bad value names the variable), or None when unset."""
+    text = os.environ.get("MESHTRAIN_THREADS")
+    if not text:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= MAX_THREADS:
+        raise SettingError(f"MESHTRAIN_THREADS must be a whole number from 1 to {MAX_THREADS}, "
+                           f"got {text!r}")
     return value
