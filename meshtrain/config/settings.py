@@ -20,7 +20,7 @@ from meshtrain.cluster import get_cluster
 from meshtrain.errors import SettingError
 from meshtrain.faults import FaultError, FaultPlan, parse_faults
 
-RUNTIMES = ("threads", "processes", "launched")
+RUNTIMES = ("threads", "processes", "launched", "vmap")
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 #: Most intra-op threads a node may ask for: more than any machine meshtrain runs on has
 #: cores, and far below what exhausts memory when torch creates the pool (100000 did).
@@ -61,8 +61,10 @@ class TrainConfig:
                                            minimum=1)
     seed: int = _setting(0, "Seed of weights, data order and shared random choices.")
     device: str = _setting("cpu", "cpu, cuda, mps or auto.")
-    runtime: str = _setting("threads", "Where simulated nodes live: threads (fast) or processes "
-                                       "(one process per node over gloo).", choices=RUNTIMES)
+    runtime: str = _setting("threads", "Where simulated nodes live: threads (fast), processes "
+                                       "(one process per node over gloo) or vmap (every node in one "
+                                       "vectorised computation; DDP, DiLoCo, SPARTA, FedAvg).",
+                            choices=RUNTIMES)
     threads: int | None = _setting(None, "Torch intra-op threads per node (default: 1 per simulated "
                                          "node, every core on a launched rank; MESHTRAIN_THREADS "
                                          "sets it too). Runs are bit-identical only at the same "

@@ -35,6 +35,7 @@ class DDP(Strategy):
     display_name = "DDP"
     continues_on_fewer_nodes = True  # the nodes are exact replicas (parameters and optimizer)
     replicas_in_sync = True
+    supports_vmap = True
 
     def __init__(self, optim: str | Optim = "adamw", lr: float = 1e-3, **common: Any) -> None:
         super().__init__(optim, lr, modules=[GradientAveraging()], **common)

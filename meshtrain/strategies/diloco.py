@@ -104,6 +104,7 @@ class DiLoCo(Strategy):
     # Checkpoints fall on outer syncs, where every node holds the outer parameters and the
     # same outer optimizer (the inner optimizer is each node's own).
     continues_on_fewer_nodes = True
+    supports_vmap = True
 
     def __init__(
         self,

@@ -20,6 +20,7 @@ class SPARTADiLoCo(Strategy):
     display_name = "SPARTA+DiLoCo"
     key_parameters = {"p": "p", "H": "H"}
     continues_on_fewer_nodes = True  # as DiLoCo: checkpoints fall on outer syncs
+    supports_vmap = True
 
     def __init__(
         self,
