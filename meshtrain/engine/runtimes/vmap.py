@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from meshtrain import observers
 from meshtrain.cluster import get_cluster, project
@@ -127,7 +128,15 @@ def _gradient_function(model: nn.Module, randomness: str) -> Callable[..., Any]:
     def node_loss(trainable: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
         return functional_call(model, (trainable, shared), (batch,))
 
-    return vmap(grad_and_value(node_loss), in_dims=(0, 0), randomness=randomness)
+    gradients = vmap(grad_and_value(node_loss), in_dims=(0, 0), randomness=randomness)
+
+    def call(trainable: dict[str, torch.Tensor], batch: Any) -> Any:
+        # Fused attention kernels have no batching rule (vmap would loop over the nodes);
+        # the math kernel is plain batched matrix products.
+        with sdpa_kernel([SDPBackend.MATH]):
+            return gradients(trainable, batch)
+
+    return call
 
 
 def _loss_function(model: nn.Module) -> Callable[..., Any]:
@@ -138,7 +147,13 @@ def _loss_function(model: nn.Module) -> Callable[..., Any]:
     def node_loss(trainable: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
         return functional_call(model, (trainable, shared), (batch,))
 
-    return vmap(node_loss, in_dims=(0, None), randomness="different")
+    losses = vmap(node_loss, in_dims=(0, None), randomness="different")
+
+    def call(trainable: dict[str, torch.Tensor], batch: Any) -> Any:
+        with sdpa_kernel([SDPBackend.MATH]):
+            return losses(trainable, batch)
+
+    return call
 
 
 def _stack_batches(batches: list[Any]) -> Any:
