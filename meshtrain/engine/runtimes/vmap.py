@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.data import TensorDataset
 
 from meshtrain import observers
 from meshtrain.cluster import get_cluster, project
@@ -156,6 +157,17 @@ def _loss_function(model: nn.Module) -> Callable[..., Any]:
     return call
 
 
+def _node_batches(streams: list[tuple[Any, NodeBatches]], indices: tuple[list[int], ...],
+                  collate_fn: Any) -> Any:
+    """Every node's batch of ``indices``, stacked: one gather when the nodes share one
+    TensorDataset (what the threads runtime's nodes each fetch, in one indexing)."""
+    data = streams[0][0]
+    if collate_fn is None and isinstance(data, TensorDataset) and all(d is data for d, _ in streams):
+        idx = torch.as_tensor(indices)
+        return tuple(t[idx] for t in data.tensors)
+    return _stack_batches([fetch(d, ix, collate_fn) for (d, _), ix in zip(streams, indices, strict=True)])
+
+
 def _stack_batches(batches: list[Any]) -> Any:
     """One batch whose every tensor has the nodes along a new dimension 0."""
     first = batches[0]
@@ -254,8 +266,7 @@ def _train(job: NodeJob) -> FitResult:
             step_losses = torch.zeros(nodes, dtype=torch.float64)
             pieces = [list(split_microbatches(ix, cfg.microbatch_size)) for ix in indices]
             for micro in zip(*pieces, strict=True):
-                batch = _stack_batches([to_device(fetch(data, m, job.collate_fn), device)
-                                        for (data, _), m in zip(streams, micro, strict=True)])
+                batch = to_device(_node_batches(streams, micro, job.collate_fn), device)
                 weight = len(micro[0]) / len(indices[0])
                 with randomness.active():
                     grads, loss = gradients(holder.by_name(), batch)
