@@ -130,13 +130,13 @@ def test_randomness_is_per_node_and_reproducible(tmp_path: Path) -> None:
 
 
 def test_nodes_draw_different_dropout_masks() -> None:
-    from meshtrain.engine.runtimes.vmap import _gradient_function
+    from meshtrain.engine.runtimes.vmap import _loss_function
 
     torch.manual_seed(0)
     model = FunctionalDropoutMLP()
     stacked = {n: p.detach().expand(2, *p.shape).clone() for n, p in model.named_parameters()}
     x, y = regression_data(4).tensors
-    _, losses = _gradient_function(model, "different")(stacked, (torch.stack([x, x]), torch.stack([y, y])))
+    losses = _loss_function(model, 0)(stacked, (torch.stack([x, x]), torch.stack([y, y])))
     assert losses[0] != losses[1]  # same weights, same batch: only the masks differ
 
 

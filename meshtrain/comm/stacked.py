@@ -17,6 +17,7 @@ groups that differ from node to node (FedAvg's islands) cannot be expressed.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Sequence
 
@@ -65,9 +66,8 @@ class StackedCommunicator(Communicator):
                 numel += t[0].numel()
                 t.copy_(_reduce_rows(t, op).expand_as(t))
         if record:
-            element_size = tensors[0].element_size()
-            for position, log in enumerate(self.logs):
-                sent, received = ring_all_reduce_bytes(numel, element_size, position, len(members))
+            counts = _ring_bytes_by_position(numel, tensors[0].element_size(), len(members))
+            for log, (sent, received) in zip(self.logs, counts, strict=True):
                 self._record_node(log, "all_reduce", sent, received, len(members))
             self.log.seconds += time.perf_counter() - started
 
@@ -140,3 +140,10 @@ def _reduce_rows(stacked: torch.Tensor, op: ReduceOp) -> torch.Tensor:
     if op == "sum":
         return stacked.sum(dim=0, keepdim=True)
     return stacked.amax(dim=0, keepdim=True)
+
+
+@functools.lru_cache(maxsize=256)
+def _ring_bytes_by_position(numel: int, element_size: int, group_size: int) -> tuple[tuple[int, int], ...]:
+    """(sent, received) of every ring position: a run repeats the same few collectives."""
+    return tuple(ring_all_reduce_bytes(numel, element_size, position, group_size)
+                 for position in range(group_size))

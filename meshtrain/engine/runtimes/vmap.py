@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import functional_call, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.data import TensorDataset
 
@@ -104,13 +104,13 @@ def _trial_problem(model: nn.Module, train_data: Any, collate_fn: Any, device_na
     data, _ = resolve_dataset(train_data, 0, 1, "train")
     device = resolve_device(device_name)
     replica = node_replica(model).to(device)
-    stacked = {n: p.detach().unsqueeze(0).expand(2, *p.shape).clone()
+    stacked = {n: p.detach().unsqueeze(0).expand(2, *p.shape).clone().requires_grad_(True)
                for n, p in replica.named_parameters() if p.requires_grad}
     one = to_device(fetch(data, [0], collate_fn), device)
     try:
         batch = _stack_batches([one, one])
         with torch.random.fork_rng(devices=[]):
-            _gradient_function(replica, "different")(stacked, batch)
+            _loss_function(replica, 0)(stacked, batch).sum().backward()
     except Exception as exc:  # noqa: BLE001 - any failure is a reason to refuse
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return (f"model {type(model).__name__} cannot run under torch.func.vmap "
@@ -118,10 +118,12 @@ def _trial_problem(model: nn.Module, train_data: Any, collate_fn: Any, device_na
     return None
 
 
-def _gradient_function(model: nn.Module, randomness: str) -> Callable[..., Any]:
-    """``f(stacked trainable parameters, stacked batch) -> (gradients, losses)``, one row per node.
+def _loss_function(model: nn.Module, batch_dim: int | None) -> Callable[..., torch.Tensor]:
+    """``f(stacked trainable parameters, batch) -> losses``, one per node, differentiable.
 
-    Frozen parameters and buffers are not stacked: every node reads the same ones.
+    ``batch_dim`` 0: every node reads its own row of a stacked batch; None: all read the
+    same batch. Frozen parameters and buffers are not stacked: every node reads the same
+    ones. Random numbers drawn inside (dropout) differ from node to node.
     """
     shared = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
     shared.update(dict(model.named_buffers()))
@@ -129,28 +131,11 @@ def _gradient_function(model: nn.Module, randomness: str) -> Callable[..., Any]:
     def node_loss(trainable: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
         return functional_call(model, (trainable, shared), (batch,))
 
-    gradients = vmap(grad_and_value(node_loss), in_dims=(0, 0), randomness=randomness)
+    losses = vmap(node_loss, in_dims=(0, batch_dim), randomness="different")
 
-    def call(trainable: dict[str, torch.Tensor], batch: Any) -> Any:
+    def call(trainable: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
         # Fused attention kernels have no batching rule (vmap would loop over the nodes);
         # the math kernel is plain batched matrix products.
-        with sdpa_kernel([SDPBackend.MATH]):
-            return gradients(trainable, batch)
-
-    return call
-
-
-def _loss_function(model: nn.Module) -> Callable[..., Any]:
-    """``f(stacked trainable parameters, one batch) -> losses``: every node on the same batch."""
-    shared = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
-    shared.update(dict(model.named_buffers()))
-
-    def node_loss(trainable: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
-        return functional_call(model, (trainable, shared), (batch,))
-
-    losses = vmap(node_loss, in_dims=(0, None), randomness="different")
-
-    def call(trainable: dict[str, torch.Tensor], batch: Any) -> Any:
         with sdpa_kernel([SDPBackend.MATH]):
             return losses(trainable, batch)
 
@@ -191,7 +176,7 @@ class _StackedParameters(nn.Module):
         self.stacked = nn.ParameterList(nn.Parameter(t, requires_grad=True) for t in stacked)
 
     def by_name(self) -> dict[str, torch.Tensor]:
-        return {n: p.detach() for n, p in zip(self.names, self.stacked, strict=True)}
+        return dict(zip(self.names, self.stacked, strict=True))
 
 
 class _NodeStream:
@@ -240,7 +225,7 @@ def _train(job: NodeJob) -> FitResult:
     strategy = _bound_strategy(job, holder, comm, max_steps, len(streams[0][1].indices))
     startup_sent = [log.bytes_sent for log in comm.logs]
 
-    gradients = _gradient_function(model, "different")
+    node_losses = _loss_function(model, 0)
     randomness = _NodeStream(mix_seed(node_seed(cfg.seed, 0), nodes, 0x7A7))
     val_batches = _validation_batches(job, 0, device)
     evaluator = node_replica(model) if val_batches else None
@@ -269,10 +254,9 @@ def _train(job: NodeJob) -> FitResult:
                 batch = to_device(_node_batches(streams, micro, job.collate_fn), device)
                 weight = len(micro[0]) / len(indices[0])
                 with randomness.active():
-                    grads, loss = gradients(holder.by_name(), batch)
-                for p, n in zip(holder.stacked, names, strict=True):
-                    g = grads[n] if weight == 1 else grads[n] * weight
-                    p.grad = g if p.grad is None else p.grad.add_(g)
+                    loss = node_losses(holder.by_name(), batch)
+                # Node i's loss depends on row i only: the sum's gradient is every node's own.
+                (loss.sum() * weight).backward()
                 step_losses += loss.detach().double().cpu() * weight
             values = step_losses.tolist()
             bad = next((r for r, v in enumerate(values) if not math.isfinite(v)), None)
@@ -324,6 +308,12 @@ def _bound_strategy(job: NodeJob, holder: _StackedParameters, comm: StackedCommu
     strategy = copy.deepcopy(job.strategy)
     strategy.stacked_nodes = comm.world_size
     strategy.setup(holder, comm, seed=job.config.seed, max_steps=max_steps, num_samples=num_samples)
+    if strategy.optimizer is not None:
+        # A few large stacked tensors: one multi-tensor kernel per update term, not one per
+        # tensor (torch picks foreach on CUDA only). Same math, element by element.
+        for group in strategy.optimizer.param_groups:
+            if "foreach" in group and group["foreach"] is None:
+                group["foreach"] = True
     return strategy
 
 
@@ -347,7 +337,7 @@ def _node_val_loss(model: nn.Module, holder: _StackedParameters, batches: list[A
     """The mean over nodes of each node model's validation loss (eval mode)."""
     model.eval()
     try:
-        losses = _loss_function(model)
+        losses = _loss_function(model, None)
         total = torch.zeros(holder.stacked[0].shape[0], dtype=torch.float64)
         count = 0
         for batch in batches:
