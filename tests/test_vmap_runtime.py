@@ -140,6 +140,23 @@ def test_nodes_draw_different_dropout_masks() -> None:
     assert losses[0] != losses[1]  # same weights, same batch: only the masks differ
 
 
+class FrozenFirstLayer(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1.requires_grad_(False)
+
+
+def test_frozen_parameters_are_shared_and_stay_frozen(tmp_path: Path) -> None:
+    """A frozen layer (LoRA's base) is held once, not stacked: only trainable tensors are
+    optimised and sent, as in the threads runtime."""
+    runs = {rt: Trainer(FrozenFirstLayer(), regression_data(96)).fit(
+        DDP(lr=1e-3), nodes=4, max_steps=6, batch_size=4, runtime=rt, out_dir=tmp_path / rt,
+        progress=False) for rt in ("threads", "vmap")}
+    assert torch.equal(runs["vmap"].model.fc1.weight, FrozenFirstLayer().fc1.weight)
+    assert torch.allclose(runs["vmap"].model.fc2.weight, runs["threads"].model.fc2.weight, atol=ATOL)
+    assert runs["vmap"].summary["bytes_sent_per_node"] == runs["threads"].summary["bytes_sent_per_node"]
+
+
 class BatchNormModel(MLP):
     def __init__(self) -> None:
         super().__init__()
@@ -181,9 +198,9 @@ def test_what_vmap_cannot_do_is_refused_before_training(strategy, model, setting
     assert not any(tmp_path.iterdir())  # nothing reserved, nothing written
 
 
-def test_cli_runs_vmap_and_refuses_with_exit_2(tmp_path: Path) -> None:
-    ok = run_cli("simulate", "--runtime", "vmap", "--strategy", "ddp", "--nodes", "4", "--steps", "5",
-                 "--no-progress", "--out", "runs", cwd=tmp_path)
+def test_cli_runs_vmap_from_a_profile_and_refuses_with_exit_2(tmp_path: Path) -> None:
+    (tmp_path / "vmap.yaml").write_text("strategy: ddp\nruntime: vmap\nnodes: 4\nsteps: 5\n")
+    ok = run_cli("simulate", "--profile", "vmap.yaml", "--no-progress", "--out", "runs", cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
     [run] = (tmp_path / "runs").iterdir()
     assert "runtime: vmap" in (run / "config.yaml").read_text()
