@@ -25,17 +25,17 @@ transform; checkpoints, resuming, simulated faults, loggers and ``skip_nonfinite
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.func import functional_call, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import TensorDataset
 
 from meshtrain import observers
@@ -58,7 +58,6 @@ from meshtrain.engine.loop import (
     node_seed,
 )
 from meshtrain.progress import Progress
-from meshtrain.seeding import mix_seed
 from meshtrain.strategies import Strategy
 
 #: Settings the vmap runtime cannot honour, each with why (refused before training).
@@ -109,8 +108,9 @@ def _trial_problem(model: nn.Module, train_data: Any, collate_fn: Any, device_na
     one = to_device(fetch(data, [0], collate_fn), device)
     try:
         batch = _stack_batches([one, one])
-        with torch.random.fork_rng(devices=[]):
-            _loss_function(replica, 0)(stacked, batch).sum().backward()
+        with NodeRandomness([0, 1]):
+            losses = _loss_function(replica, 0)(stacked, batch)
+        losses.sum().backward()
     except Exception as exc:  # noqa: BLE001 - any failure is a reason to refuse
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return (f"model {type(model).__name__} cannot run under torch.func.vmap "
@@ -118,12 +118,14 @@ def _trial_problem(model: nn.Module, train_data: Any, collate_fn: Any, device_na
     return None
 
 
-def _loss_function(model: nn.Module, batch_dim: int | None) -> Callable[..., torch.Tensor]:
+def _loss_function(model: nn.Module, batch_dim: int | None,
+                   randomness: str = "different") -> Callable[..., torch.Tensor]:
     """``f(stacked trainable parameters, batch) -> losses``, one per node, differentiable.
 
     ``batch_dim`` 0: every node reads its own row of a stacked batch; None: all read the
     same batch. Frozen parameters and buffers are not stacked: every node reads the same
-    ones. Random numbers drawn inside (dropout) differ from node to node.
+    ones. ``randomness`` is vmap's: "different" (run it under :class:`NodeRandomness` to
+    draw from each node's own stream) or "error" (a model that draws nothing).
     """
     shared = {n: p.detach() for n, p in model.named_parameters() if not p.requires_grad}
     shared.update(dict(model.named_buffers()))
@@ -131,7 +133,7 @@ def _loss_function(model: nn.Module, batch_dim: int | None) -> Callable[..., tor
     def node_loss(trainable: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
         return functional_call(model, (trainable, shared), (batch,))
 
-    losses = vmap(node_loss, in_dims=(0, batch_dim), randomness="different")
+    losses = vmap(node_loss, in_dims=(0, batch_dim), randomness=randomness)
 
     def call(trainable: dict[str, torch.Tensor], batch: Any) -> torch.Tensor:
         # Fused attention kernels have no batching rule (vmap would loop over the nodes);
@@ -179,19 +181,43 @@ class _StackedParameters(nn.Module):
         return dict(zip(self.names, self.stacked, strict=True))
 
 
-class _NodeStream:
-    """The run's stream for random numbers drawn inside the vectorised forward (dropout):
-    held apart from torch's global generator, which it borrows only around the call."""
+class RandomnessUnsupported(RuntimeError):
+    """A random draw inside the vectorised forward that no node stream can give."""
 
-    def __init__(self, seed: int) -> None:
-        self.state = torch.Generator().manual_seed(seed).get_state()
 
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
-        with torch.random.fork_rng(devices=[]):
-            torch.set_rng_state(self.state)
-            yield
-            self.state = torch.get_rng_state()
+class NodeRandomness(TorchDispatchMode):
+    """Each node's random numbers from its own stream, as the threads runtime gives them.
+
+    Under ``vmap(randomness="different")`` a dropout mask of all nodes is one draw
+    (``aten.bernoulli.p``) on a tensor with the nodes along dimension 0. This mode, active
+    around the vectorised forward, draws row ``i`` from node ``i``'s generator instead,
+    seeded as the threads runtime seeds node ``i`` (:func:`node_seed`): the same op on the
+    same shape from the same state, so the masks are the threads runtime's, bit for bit.
+    Any other random op is refused (:class:`RandomnessUnsupported`). torch's global
+    generator is never touched. :attr:`drew` tells whether anything was drawn.
+    """
+
+    def __init__(self, seeds: list[int]) -> None:
+        super().__init__()
+        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        self.drew = False
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded not in func.tags:
+            return func(*args, **kwargs)
+        self.drew = True
+        nodes = len(self.generators)
+        if func is torch.ops.aten.bernoulli.p and kwargs.get("generator") is None \
+                and args[0].dim() > 0 and args[0].shape[0] == nodes:
+            p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+            out = torch.empty_like(args[0])
+            for row, generator in zip(out, self.generators, strict=True):
+                row.bernoulli_(p, generator=generator)
+            return out
+        raise RandomnessUnsupported(f"{func} draws random numbers that the vmap runtime cannot "
+                                    "take from each node's own stream (it can: dropout)")
 
 
 def run_vmap(job: NodeJob) -> FitResult:
@@ -225,8 +251,11 @@ def _train(job: NodeJob) -> FitResult:
     strategy = _bound_strategy(job, holder, comm, max_steps, len(streams[0][1].indices))
     startup_sent = [log.bytes_sent for log in comm.logs]
 
+    # Every node's random stream, as in the threads runtime. The first step shows whether
+    # the model draws at all; a model that does not then runs without the mode (and a
+    # draw after all would fail loudly, never come from a shared stream).
+    randomness: NodeRandomness | None = NodeRandomness([node_seed(cfg.seed, r) for r in range(nodes)])
     node_losses = _loss_function(model, 0)
-    randomness = _NodeStream(mix_seed(node_seed(cfg.seed, 0), nodes, 0x7A7))
     val_batches = _validation_batches(job, 0, device)
     evaluator = node_replica(model) if val_batches else None
 
@@ -253,11 +282,16 @@ def _train(job: NodeJob) -> FitResult:
             for micro in zip(*pieces, strict=True):
                 batch = to_device(_node_batches(streams, micro, job.collate_fn), device)
                 weight = len(micro[0]) / len(indices[0])
-                with randomness.active():
+                if randomness is not None:
+                    with randomness:
+                        loss = node_losses(holder.by_name(), batch)
+                else:
                     loss = node_losses(holder.by_name(), batch)
                 # Node i's loss depends on row i only: the sum's gradient is every node's own.
                 (loss.sum() * weight).backward()
                 step_losses += loss.detach().double().cpu() * weight
+            if randomness is not None and not randomness.drew:
+                randomness, node_losses = None, _loss_function(model, 0, "error")
             values = step_losses.tolist()
             bad = next((r for r, v in enumerate(values) if not math.isfinite(v)), None)
             if bad is not None:
