@@ -224,3 +224,21 @@ def test_cli_runs_vmap_from_a_profile_and_refuses_with_exit_2(tmp_path: Path) ->
     assert "runtime vmap: strategy demo does not support the vmap runtime" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "runs2").exists()
+
+
+def test_a_small_gpt_equals_threads(tmp_path: Path) -> None:
+    """The gpt task's model (embeddings, tied head, causal attention, layer norm) under vmap."""
+    from meshtrain.tasks.gpt import CharGPT, CharWindows
+
+    ids = torch.randint(0, 11, (600,), generator=torch.Generator().manual_seed(1))
+
+    def fit(runtime: str):
+        torch.manual_seed(0)
+        return Trainer(CharGPT(11, 8, 1, 2, 16, 0.0), CharWindows(ids, 8)).fit(
+            DiLoCo(H=2, lr=1e-3), nodes=3, max_steps=4, batch_size=4, runtime=runtime,
+            out_dir=tmp_path / runtime, progress=False)
+
+    threads, vmapped = fit("threads"), fit("vmap")
+    for a, b in zip(threads.model.parameters(), vmapped.model.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=ATOL)
+    assert vmapped.summary["bytes_sent_per_node"] == threads.summary["bytes_sent_per_node"]
