@@ -69,6 +69,8 @@ UNSUPPORTED_SETTINGS: dict[str, str] = {
     "skip_nonfinite": "skipping non-finite steps needs the threads or processes runtime",
     "wandb": "loggers (wandb) need the threads or processes runtime",
     "tensorboard": "loggers (tensorboard) need the threads or processes runtime",
+    # Per-node sample shares (main's balance): a weight per node, not one per call.
+    "balance": "balance gives each node its own samples per step; use the threads runtime",
 }
 
 
@@ -86,7 +88,7 @@ def vmap_refusal(strategy: Strategy, config: Any, model: nn.Module, train_data: 
     if problem:
         return f"{problem}, which the vmap runtime cannot do; use --runtime threads"
     for name, why in UNSUPPORTED_SETTINGS.items():
-        if getattr(config, name):
+        if getattr(config, name, None):  # a setting this build does not have is not set
             return f"setting {name}: {why}"
     for module in model.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
