@@ -20,7 +20,7 @@ from meshtrain.cluster import get_cluster
 from meshtrain.errors import SettingError
 from meshtrain.faults import FaultError, FaultPlan, parse_faults
 
-RUNTIMES = ("threads", "processes", "launched")  # meshtrain.engine.runtimes.RUNNERS (tested)
+RUNTIMES = ("threads", "processes", "launched", "vmap")  # meshtrain.engine.runtimes.RUNNERS (tested)
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 #: Most intra-op threads a node may ask for: more than any machine meshtrain runs on has
 #: cores, and far below what exhausts memory when torch creates the pool (100000 did).
@@ -97,9 +97,10 @@ class TrainConfig:
     seed: int = setting(0, "Seed of weights, data order and shared random choices.",
                          flag=Flag(("--seed",), WHAT, ALL))
     device: str = setting("cpu", "cpu, cuda, mps or auto.", flag=Flag(("--device",), CLUSTER, BOTH))
-    runtime: str = setting("threads", "Where simulated nodes live: threads (fast) or processes "
-                                       "(one process per node over gloo).", choices=RUNTIMES,
-                           flag=Flag(("--runtime",), CLUSTER))
+    runtime: str = setting("threads", "Where simulated nodes live: threads (fast), processes "
+                                      "(one process per node over gloo) or vmap (every node in one "
+                                      "vectorised computation; DDP, DiLoCo, SPARTA, FedAvg).",
+                           choices=RUNTIMES, flag=Flag(("--runtime",), CLUSTER))
     threads: int | None = setting(None, "Torch intra-op threads per node (default: 1 per simulated "
                                          "node, every core on a launched rank; MESHTRAIN_THREADS "
                                          "sets it too). Runs are bit-identical only at the same "

@@ -33,6 +33,8 @@ from meshtrain.data import Collate, DataFactory
 from meshtrain.devices import resolve_device
 from meshtrain.engine import balance, loggers, runtimes
 from meshtrain.engine.job import FitResult, NodeJob
+from meshtrain.engine.runtimes.vmap import vmap_refusal
+from meshtrain.errors import InputError
 from meshtrain.run_dir import RunDirectory
 from meshtrain.strategies import DiLoCo, Strategy
 
@@ -130,6 +132,10 @@ class Trainer:
         strategy.check_nodes(config.nodes)
         balance.check_strategy(strategy, config.balance)
         resolve_device(config.device)
+        if config.runtime == "vmap":
+            refusal = vmap_refusal(strategy, config, self.model, self.train_data, self.collate_fn)
+            if refusal:
+                raise InputError(f"runtime vmap: {refusal}")
         if isinstance(self.train_data, Dataset):
             size = len(self.train_data)  # type: ignore[arg-type]
             if config.batch_size > size // config.nodes:

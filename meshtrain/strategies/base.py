@@ -120,6 +120,12 @@ class Strategy:
     #: This node's samples per step under ``balance``, set by the training loop before step 0;
     #: None (the default): every node takes ``batch_size`` samples and means are plain means.
     sample_weight: float | None = None
+    #: True when the strategy can drive every node at once in the vmap runtime: its
+    #: tensors then carry the nodes along dimension 0 and every collective is over all
+    #: nodes (see :attr:`stacked_nodes` and :meth:`vmap_problem`).
+    supports_vmap: ClassVar[bool] = False
+    #: Set by the vmap runtime before :meth:`setup`: how many nodes the stacked tensors hold.
+    stacked_nodes: int | None = None
 
     def __init__(
         self,
@@ -174,6 +180,10 @@ class Strategy:
         """Raise ``ValueError`` when this strategy's settings do not fit a run of ``nodes``
         nodes (called before anything trains)."""
 
+    def vmap_problem(self) -> str | None:
+        """Why this instance cannot run in the vmap runtime although its class can, or None."""
+        return None
+
     def build_optimizer(self) -> torch.optim.Optimizer | None:
         return self.optim.build(self.params, self.lr)
 
@@ -209,7 +219,9 @@ class Strategy:
         assert self.optimizer is not None
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(step)
-        if self.max_norm is not None:
+        if self.max_norm is not None and self.stacked_nodes is not None:
+            _clip_each_node_(self.params, self.max_norm, self.stacked_nodes)
+        elif self.max_norm is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -284,6 +296,8 @@ class Strategy:
         self.grad_flags = torch.tensor(
             [p.grad is not None for p in self.params], dtype=like.dtype, device=like.device
         )
+        if self.stacked_nodes is not None:  # every node's flags, one row each
+            self.grad_flags = self.grad_flags.expand(self.stacked_nodes, -1).clone()
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -295,6 +309,8 @@ class Strategy:
         ``flags`` is :attr:`grad_flags` reduced over the nodes (any op that keeps 0 only
         where every node sent 0); every node gets the same flags, so replicas stay equal.
         """
+        if self.stacked_nodes is not None:  # reduced over the nodes: every row is the same
+            flags = flags[0]
         for p, used in zip(self.params, flags.tolist(), strict=True):
             if used == 0:
                 p.grad = None
@@ -370,3 +386,16 @@ class Strategy:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={getattr(self, k)!r}" for k in self.parameters())
         return f"{type(self).__name__}({args})"
+
+
+@torch.no_grad()
+def _clip_each_node_(stacked: Sequence[torch.Tensor], max_norm: float, nodes: int) -> None:
+    """``clip_grad_norm_`` of each node's own gradients (row ``i`` of every stacked tensor):
+    the same norm, coefficient and clamping as torch's, per node."""
+    grads = [p.grad for p in stacked if p.grad is not None]
+    if not grads:
+        return
+    squares = torch.stack([g.reshape(nodes, -1).pow(2).sum(dim=1) for g in grads]).sum(dim=0)
+    coef = (max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(coef.view(nodes, *([1] * (g.dim() - 1))))

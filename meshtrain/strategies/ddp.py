@@ -38,6 +38,7 @@ class DDP(Strategy):
     continues_on_fewer_nodes = True  # the nodes are exact replicas (parameters and optimizer)
     replicas_in_sync = True
     balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)
+    supports_vmap = True
 
     def __init__(self, optim: str | Optim = "adamw", lr: float = 1e-3, **common: Any) -> None:
         super().__init__(optim, lr, modules=[GradientAveraging()], **common)

@@ -106,6 +106,7 @@ class DiLoCo(Strategy):
     # same outer optimizer (the inner optimizer is each node's own).
     continues_on_fewer_nodes = True
     balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)
+    supports_vmap = True
 
     def __init__(
         self,

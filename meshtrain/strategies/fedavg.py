@@ -128,6 +128,7 @@ class FedAvg(Strategy):
     key_parameters = {"H": "H", "island_size": "islands"}
     continues_on_fewer_nodes = True  # after a full average every node holds the global model
     balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)
+    supports_vmap = True  # without islands or weights: see vmap_problem
 
     def __init__(
         self,
@@ -153,6 +154,15 @@ class FedAvg(Strategy):
             return None
         return (f"strategy fedavg with island_size={self.island_size}: between full "
                 "averages the nodes differ, so a lost node takes its part of the global model with it")
+
+    def vmap_problem(self) -> str | None:
+        # In the vmap runtime one call reduces over every node: islands (a different group
+        # per node) and per-node sample weights do not fit that.
+        if self.island_size is not None:
+            return f"strategy fedavg with island_size={self.island_size} averages within islands"
+        if self.weighted:
+            return "strategy fedavg with weighted=true weights every node by its own sample count"
+        return None
 
     def check_nodes(self, nodes: int) -> None:
         # An island larger than the cluster is no island at all: a mistake, not a setting.

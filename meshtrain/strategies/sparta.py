@@ -83,6 +83,15 @@ class SparseAveraging(CommunicationModule):
         if (step + 1) % self.interval:
             return
         sync_round = step // self.interval
+        nodes = self.strategy.stacked_nodes
+        if nodes is not None:  # the vmap runtime: row i of each tensor is node i's, same picks
+            rows = [p.data.view(nodes, -1) for p in self.strategy.params]
+            picks = [_on(self.indices(sync_round, i, r.shape[1]), r.device) for i, r in enumerate(rows)]
+            values = [r[:, ix] for r, ix in zip(rows, picks, strict=True)]
+            self.strategy.comm.all_reduce(values, op="mean")
+            for r, ix, v in zip(rows, picks, values, strict=True):
+                r[:, ix] = v
+            return
         flats = [p.data.view(-1) for p in self.strategy.params]
         picks = [_on(self.indices(sync_round, i, f.numel()), f.device) for i, f in enumerate(flats)]
         values = [f[ix] for f, ix in zip(flats, picks, strict=True)]
@@ -109,6 +118,7 @@ class SPARTA(Strategy):
     display_name = "SPARTA"
     key_parameters = {"p": "p"}
     balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)
+    supports_vmap = True
     # Not continues_on_fewer_nodes: the nodes never agree; the global model is the mean of all.
 
     def __init__(

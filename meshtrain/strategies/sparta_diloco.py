@@ -21,6 +21,7 @@ class SPARTADiLoCo(Strategy):
     key_parameters = {"p": "p", "H": "H"}
     continues_on_fewer_nodes = True  # as DiLoCo: checkpoints fall on outer syncs
     balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)
+    supports_vmap = True
 
     def __init__(
         self,

@@ -1,5 +1,6 @@
 """Where the nodes of a run live: threads in this process, local processes, or the
-rank this process already is (launched by ``meshtrain launch`` or torchrun).
+rank this process already is (launched by ``meshtrain launch`` or torchrun), or one
+vectorised computation holding every node (vmap).
 
 :data:`RUNNERS` is the registry: a runtime's name (the ``runtime`` setting) and the
 function that runs a job on it. A new runtime joins here, in one line; the settings'
@@ -15,6 +16,7 @@ from meshtrain.engine.job import FitResult, NodeJob
 from meshtrain.engine.runtimes.launched import run_launched_rank
 from meshtrain.engine.runtimes.processes import run_processes
 from meshtrain.engine.runtimes.threads import run_threads
+from meshtrain.engine.runtimes.vmap import run_vmap
 
 Runner = Callable[[NodeJob], FitResult]
 
@@ -22,6 +24,7 @@ RUNNERS: Mapping[str, Runner] = MappingProxyType({
     "threads": run_threads,
     "processes": run_processes,
     "launched": run_launched_rank,
+    "vmap": run_vmap,
 })
 
 

@@ -1,0 +1,244 @@
+"""The vmap runtime: every node in one vectorised computation, equal to the threads runtime
+within float tolerance, with the threads runtime's bytes node by node, and refusing what it
+cannot do before anything trains.
+
+Tolerance: the two runtimes compute the same math in float32, but batched kernels and a
+mean over the node dimension add in other orders than N separate kernels and the ring, so
+each step differs by a few ulps (~1e-7 relative); over these short runs the weights drift
+apart by at most ~2e-6 (measured). Any real mistake (a node reading another's batch, a
+missed or wrong average, a wrong clipping norm) moves weights by about one optimizer step,
+lr = 1e-3 or more. ATOL = 2e-5 sits an order of magnitude above the float noise and two
+below the smallest real error.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from cli_process import run_cli
+from helpers import MLP, FunctionalDropoutMLP, regression_data
+from torch import nn
+
+from meshtrain import Trainer
+from meshtrain.comm import ThreadCommunicator, ThreadHub
+from meshtrain.comm.stacked import StackedCommunicator
+from meshtrain.errors import InputError
+from meshtrain.strategies import DDP, SPARTA, DeMo, DiLoCo, FedAvg, SPARTADiLoCo, Strategy
+
+ATOL = 2e-5  # weights; see the module docstring
+LOSS_RTOL = 1e-5  # per-step mean losses
+
+
+def _fit(strategy: Strategy, runtime: str, tmp_path: Path, name: str, **settings):
+    torch.manual_seed(0)
+    return Trainer(MLP(), regression_data(192), regression_data(48, seed=2)).fit(
+        strategy, nodes=4, max_steps=settings.pop("steps", 12), batch_size=8, runtime=runtime,
+        out_dir=tmp_path / name, progress=False, **settings)
+
+
+STRATEGIES = {
+    "ddp": lambda: DDP(lr=1e-3),
+    "ddp-clipped-sgd": lambda: DDP(optim="sgd", lr=0.05, max_norm=0.05),
+    "diloco": lambda: DiLoCo(H=4, lr=1e-3),
+    "sparta": lambda: SPARTA(p=0.1, lr=1e-3),
+    "sparta-partitioned": lambda: SPARTA(p=0.25, selector="partitioned", lr=1e-3),
+    "sparta-diloco": lambda: SPARTADiLoCo(p=0.1, H=4, lr=1e-3),
+    "fedavg": lambda: FedAvg(H=3, lr=0.05),
+}
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_vmap_equals_threads_within_float_tolerance(name: str, tmp_path: Path) -> None:
+    threads = _fit(STRATEGIES[name](), "threads", tmp_path, "threads", val_interval=5)
+    vmapped = _fit(STRATEGIES[name](), "vmap", tmp_path, "vmap", val_interval=5)
+    for (key, a), b in zip(threads.model.state_dict().items(), vmapped.model.state_dict().values(),
+                           strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=ATOL), f"{key}: {(a - b).abs().max():.3g}"
+    # Training really moved the weights: the comparison is not between two initial models.
+    torch.manual_seed(0)
+    assert max((p - q).abs().max() for p, q in zip(MLP().parameters(), vmapped.model.parameters(),
+                                                    strict=True)) > 100 * ATOL
+    for row_t, row_v in zip(threads.history, vmapped.history, strict=True):
+        assert row_v["train_loss"] == pytest.approx(row_t["train_loss"], rel=LOSS_RTOL)
+        for key in ("val_loss", "node_val_loss"):
+            if row_t[key] is not None:
+                assert row_v[key] == pytest.approx(row_t[key], rel=LOSS_RTOL), key
+        # Bytes are exact, step by step: the same collectives of the same sizes.
+        for key in ("bytes_sent", "bytes_received"):
+            assert row_v[key] == row_t[key], (row_t["step"], key)
+    for key in ("bytes_sent_per_node", "bytes_received_per_node", "startup_bytes_sent_per_node"):
+        assert vmapped.summary[key] == threads.summary[key]
+    assert vmapped.summary["runtime"] == "vmap"
+    assert (vmapped.run_dir / "metrics.csv").is_file()
+
+
+def test_microbatches_accumulate_as_in_the_threads_runtime(tmp_path: Path) -> None:
+    threads = _fit(DDP(lr=1e-3), "threads", tmp_path, "t", microbatch_size=3)
+    vmapped = _fit(DDP(lr=1e-3), "vmap", tmp_path, "v", microbatch_size=3)
+    for a, b in zip(threads.model.parameters(), vmapped.model.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=ATOL)
+
+
+def test_every_node_counts_its_own_ring_bytes() -> None:
+    """7 elements over 3 nodes split unevenly, so each position sends a different amount:
+    the stacked log of node i equals the threads runtime's node i, collective by collective."""
+    world, numel = 3, 7
+    hub = ThreadHub(world, timeout_s=30)
+    logs = {}
+
+    def node(rank: int) -> None:
+        comm = ThreadCommunicator(hub, rank)
+        comm.all_reduce(torch.arange(numel, dtype=torch.float32) * (rank + 1))
+        comm.all_gather(torch.ones(5))
+        comm.broadcast(torch.ones(4), src=1)
+        logs[rank] = comm.log.records
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stacked = StackedCommunicator(world)
+    values = torch.stack([torch.arange(numel, dtype=torch.float32) * (r + 1) for r in range(world)])
+    stacked.all_reduce(values)
+    stacked.all_gather(torch.ones(world, 5))
+    stacked.broadcast(torch.ones(world, 4), src=1)
+    assert [log.records for log in stacked.logs] == [logs[r] for r in range(world)]
+    assert len({logs[r][0].bytes_sent for r in range(world)}) > 1  # uneven chunks: it matters
+    assert torch.allclose(values, torch.arange(numel, dtype=torch.float32).expand(world, -1) * 2)
+
+
+def test_dropout_draws_each_nodes_own_stream_as_the_threads_runtime(tmp_path: Path) -> None:
+    """F.dropout inside the vectorised forward takes node i's mask from node i's own
+    stream, seeded as the threads runtime seeds it: the two runtimes agree within float
+    tolerance (different masks would differ by far more), and torch's global generator is
+    left as it was."""
+    def fit(runtime: str, name: str, seed: int = 0, model: nn.Module | None = None):
+        return Trainer(model or FunctionalDropoutMLP(), regression_data(96)).fit(
+            DiLoCo(H=3, lr=0.01), nodes=3, max_steps=6, batch_size=4, runtime=runtime, seed=seed,
+            out_dir=tmp_path / name, progress=False)
+
+    model = FunctionalDropoutMLP()  # seeds torch's generator itself
+    torch.manual_seed(123)
+    before = torch.get_rng_state()
+    vmapped = fit("vmap", "a", model=model)
+    assert torch.equal(torch.get_rng_state(), before)
+    threads = fit("threads", "b")
+    for a, b in zip(threads.model.parameters(), vmapped.model.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=ATOL)
+    for row_t, row_v in zip(threads.history, vmapped.history, strict=True):
+        assert row_v["train_loss"] == pytest.approx(row_t["train_loss"], rel=LOSS_RTOL)
+    other_seed = fit("vmap", "c", seed=1)
+    assert not torch.allclose(other_seed.model.fc1.weight, vmapped.model.fc1.weight, atol=100 * ATOL)
+
+
+def test_nodes_draw_different_dropout_masks() -> None:
+    from meshtrain.engine.runtimes.vmap import NodeRandomness, _loss_function
+
+    torch.manual_seed(0)
+    model = FunctionalDropoutMLP()
+    stacked = {n: p.detach().expand(2, *p.shape).clone() for n, p in model.named_parameters()}
+    x, y = regression_data(4).tensors
+    with NodeRandomness([5, 6]) as randomness:
+        losses = _loss_function(model, 0)(stacked, (torch.stack([x, x]), torch.stack([y, y])))
+    assert randomness.drew
+    assert losses[0] != losses[1]  # same weights, same batch: only the masks differ
+
+
+class DrawsNoise(MLP):
+    def forward(self, batch):
+        return super().forward(batch) + 1e-3 * torch.randn(()).abs()
+
+
+class FrozenFirstLayer(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1.requires_grad_(False)
+
+
+def test_frozen_parameters_are_shared_and_stay_frozen(tmp_path: Path) -> None:
+    """A frozen layer (LoRA's base) is held once, not stacked: only trainable tensors are
+    optimised and sent, as in the threads runtime."""
+    runs = {rt: Trainer(FrozenFirstLayer(), regression_data(96)).fit(
+        DDP(lr=1e-3), nodes=4, max_steps=6, batch_size=4, runtime=rt, out_dir=tmp_path / rt,
+        progress=False) for rt in ("threads", "vmap")}
+    assert torch.equal(runs["vmap"].model.fc1.weight, FrozenFirstLayer().fc1.weight)
+    assert torch.allclose(runs["vmap"].model.fc2.weight, runs["threads"].model.fc2.weight, atol=ATOL)
+    assert runs["vmap"].summary["bytes_sent_per_node"] == runs["threads"].summary["bytes_sent_per_node"]
+
+
+class BatchNormModel(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(self.fc1.out_features)
+
+    def forward(self, batch):
+        x, y = batch
+        return ((self.fc2(self.norm(self.act(self.fc1(x)))) - y) ** 2).mean()
+
+
+class DataDependent(MLP):
+    def forward(self, batch):
+        loss = super().forward(batch)
+        if loss.item() > 1e9:  # data-dependent control flow: torch.func cannot vectorise it
+            return loss * 0
+        return loss
+
+
+@pytest.mark.parametrize(
+    ("strategy", "model", "settings", "message"),
+    [
+        (DeMo(), MLP, {}, "strategy demo does not support the vmap runtime"),
+        (FedAvg(island_size=2), MLP, {}, "strategy fedavg with island_size=2 averages within islands"),
+        (FedAvg(weighted=True), MLP, {}, "weighted=true"),
+        (DDP(), MLP, {"checkpoint_every": 5}, "setting checkpoint_every"),
+        (DDP(), MLP, {"fail": "node=1,step=3"}, "setting fail"),
+        (DDP(), BatchNormModel, {}, "keeps running statistics in BatchNorm1d"),
+        (DDP(), DataDependent, {}, "model DataDependent cannot run under torch.func.vmap"),
+        (DDP(), DrawsNoise, {}, "aten.randn.default draws random numbers that the vmap runtime cannot"),
+    ],
+)
+def test_what_vmap_cannot_do_is_refused_before_training(strategy, model, settings, message,
+                                                        tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="runtime vmap: ") as refused:
+        Trainer(model(), regression_data(96)).fit(strategy, nodes=4, max_steps=6, batch_size=4,
+                                                  runtime="vmap", out_dir=tmp_path, progress=False,
+                                                  **settings)
+    assert message in str(refused.value)
+    assert "\n" not in str(refused.value)
+    assert not any(tmp_path.iterdir())  # nothing reserved, nothing written
+
+
+def test_cli_runs_vmap_from_a_profile_and_refuses_with_exit_2(tmp_path: Path) -> None:
+    (tmp_path / "vmap.yaml").write_text("strategy: ddp\nruntime: vmap\nnodes: 4\nsteps: 5\n")
+    ok = run_cli("simulate", "--profile", "vmap.yaml", "--no-progress", "--out", "runs", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    [run] = (tmp_path / "runs").iterdir()
+    assert "runtime: vmap" in (run / "config.yaml").read_text()
+    refused = run_cli("simulate", "--runtime", "vmap", "--strategy", "demo", "--steps", "5",
+                      "--no-progress", "--out", "runs2", cwd=tmp_path)
+    assert refused.returncode == 2
+    assert "runtime vmap: strategy demo does not support the vmap runtime" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "runs2").exists()
+
+
+def test_a_small_gpt_equals_threads(tmp_path: Path) -> None:
+    """The gpt task's model (embeddings, tied head, causal attention, layer norm) under vmap."""
+    from meshtrain.tasks.gpt import CharGPT, CharWindows
+
+    ids = torch.randint(0, 11, (600,), generator=torch.Generator().manual_seed(1))
+
+    def fit(runtime: str):
+        torch.manual_seed(0)
+        return Trainer(CharGPT(11, 8, 1, 2, 16, 0.0), CharWindows(ids, 8)).fit(
+            DiLoCo(H=2, lr=1e-3), nodes=3, max_steps=4, batch_size=4, runtime=runtime,
+            out_dir=tmp_path / runtime, progress=False)
+
+    threads, vmapped = fit("threads"), fit("vmap")
+    for a, b in zip(threads.model.parameters(), vmapped.model.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=ATOL)
+    assert vmapped.summary["bytes_sent_per_node"] == threads.summary["bytes_sent_per_node"]
