@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import io
 import os
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -121,6 +122,7 @@ def simulate(
 
       meshtrain simulate --tensorboard --wandb my-project   # also log there (extras)
     """
+    began = time.time()  # the progress bar's clock counts loading the model and data too
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if dashboard and not launched:
         dashboard_cli.require_extra("--dashboard")  # bad input (2), before anything is prepared
@@ -174,7 +176,7 @@ def simulate(
                           f"{plan['cluster']}; {'; '.join(plan['reasons'])}", highlight=False, markup=False)
         config = spec.train_config(extra_config={"spec": spec.to_dict(), **spec.extra_config})
         trainer = Trainer(bundle.model, bundle.train_data, bundle.val_data, bundle.collate_fn)
-        job = trainer.prepare(strat, config=config)
+        job = trainer.prepare(strat, config=config, began=began)
     except (ValueError, FileExistsError) as exc:  # ConfigError, TaskError, SettingError
         raise fail(str(exc)) from None
     # From here on, an error is a failure of the run (1), never "bad input".

@@ -25,6 +25,7 @@ RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 #: Most intra-op threads a node may ask for: more than any machine meshtrain runs on has
 #: cores, and far below what exhausts memory when torch creates the pool (100000 did).
 MAX_THREADS = 1024
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def check_run_id(run_id: str, where: str = "run id") -> str:
@@ -61,6 +62,15 @@ class TrainConfig:
                                            minimum=1)
     seed: int = _setting(0, "Seed of weights, data order and shared random choices.")
     device: str = _setting("cpu", "cpu, cuda, mps or auto.")
+    precision: str = _setting("fp32", "Forward-pass precision: fp32, or bf16/fp16 autocast (mixed "
+                                      "precision: less memory for activations; weights, gradients "
+                                      "and what nodes send stay fp32). bf16 runs on cpu and recent "
+                                      "GPUs, fp16 on cuda and mps only (with loss scaling).",
+                              choices=PRECISIONS)
+    gradient_checkpointing: bool = _setting(False, "Recompute activations in the backward pass "
+                                                   "instead of keeping them: less memory, about a "
+                                                   "third more compute a step (Hugging Face models "
+                                                   "and the gpt task).")
     runtime: str = _setting("threads", "Where simulated nodes live: threads (fast) or processes "
                                        "(one process per node over gloo).", choices=RUNTIMES)
     threads: int | None = _setting(None, "Torch intra-op threads per node (default: 1 per simulated "

@@ -7,6 +7,7 @@ projection onto a cluster, provenance).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import math
@@ -35,12 +36,12 @@ from meshtrain.data import (
     to_device,
 )
 from meshtrain.devices import resolve_device
-from meshtrain.engine import loggers
+from meshtrain.engine import loggers, memory
 from meshtrain.engine.job import FitResult, NodeJob
 from meshtrain.errors import RunFailure
 from meshtrain.faults import FaultPlan, check_steps
 from meshtrain.heartbeat import status_reporter
-from meshtrain.progress import Progress
+from meshtrain.progress import Progress, Status
 from meshtrain.run_dir import RunDirectory
 from meshtrain.seeding import mix_seed
 from meshtrain.strategies import Strategy
@@ -91,6 +92,10 @@ def train_node(
     device = resolve_device(cfg.device)
     model = node_replica(job.model).to(device)
     model.train()
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    # fp16 needs its loss scaled, and an overflow skips the step on every node alike.
+    scaler = memory.LossScaler() if cfg.precision == "fp16" else None
     train_set, shard = resolve_dataset(job.train_data, rank, cfg.nodes, "train")
     batches = NodeBatches(train_set, rank=rank, nodes=cfg.nodes, batch_size=cfg.batch_size,
                           seed=cfg.seed, shuffle=cfg.shuffle, shard=shard)
@@ -133,8 +138,9 @@ def train_node(
             _check_sync(strategy, comm, first_step - 1)
     else:
         # Step 0: the global model before training, so every run shows before and after.
-        initial = evaluator.evaluate(strategy.params_data()) if evaluator else {}
-    progress = Progress(max_steps, enabled=cfg.progress and rank == 0, title=strategy.name)
+        initial = _evaluate_untrained(evaluator, strategy, cfg.progress) if evaluator else {}
+    progress = Progress(max_steps, enabled=cfg.progress and rank == 0, title=strategy.name,
+                        began=job.began, first_step=first_step)
     # Loggers (rank 0) get the progress bar's numbers on its schedule, so they need them too.
     live = loggers.RunLoggers.for_run(job, strategy, initial) if rank == 0 else loggers.RunLoggers()
     shown = _ProgressNumbers(comm, startup_sent, max_steps,
@@ -186,18 +192,23 @@ def train_node(
             for micro in split_microbatches(indices, cfg.microbatch_size):
                 batch = to_device(fetch(train_set, micro, job.collate_fn), device)
                 weight = len(micro) / len(indices)
-                if rng_guard is not None:
-                    with rng_guard():
-                        loss = model(batch)
-                else:
+                with rng_guard() if rng_guard is not None else contextlib.nullcontext(), \
+                        memory.autocast(cfg.precision, device):
                     loss = model(batch)
-                (loss * weight).backward()
+                # A checkpointed backward pass reruns the forward's dropout: the node's stream again.
+                with rng_guard() if rng_guard is not None and cfg.gradient_checkpointing \
+                        else contextlib.nullcontext():
+                    (loss * weight * (scaler.scale if scaler else 1.0)).backward()
                 loss_value += loss.item() * weight
+            if scaler is not None:
+                scaler.unscale(strategy.params)
             problem = _non_finite(loss_value, strategy.params)
-            if cfg.skip_nonfinite:  # every node must agree to skip: one flag, max over nodes
+            if cfg.skip_nonfinite or scaler is not None:  # every node must agree to skip: max over nodes
                 flag = torch.tensor([0.0 if problem is None else 1.0], dtype=torch.float64)
                 comm.all_reduce(flag, op="max", record=False)
                 skip = bool(flag.item())
+                if scaler is not None:  # an fp16 overflow: a smaller scale, the step skipped
+                    scaler.update(skip)
             elif problem is not None:
                 raise NonFiniteLoss(f"{problem} at step {step + 1} on node {rank}")
             else:
@@ -448,6 +459,16 @@ def _batch_len(batch: Any) -> int:
     if isinstance(batch, dict) and batch:
         return _batch_len(next(iter(batch.values())))
     return 1
+
+
+def _evaluate_untrained(evaluator: _GlobalEvaluator, strategy: Strategy, shown: bool) -> dict[str, float]:
+    """Rank 0's step-0 metrics; announced when they include a word error rate, whose
+    decoding takes a while (a loss alone takes about a step)."""
+    n = len(evaluator.batches)
+    announce = shown and bool(getattr(evaluator.model, "measures_wer", False))
+    with Status(enabled=announce).phase(f"measuring the untrained model's validation loss and word "
+                                        f"error rate ({n} batch{'es' if n != 1 else ''})"):
+        return evaluator.evaluate(strategy.params_data())
 
 
 class _GlobalEvaluator:

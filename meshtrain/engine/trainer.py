@@ -25,7 +25,7 @@ from meshtrain import checkpoint
 from meshtrain.config.settings import MAX_THREADS, TrainConfig, check_run_id
 from meshtrain.data import Collate, DataFactory
 from meshtrain.devices import resolve_device
-from meshtrain.engine import loggers, runtimes
+from meshtrain.engine import loggers, memory, runtimes
 from meshtrain.engine.job import FitResult, NodeJob
 from meshtrain.run_dir import RunDirectory
 from meshtrain.strategies import DiLoCo, Strategy
@@ -95,9 +95,13 @@ class Trainer:
         batch_size: int | None = None,
         *,
         config: TrainConfig | None = None,
+        began: float | None = None,
         **settings: Any,
     ) -> NodeJob:
         """Check every setting and reserve the run directory; the job :func:`run_job` runs.
+
+        ``began`` is when the work for this run began (``time.time()``, e.g. before the
+        model was loaded): the progress bar's clock counts from there (default: now).
 
         Raises ``ValueError`` (bad settings, a batch larger than a shard, a taken run id,
         an unwritable output folder) before anything has trained.
@@ -121,7 +125,9 @@ class Trainer:
         config = replace(config, threads=resolve_threads(config.threads, config.runtime))
         config.validate()
         strategy.check_nodes(config.nodes)
-        resolve_device(config.device)
+        memory.check_precision(config.precision, resolve_device(config.device))
+        if config.gradient_checkpointing:
+            memory.require_checkpointing(self.model)
         if isinstance(self.train_data, Dataset):
             size = len(self.train_data)  # type: ignore[arg-type]
             if config.batch_size > size // config.nodes:
@@ -169,6 +175,7 @@ class Trainer:
             config=config,
             run_id=run_id,
             started=time.time(),
+            began=began,
             run_dir=run_dir,
             checkpoints=checkpoints,
             resume=resume,
