@@ -153,3 +153,30 @@ def test_the_fp16_loss_scaler_halves_on_overflow_and_grows_after_good_steps() ->
     scaler.update(False)
     scaler.update(False)
     assert scaler.scale == 8.0
+
+
+def test_an_fp16_overflow_skips_the_step_on_every_node_and_lowers_the_scale(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # fp16 is refused on cpu for speed, not correctness: let it through to run the loop's
+    # loss-scaling path here, starting at a scale that overflows fp16 activation gradients.
+    import meshtrain.engine.memory as memory
+
+    scalers: list[LossScaler] = []
+
+    def huge_scaler() -> LossScaler:
+        scalers.append(LossScaler(scale=2.0**30))
+        return scalers[-1]
+
+    monkeypatch.setattr(memory, "check_precision", lambda precision, device: None)
+    monkeypatch.setattr(memory, "LossScaler", huge_scaler)
+    torch.manual_seed(0)
+    model = CharGPT(40, block_size=32, layers=1, dim=32)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    result = Trainer(model, Windows()).fit(DiLoCo(H=2, lr=1e-2), nodes=2, max_steps=16, batch_size=4,
+                                          out_dir=tmp_path, progress=False, precision="fp16",
+                                          check_sync=True)
+    skipped = result.summary["skipped_steps"]
+    assert 0 < skipped < 14  # skipped until the scale came down, then trained
+    assert len(scalers) == 2 and scalers[0].scale == scalers[1].scale < 2.0**30  # every node alike
+    trained = [not torch.equal(p, before[n]) for n, p in result.model.named_parameters()]
+    assert all(trained)  # the steps after the skipped ones updated every weight
