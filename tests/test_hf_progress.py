@@ -4,9 +4,12 @@ the progress line's clock, rate and time left tell the truth."""
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from cli_process import run_cli
 from speech_fixtures import SpeechAssets, speech_fixture, whisper_options  # noqa: F401 (the fixture)
 
@@ -94,3 +97,24 @@ def test_without_a_cache_the_check_says_features_are_computed_every_batch(speech
     out = capsys.readouterr().out  # type: ignore[attr-defined]
     assert "checking 9 training clips ..." in out
     assert "note: no feature cache (task_options.feature_cache: null)" in out
+
+
+@pytest.mark.skipif(shutil.which("sox") is None, reason="no sox to write a FLAC clip")
+def test_non_wav_clips_are_decoded_during_the_announced_check(speech: SpeechAssets, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from meshtrain.hf import HFModel
+
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    shutil.copy(speech.data / "clips" / "0000.wav", folder / "a.wav")
+    subprocess.run(["sox", str(speech.data / "clips" / "0001.wav"), str(folder / "b.flac")], check=True)
+    (folder / "metadata.csv").write_text(f"file_name,transcription\na.wav,{speech.texts[0]}\n"
+                                         f"b.flac,{speech.texts[1]}\n", encoding="utf-8")
+    model = HFModel.from_pretrained(str(speech.model))
+    clips, _ = find_splits(folder, 0.0)
+    cache = tmp_path / "features"
+    SpeechDataset(clips, feature_extractor_for(model.config, str(speech.model)),
+                  load_tokenizer(str(speech.model)), None, cache, status=Status(), split="training")
+    out = capsys.readouterr().out
+    assert "checking, decoding non-WAV and computing features of 2 training clips ..." in out
+    assert len(list(cache.glob("*/*.npy"))) == 2  # both clips' features, before any epoch
