@@ -68,9 +68,9 @@ class TrainConfig:
                                       "GPUs, fp16 on cuda and mps only (with loss scaling).",
                               choices=PRECISIONS)
     gradient_checkpointing: bool = _setting(False, "Recompute activations in the backward pass "
-                                                   "instead of keeping them: less memory, about a "
-                                                   "third more compute a step (Hugging Face models "
-                                                   "and the gpt task).")
+                                                   "instead of keeping them: less memory, more "
+                                                   "compute (each layer's forward runs twice; "
+                                                   "Hugging Face models and the gpt task).")
     runtime: str = _setting("threads", "Where simulated nodes live: threads (fast) or processes "
                                        "(one process per node over gloo).", choices=RUNTIMES)
     threads: int | None = _setting(None, "Torch intra-op threads per node (default: 1 per simulated "
