@@ -180,3 +180,14 @@ def test_an_fp16_overflow_skips_the_step_on_every_node_and_lowers_the_scale(
     assert len(scalers) == 2 and scalers[0].scale == scalers[1].scale < 2.0**30  # every node alike
     trained = [not torch.equal(p, before[n]) for n, p in result.model.named_parameters()]
     assert all(trained)  # the steps after the skipped ones updated every weight
+
+
+def test_a_resumed_run_may_change_precision_and_checkpointing_but_not_its_learning_rate() -> None:
+    from dataclasses import replace
+
+    from meshtrain.config.spec import RunSpec, resume_conflict
+
+    saved = RunSpec(steps=100, lr=1e-3).to_dict()
+    assert resume_conflict(saved, RunSpec(steps=200, lr=1e-3, precision="bf16",
+                                          gradient_checkpointing=True), 50) is None
+    assert "lr was 0.001" in resume_conflict(saved, replace(RunSpec(steps=200), lr=2e-3), 50)
