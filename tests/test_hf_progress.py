@@ -86,17 +86,13 @@ def test_building_the_task_quietly_prints_nothing(speech: SpeechAssets, capsys: 
     assert capsys.readouterr().out == ""  # type: ignore[attr-defined]
 
 
-def test_without_a_cache_the_check_says_features_are_computed_every_batch(speech: SpeechAssets,
-                                                                          capsys: object) -> None:
-    from meshtrain.hf import HFModel
-
-    model = HFModel.from_pretrained(str(speech.model))
-    train, _ = find_splits(speech.data, 0.25, 0, "transcription")
-    SpeechDataset(train, feature_extractor_for(model.config, str(speech.model)),
-                  load_tokenizer(str(speech.model)), None, None, status=Status(), split="training")
+def test_without_a_cache_a_note_says_features_are_computed_every_batch(speech: SpeechAssets,
+                                                                       capsys: object) -> None:
+    options = whisper_options(speech.model, feature_cache=None)
+    TASK.build(TaskOptions(str(speech.data), 0, options, Status()))
     out = capsys.readouterr().out  # type: ignore[attr-defined]
-    assert "checking 9 training clips ..." in out
-    assert "note: no feature cache (task_options.feature_cache: null)" in out
+    assert "checking 9 training clips ..." in out and "checking 3 validation clips ..." in out
+    assert out.count("note: no feature cache (task_options.feature_cache: null)") == 1
 
 
 @pytest.mark.skipif(shutil.which("sox") is None, reason="no sox to write a FLAC clip")

@@ -198,9 +198,6 @@ class SpeechDataset(Dataset):
             for index in range(len(clips)):
                 seconds.append(self._check_recording(index))
                 advance()
-        if self.cache is None:
-            status.line("note: no feature cache (task_options.feature_cache: null): every batch "
-                        "computes its clips' features again")
         long = [(c, s) for c, s in zip(clips, seconds, strict=True) if s > self.max_seconds + 1e-3]
         silent = [c for c, s in zip(clips, seconds, strict=True) if s < 0]
         if long and not skip_long_clips:

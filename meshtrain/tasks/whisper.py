@@ -73,6 +73,9 @@ def build(opts: TaskOptions) -> TaskBundle:
         limit = getattr(config, "max_target_positions", None)
         cache, extractor = _cache_dir(o["feature_cache"]), model.feature_extractor
         skip = bool(o["skip_long_clips"])
+        if cache is None:
+            status.line("note: no feature cache (task_options.feature_cache: null): every batch "
+                        "computes its clips' features again")
         train = SpeechDataset(train_clips, extractor, tokenizer, limit, cache, skip, status=status,
                               split="training")
         val = SpeechDataset(val_clips, extractor, tokenizer, limit, cache, skip, status=status,
