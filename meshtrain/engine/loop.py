@@ -93,7 +93,7 @@ def train_node(
     model = node_replica(job.model).to(device)
     model.train()
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        memory.enable_checkpointing(model)
     # fp16 needs its loss scaled, and an overflow skips the step on every node alike.
     scaler = memory.LossScaler() if cfg.precision == "fp16" else None
     train_set, shard = resolve_dataset(job.train_data, rank, cfg.nodes, "train")

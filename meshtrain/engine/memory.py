@@ -46,6 +46,12 @@ def supports_checkpointing(model: nn.Module) -> bool:
     return callable(getattr(model, "gradient_checkpointing_enable", None))
 
 
+def enable_checkpointing(model: nn.Module) -> None:
+    """Turn on ``model``'s gradient checkpointing (see :func:`supports_checkpointing`)."""
+    require_checkpointing(model)
+    getattr(model, "gradient_checkpointing_enable")()  # noqa: B009 - a method nn.Module does not declare
+
+
 def require_checkpointing(model: nn.Module) -> None:
     if not supports_checkpointing(model):
         raise SettingError(f"gradient_checkpointing: model {type(model).__name__} has no "
