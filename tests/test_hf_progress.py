@@ -114,3 +114,18 @@ def test_non_wav_clips_are_decoded_during_the_announced_check(speech: SpeechAsse
     out = capsys.readouterr().out
     assert "checking, decoding non-WAV and computing features of 2 training clips ..." in out
     assert len(list(cache.glob("*/*.npy"))) == 2  # both clips' features, before any epoch
+
+
+def test_a_phase_over_a_second_says_how_long_it_took(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    import meshtrain.progress as progress
+
+    now = [100.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    with Status().phase("loading model openai/whisper-tiny"):
+        now[0] += 84.2  # a real checkpoint on a slow disk
+    with Status().phase("test decode"):
+        now[0] += 0.3
+    assert capsys.readouterr().out.splitlines() == [
+        "loading model openai/whisper-tiny ...", "loading model openai/whisper-tiny: done in 84.2 s",
+        "test decode ..."]
