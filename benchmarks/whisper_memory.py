@@ -9,6 +9,10 @@ weights, as meshtrain did before nodes shared them.
 
     python benchmarks/whisper_memory.py                   # whisper-tiny, 1, 2, 4 nodes
     python benchmarks/whisper_memory.py --size base --batch 4 --microbatch 2
+    python benchmarks/whisper_memory.py --savers --nodes 2  # checkpointing, bf16, both
+
+``--savers`` measures meshtrain alone, with and without gradient checkpointing and bf16
+autocast (the ``gradient_checkpointing`` and ``precision`` settings), at each ``--nodes``.
 """
 
 from __future__ import annotations
@@ -61,13 +65,15 @@ def data(samples: int):  # noqa: ANN201 - a TensorDataset-like Dataset of dicts
     return Clips()
 
 
-def run_one(mode: str, nodes: int, size: str, batch: int, microbatch: int | None, steps: int) -> dict:
+def run_one(mode: str, nodes: int, size: str, batch: int, microbatch: int | None, steps: int,
+            precision: str = "fp32", checkpointing: bool = False) -> dict:
     import torch
 
     torch.set_num_threads(1)
     model = build(size)
     started = time.perf_counter()
     if mode == "plain":  # one replica: the floor a Mac owner compares against
+        assert precision == "fp32" and not checkpointing, "--savers measures meshtrain only"
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         samples = data(batch * steps)
         for s in range(steps):
@@ -87,7 +93,8 @@ def run_one(mode: str, nodes: int, size: str, batch: int, microbatch: int | None
         with tempfile.TemporaryDirectory() as out:
             Trainer(model, data(batch * steps * nodes)).fit(
                 DiLoCo(H=2), nodes=nodes, max_steps=steps, batch_size=batch, microbatch_size=microbatch,
-                progress=False, out_dir=out, threads=1)
+                progress=False, out_dir=out, threads=1, precision=precision,
+                gradient_checkpointing=checkpointing)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return {"peak_gb": peak_kib * 1024 / 1e9, "seconds": time.perf_counter() - started}
 
@@ -99,17 +106,26 @@ def main() -> None:
     parser.add_argument("--microbatch", type=int, default=None)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--nodes", default="1,2,4")
-    parser.add_argument("--one", nargs=2, metavar=("MODE", "NODES"), help=argparse.SUPPRESS)
+    parser.add_argument("--savers", action="store_true",
+                        help="meshtrain with gradient checkpointing and/or bf16 against fp32")
+    parser.add_argument("--one", nargs=4, metavar=("MODE", "NODES", "PRECISION", "CHECKPOINTING"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(run_one(args.one[0], int(args.one[1]), args.size, args.batch, args.microbatch,
-                                 args.steps)))
+        mode, nodes, precision, checkpointing = args.one
+        print(json.dumps(run_one(mode, int(nodes), args.size, args.batch, args.microbatch, args.steps,
+                                 precision, checkpointing == "1")))
         return
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
-    rows = [("plain", 1)] + [(m, int(n)) for n in args.nodes.split(",") for m in ("meshtrain", "unshared")]
+    if args.savers:
+        rows = [(m, int(n)) for n in args.nodes.split(",")
+                for m in ("meshtrain", "checkpointing", "bf16", "checkpointing+bf16")]
+    else:
+        rows = [("plain", 1)] + [(m, int(n)) for n in args.nodes.split(",")
+                                 for m in ("meshtrain", "unshared")]
     micro = f" (microbatch {args.microbatch})" if args.microbatch else ""
     table = Table(title=f"whisper-{args.size} + LoRA r=8, batch {args.batch}{micro}, peak resident memory")
     for column in ("run", "nodes", "peak GB", "per extra node GB", "seconds"):
@@ -117,8 +133,11 @@ def main() -> None:
     first: dict[str, float] = {}
     for mode, nodes in rows:
         console.print(f"measuring {mode} with {nodes} node(s) ...", style="dim")
+        precision = "bf16" if "bf16" in mode else "fp32"
+        checkpointing = "1" if "checkpointing" in mode else "0"
+        runs_as = "meshtrain" if mode in ("checkpointing", "bf16", "checkpointing+bf16") else mode
         command = [sys.executable, __file__, "--size", args.size, "--batch", str(args.batch),
-                   "--steps", str(args.steps), "--one", mode, str(nodes)]
+                   "--steps", str(args.steps), "--one", runs_as, str(nodes), precision, checkpointing]
         if args.microbatch:
             command += ["--microbatch", str(args.microbatch)]
         result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout
@@ -126,7 +145,10 @@ def main() -> None:
         first.setdefault(mode, result["peak_gb"]) if nodes == 1 else None
         extra = (result["peak_gb"] - first[mode]) / (nodes - 1) if nodes > 1 and mode in first else None
         label = {"plain": "plain transformers + peft", "meshtrain": "meshtrain (frozen base shared)",
-                 "unshared": "meshtrain, base copied per node"}[mode]
+                 "unshared": "meshtrain, base copied per node",
+                 "checkpointing": "meshtrain, gradient_checkpointing: true",
+                 "bf16": "meshtrain, precision: bf16",
+                 "checkpointing+bf16": "meshtrain, both"}[mode]
         table.add_row(label,
                       str(nodes), f"{result['peak_gb']:.2f}", "" if extra is None else f"{extra:.2f}",
                       f"{result['seconds']:.0f}")

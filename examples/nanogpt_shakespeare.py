@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = Trainer(gpt.model, gpt.train_data, gpt.val_data).fit(
         strategy=DiLoCo(H=args.H, lr=1e-3), nodes=args.nodes, max_steps=args.steps,
         batch_size=args.batch_size, val_interval=max(1, args.steps // 4), val_size=256,
-        out_dir=args.out, progress=False)
+        out_dir=args.out)  # the progress bar (plain lines when piped): training takes minutes
     s = result.summary
     print(f"val loss {s['initial']['val_loss']:.3f} -> {s['final_val_loss']:.3f} "
           f"(nats per character), sent {s['bytes_sent_per_node'] / 1e6:.2f} MB per node, "

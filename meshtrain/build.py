@@ -17,6 +17,7 @@ from meshtrain.config.spec import ConfigError, RunSpec, load_settings_file
 from meshtrain.config.strategy_options import build_strategy, strategy_class
 from meshtrain.devices import resolve_device
 from meshtrain.planning import Plan, Workload, measure_step_seconds, recommend, trainable_parameters
+from meshtrain.progress import Status
 from meshtrain.tasks import Task, TaskBundle, TaskOptions, check_options, get_task
 
 #: ``--strategy auto``: the planner chooses (:func:`choose_strategy`).
@@ -39,12 +40,21 @@ def build_run(
         if launched:
             raise ConfigError("--strategy auto times the model on this machine: run `meshtrain plan` "
                               "and launch with the strategy it chooses")
-        bundle = task.build(TaskOptions(spec.data, spec.seed, check_options(task, spec.task_options)))
+        bundle = task.build(TaskOptions(spec.data, spec.seed, check_options(task, spec.task_options),
+                                        build_status(spec)))
         choose_strategy(spec, task, bundle)
         return spec, bundle, build_strategy(spec)
     strategy = build_strategy(spec)
-    bundle = task.build(TaskOptions(spec.data, spec.seed, check_options(task, spec.task_options)))
+    bundle = task.build(TaskOptions(spec.data, spec.seed, check_options(task, spec.task_options),
+                                        build_status(spec)))
     return spec, bundle, strategy
+
+
+def build_status(spec: RunSpec) -> Status:
+    """Lines for the task's slow phases: where the run shows progress, on rank 0 only
+    (every launched rank builds the task; one voice is enough)."""
+    place = launched_rank()
+    return Status(enabled=spec.progress and (place is None or place.rank == 0))
 
 
 def resolve_run(flags: dict[str, Any], overrides: list[str], launched: bool) -> tuple[RunSpec, Task]:

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import time
+from collections.abc import Callable, Iterator
 from types import TracebackType
 
-from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    ProgressColumn,
+    TextColumn,
+    TimeRemainingColumn,
+)
 from rich.progress import Progress as RichProgress
+from rich.progress import Task as RichTask
+from rich.text import Text
 
 
 def human_bytes(n: float) -> str:
@@ -17,16 +28,55 @@ def human_bytes(n: float) -> str:
     raise AssertionError
 
 
-class Progress:
-    """Shows step, loss (mean of nodes) and bytes sent per node; does nothing when disabled."""
+def clock(seconds: float) -> str:
+    """``seconds`` as h:mm:ss."""
+    whole = max(0, int(seconds))
+    return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
 
-    def __init__(self, total: int, *, enabled: bool, title: str) -> None:
+
+class SinceColumn(ProgressColumn):
+    """Time since ``began`` (the wall-clock time the work started, before the bar
+    appeared): loading and checking count, so the clock never restarts at 0:00."""
+
+    def __init__(self, began: float) -> None:
+        super().__init__()
+        self.began = began
+
+    def render(self, task: RichTask) -> Text:
+        return Text(clock(time.time() - self.began), style="progress.elapsed")
+
+
+class RateColumn(ProgressColumn):
+    """Steps (or items) per second, as rich estimates the speed."""
+
+    def __init__(self, unit: str) -> None:
+        super().__init__()
+        self.unit = unit
+
+    def render(self, task: RichTask) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text("" if speed is None else f"{speed:.2f} {self.unit}/s", style="progress.data.speed")
+
+
+class Progress:
+    """Shows step, loss (mean of nodes), bytes sent per node, steps/s and the time left;
+    does nothing when disabled.
+
+    ``began`` is when the run's work began (``time.time()``; default: now): the clock
+    shows the time since then, so minutes spent loading a model are not hidden.
+    """
+
+    def __init__(self, total: int, *, enabled: bool, title: str, began: float | None = None,
+                 first_step: int = 0) -> None:
         self.total = total
         self.enabled = enabled
         self.title = title
         self.interactive = enabled and sys.stdout.isatty()
+        self.began = time.time() if began is None else began
         self._bar: RichProgress | None = None
         self._next_line = 0
+        self._first_step = first_step  # a resumed run's rate counts only its own steps
+        self._loop_started = time.perf_counter()
         self.lines: list[str] = []  # the plain progress lines, kept for the run's log.txt
 
     def __enter__(self) -> Progress:
@@ -37,11 +87,21 @@ class Progress:
                 MofNCompleteColumn(),
                 TextColumn("loss {task.fields[loss]:.4f}"),
                 TextColumn("sent {task.fields[sent]}"),
-                TimeElapsedColumn(),
+                RateColumn("steps"),
+                SinceColumn(self.began),
+                TextColumn("left"),
+                TimeRemainingColumn(),
             )
             self._bar.__enter__()
-            self._task = self._bar.add_task(self.title, total=self.total, loss=float("nan"), sent="0 B")
+            self._task = self._bar.add_task(self.title, total=self.total, completed=self._first_step,
+                                            loss=float("nan"), sent="0 B")
+        self._loop_started = time.perf_counter()
         return self
+
+    def rate(self, step: int) -> float | None:
+        """Steps per second since the bar started (None before the first step)."""
+        done, seconds = step - self._first_step, time.perf_counter() - self._loop_started
+        return done / seconds if done > 0 and seconds > 0 else None
 
     def update(self, step: int, loss: float, bytes_sent: float) -> None:
         if not self.enabled:
@@ -51,6 +111,10 @@ class Progress:
         if step >= self._next_line or step == self.total:
             # Plain lines (piped or streamed from remote ranks, and the log): about ten per run.
             line = f"step {step}/{self.total}  loss {loss:.4f}  sent {human_bytes(bytes_sent)}"
+            rate = self.rate(step)
+            if rate is not None:
+                left = f"  left {clock((self.total - step) / rate)}" if step < self.total else ""
+                line += f"  {rate:.2f} steps/s  {clock(time.time() - self.began)}{left}"
             self.lines.append(line)
             if self._bar is None:
                 print(line, flush=True)
@@ -72,3 +136,71 @@ class Progress:
     ) -> None:
         if self._bar is not None:
             self._bar.__exit__(exc_type, exc, tb)
+
+
+class Status:
+    """What happens before the first step, as a person waiting for it needs to see it.
+
+    Each slow phase (loading a model, checking recordings, a test decode) announces itself
+    with one line as it begins and says how long it took when it took over a second;
+    a phase over many items (clips) shows a bar on a terminal, elsewhere a line every
+    few seconds. Disabled, it prints nothing. Lines go to stdout, where the progress bar
+    and its plain lines go.
+    """
+
+    #: Seconds between plain lines of a phase over items, when not on a terminal.
+    LINE_EVERY = 5.0
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+
+    def line(self, message: str) -> None:
+        if self.enabled:
+            print(message, flush=True)
+
+    @contextlib.contextmanager
+    def phase(self, message: str) -> Iterator[None]:
+        """``message ...`` now; ``message: done in N s`` at the end if that was over a second."""
+        self.line(f"{message} ...")
+        started = time.perf_counter()
+        yield
+        took = time.perf_counter() - started
+        if took >= 1.0:
+            self.line(f"{message}: done in {took:.1f} s")
+
+    @contextlib.contextmanager
+    def items(self, message: str, total: int, unit: str) -> Iterator[Callable[[], None]]:
+        """A phase over ``total`` items: yields ``advance()``, called after each item."""
+        started = time.perf_counter()
+        done = 0
+        bar: RichProgress | None = None
+        if self.enabled and sys.stdout.isatty():
+            bar = RichProgress(TextColumn(message), BarColumn(), MofNCompleteColumn(), RateColumn(unit),
+                               SinceColumn(time.time()), TextColumn("left"), TimeRemainingColumn())
+            bar.__enter__()
+            task = bar.add_task(message, total=total)
+        else:
+            self.line(f"{message} ...")
+        last_line = started
+
+        def advance() -> None:
+            nonlocal done, last_line
+            done += 1
+            if bar is not None:
+                bar.update(task, completed=done)
+                return
+            now = time.perf_counter()
+            if now - last_line >= self.LINE_EVERY and done < total:
+                last_line = now
+                rate = done / (now - started)
+                self.line(f"  {done}/{total} {unit}, {rate:.1f} {unit}/s, "
+                          f"left {clock((total - done) / rate)}")
+
+        try:
+            yield advance
+        finally:
+            if bar is not None:
+                bar.__exit__(None, None, None)
+        took = time.perf_counter() - started
+        if took >= 1.0:
+            self.line(f"{message}: {done} {unit} in {took:.1f} s")

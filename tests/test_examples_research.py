@@ -42,7 +42,8 @@ def test_nanogpt_example_learns_from_a_text_file_and_samples(tmp_path: Path, cap
     # 4 syncs of H=10 over 40 steps, each a ring all-reduce of the float32 parameters.
     assert summary["bytes_sent_per_node"] == 4 * 2 * 3 / 4 * summary["trainable_parameters"] * 4
     out = capsys.readouterr().out
-    sample = out.split("\n", 1)[1]
+    assert re.search(r"^step 40/40  loss ", out, re.MULTILINE)  # it shows its progress
+    sample = out.split("run directory", 1)[1].split("\n", 1)[1]
     assert len(sample.strip()) > 100 and set(sample) <= set(text.read_text())
 
 

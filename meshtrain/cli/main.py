@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import io
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,7 @@ def simulate(
 
       meshtrain simulate --tensorboard --wandb my-project   # also log there (extras)
     """
+    began = time.time()  # the progress bar's clock counts loading the model and data too
     launched = launched_rank() is not None
     set_: list[str] = list(settings.pop("set_"))
     profile, out, run_id, resume = (settings[k] for k in ("profile", "out_dir", "run_id", "resume"))
@@ -142,7 +144,7 @@ def simulate(
                           f"{plan['cluster']}; {'; '.join(plan['reasons'])}", highlight=False, markup=False)
         config = spec.train_config(extra_config={"spec": spec.to_dict(), **spec.extra_config})
         trainer = Trainer(bundle.model, bundle.train_data, bundle.val_data, bundle.collate_fn)
-        job = trainer.prepare(strat, config=config)
+        job = trainer.prepare(strat, config=config, began=began)
     except (ValueError, FileExistsError) as exc:  # ConfigError, TaskError, SettingError
         raise fail(str(exc)) from None
     # From here on, an error is a failure of the run (1), never "bad input".

@@ -12,7 +12,8 @@ from meshtrain.config.spec import RunSpec
 RESUMABLE = ("steps", "epochs", "description", "data", "nodes", "device", "runtime", "threads",
              "val_interval", "val_size", "out_dir", "progress", "timeout_s", "cluster",
              "step_seconds", "checkpoint_every", "keep_checkpoints", "check_sync",
-             "skip_nonfinite", "wandb", "tensorboard", "fail", "straggler")
+             "skip_nonfinite", "wandb", "tensorboard", "fail", "straggler", "precision",
+             "gradient_checkpointing")
 
 
 def resume_conflict(saved: dict[str, Any], spec: RunSpec, step: int) -> str | None:

@@ -25,6 +25,7 @@ RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 #: Most intra-op threads a node may ask for: more than any machine meshtrain runs on has
 #: cores, and far below what exhausts memory when torch creates the pool (100000 did).
 MAX_THREADS = 1024
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def check_run_id(run_id: str, where: str = "run id") -> str:
@@ -97,6 +98,17 @@ class TrainConfig:
     seed: int = setting(0, "Seed of weights, data order and shared random choices.",
                          flag=Flag(("--seed",), WHAT, ALL))
     device: str = setting("cpu", "cpu, cuda, mps or auto.", flag=Flag(("--device",), CLUSTER, BOTH))
+    precision: str = setting("fp32", "Forward-pass precision: fp32, or bf16/fp16 autocast (mixed "
+                                     "precision: less memory for activations; weights, gradients "
+                                     "and what nodes send stay fp32). bf16 runs on cpu and recent "
+                                     "GPUs, fp16 on cuda and mps only (with loss scaling).",
+                             choices=PRECISIONS, flag=Flag(("--precision",), WHAT, BOTH))
+    gradient_checkpointing: bool = setting(False, "Recompute activations in the backward pass "
+                                                  "instead of keeping them: less memory, more "
+                                                  "compute (each layer's forward runs twice; "
+                                                  "Hugging Face models and the gpt task).",
+                                           flag=Flag(("--gradient-checkpointing/--no-gradient-checkpointing",),
+                                                     WHAT, BOTH))
     runtime: str = setting("threads", "Where simulated nodes live: threads (fast), processes "
                                       "(one process per node over gloo) or vmap (every node in one "
                                       "vectorised computation; DDP, DiLoCo, SPARTA, FedAvg).",

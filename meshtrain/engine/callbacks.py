@@ -27,11 +27,12 @@ from meshtrain.data import NodeBatches, fetch, resolve_dataset, to_device
 from meshtrain.engine import loggers
 from meshtrain.engine.balance import Balancer
 from meshtrain.engine.job import NodeJob
+from meshtrain.engine.memory import LossScaler
 from meshtrain.engine.report import NodeReport, bytes_per_step
 from meshtrain.errors import RunFailure
 from meshtrain.faults import FaultPlan
 from meshtrain.heartbeat import StatusReporter, status_reporter
-from meshtrain.progress import Progress
+from meshtrain.progress import Progress, Status
 from meshtrain.strategies import Strategy
 
 RngGuard = Callable[[], Any]
@@ -92,6 +93,7 @@ class NodeRun:
     loop_started: float = 0.0
     collectives_before: float = 0.0  # comm.log.seconds when the loop started
     balancer: Balancer | None = None  # --balance: this node's share of each step's samples
+    scaler: LossScaler | None = None  # precision fp16: the loss scale
     progress: Progress = field(default_factory=lambda: Progress(0, enabled=False, title=""))
     live: loggers.RunLoggers = field(default_factory=loggers.RunLoggers)
 
@@ -242,10 +244,12 @@ class NonFiniteGuard(Callback):
     def skips(self, run: NodeRun, step: int, loss: float) -> bool:
         """Whether ``step`` must be skipped (raises :class:`NonFiniteLoss` unless skipping)."""
         problem = _non_finite(loss, run.strategy.params)
-        if run.job.config.skip_nonfinite:
+        if run.job.config.skip_nonfinite or run.scaler is not None:
             flag = torch.tensor([0.0 if problem is None else 1.0], dtype=torch.float64)
             run.comm.all_reduce(flag, op="max", record=False)
             skip = bool(flag.item())
+            if run.scaler is not None:  # an fp16 overflow: a smaller scale, the step skipped
+                run.scaler.update(skip)
         elif problem is not None:
             raise NonFiniteLoss(f"{problem} at step {step + 1} on node {run.rank}")
         else:
@@ -366,6 +370,17 @@ class Validation(Callback):
     def evaluate_global(self, strategy: Strategy) -> dict[str, float]:
         """The global model's metrics (rank 0; empty elsewhere or without validation data)."""
         return self.evaluator.evaluate(strategy.params_data()) if self.evaluator else {}
+
+    def evaluate_untrained(self, strategy: Strategy, *, shown: bool) -> dict[str, float]:
+        """The global model's metrics before step 1; announced when they include a word
+        error rate, whose decoding takes a while (a loss alone takes about a step)."""
+        if self.evaluator is None:
+            return {}
+        n = len(self.batches)
+        announce = shown and bool(getattr(self.evaluator.model, "measures_wer", False))
+        with Status(enabled=announce).phase(f"measuring the untrained model's validation loss and "
+                                            f"word error rate ({n} batch{'es' if n != 1 else ''})"):
+            return self.evaluate_global(strategy)
 
     def step_end(self, run: NodeRun, step: int) -> None:
         interval = run.job.config.val_interval

@@ -33,6 +33,7 @@ class NodeJob:
     run_dir: RunDirectory | None = None  # reserved before the first step (where rank 0 writes)
     checkpoints: Path | None = None  # where checkpoints go (checkpoint_every set)
     resume: checkpoint.Found | None = None  # the checkpoint this run continues from
+    began: float | None = None  # when the work for the run began (the progress bar's clock)
 
 
 @dataclass

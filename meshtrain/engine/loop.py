@@ -25,7 +25,7 @@ from meshtrain.comm import Communicator
 from meshtrain.comm.communicator import CommLog, CommRecord
 from meshtrain.data import NodeBatches, fetch, resolve_dataset, split_microbatches, to_device
 from meshtrain.devices import resolve_device
-from meshtrain.engine import balance, loggers
+from meshtrain.engine import balance, loggers, memory
 from meshtrain.engine.callbacks import (
     Balancing,
     Callback,
@@ -73,7 +73,7 @@ def train_node(job: NodeJob, comm: Communicator, *, rng_guard: RngGuard | None =
     if job.resume is not None:
         _resume(run)
     else:  # step 0: the global model before training, so every run shows before and after
-        run.initial = validation.evaluate_global(run.strategy)
+        run.initial = validation.evaluate_untrained(run.strategy, shown=job.config.progress)
     callbacks = _callbacks(run, validation)
     guard = NonFiniteGuard()
     strategy, cfg = run.strategy, job.config
@@ -89,6 +89,8 @@ def train_node(job: NodeJob, comm: Communicator, *, rng_guard: RngGuard | None =
             for micro in split_microbatches(indices, cfg.microbatch_size):
                 batch = to_device(fetch(run.train_set, micro, job.collate_fn), run.device)
                 loss += _forward_backward(run, batch, weight=len(micro) / len(indices))
+            if run.scaler is not None:  # fp16: the gradients back to their true size
+                run.scaler.unscale(strategy.params)
             skip = guard.skips(run, step, loss)
             with run.clock:
                 if skip:
@@ -110,10 +112,14 @@ def train_node(job: NodeJob, comm: Communicator, *, rng_guard: RngGuard | None =
 def _forward_backward(run: NodeRun, batch: Any, *, weight: float) -> float:
     """One (micro)batch's forward and backward, its gradients added with ``weight``; its
     loss times ``weight``."""
+    precision, checkpointed = run.job.config.precision, run.job.config.gradient_checkpointing
     with run.clock:
-        with run.rng_guard() if run.rng_guard is not None else nullcontext():
+        with run.rng_guard() if run.rng_guard is not None else nullcontext(), \
+                memory.autocast(precision, run.device):
             loss = run.model(batch)
-        (loss * weight).backward()
+        # A checkpointed backward pass reruns the forward's dropout: the node's stream again.
+        with run.rng_guard() if run.rng_guard is not None and checkpointed else nullcontext():
+            (loss * weight * (run.scaler.scale if run.scaler else 1.0)).backward()
         return loss.item() * weight
 
 
@@ -124,6 +130,8 @@ def _start_node(job: NodeJob, comm: Communicator, rng_guard: RngGuard | None,
     device = resolve_device(cfg.device)
     model = node_replica(job.model).to(device)
     model.train()
+    if cfg.gradient_checkpointing:
+        memory.enable_checkpointing(model)
     train_set, shard = resolve_dataset(job.train_data, rank, cfg.nodes, "train")
     batches = NodeBatches(train_set, rank=rank, nodes=cfg.nodes, batch_size=cfg.batch_size,
                           seed=cfg.seed, shuffle=cfg.shuffle, shard=shard)
@@ -148,7 +156,9 @@ def _start_node(job: NodeJob, comm: Communicator, rng_guard: RngGuard | None,
     clock = ComputeClock(comm, own_thread=device.type == "cpu" and cfg.threads == 1)
     return NodeRun(job=job, comm=comm, model=model, strategy=strategy, train_set=train_set,
                    batches=batches, device=device, max_steps=max_steps, plan=plan, clock=clock,
-                   rng_guard=rng_guard, startup_sent=comm.log.bytes_sent, balancer=balancer)
+                   rng_guard=rng_guard, startup_sent=comm.log.bytes_sent, balancer=balancer,
+                   # fp16 needs its loss scaled, and an overflow skips the step on every node alike.
+                   scaler=memory.LossScaler() if cfg.precision == "fp16" else None)
 
 
 def _resume(run: NodeRun) -> None:
@@ -179,7 +189,8 @@ def _callbacks(run: NodeRun, validation: Validation) -> list[Callback]:
     """The callbacks of this run, in the order every node calls them; and its progress bar
     and loggers (rank 0), which some of them feed."""
     job, cfg = run.job, run.job.config
-    run.progress = Progress(run.max_steps, enabled=cfg.progress and run.rank == 0, title=run.strategy.name)
+    run.progress = Progress(run.max_steps, enabled=cfg.progress and run.rank == 0, title=run.strategy.name,
+                            began=job.began, first_step=run.first_step)
     run.live = loggers.RunLoggers.for_run(job, run.strategy, run.initial) if run.rank == 0 \
         else loggers.RunLoggers()
     status = StatusReport(run)

@@ -31,7 +31,7 @@ from meshtrain.config.environment import (
 from meshtrain.config.settings import TrainConfig, check_run_id
 from meshtrain.data import Collate, DataFactory
 from meshtrain.devices import resolve_device
-from meshtrain.engine import balance, loggers, runtimes
+from meshtrain.engine import balance, loggers, memory, runtimes
 from meshtrain.engine.job import FitResult, NodeJob
 from meshtrain.engine.runtimes.vmap import vmap_refusal
 from meshtrain.errors import InputError
@@ -103,9 +103,13 @@ class Trainer:
         batch_size: int | None = None,
         *,
         config: TrainConfig | None = None,
+        began: float | None = None,
         **settings: Any,
     ) -> NodeJob:
         """Check every setting and reserve the run directory; the job :func:`run_job` runs.
+
+        ``began`` is when the work for this run began (``time.time()``, e.g. before the
+        model was loaded): the progress bar's clock counts from there (default: now).
 
         Raises ``ValueError`` (bad settings, a batch larger than a shard, a taken run id,
         an unwritable output folder) before anything has trained.
@@ -136,6 +140,9 @@ class Trainer:
             refusal = vmap_refusal(strategy, config, self.model, self.train_data, self.collate_fn)
             if refusal:
                 raise InputError(f"runtime vmap: {refusal}")
+        memory.check_precision(config.precision, resolve_device(config.device))
+        if config.gradient_checkpointing:
+            memory.require_checkpointing(self.model)
         if isinstance(self.train_data, Dataset):
             size = len(self.train_data)  # type: ignore[arg-type]
             if config.batch_size > size // config.nodes:
@@ -159,7 +166,7 @@ class Trainer:
         run_id = run_dir.run_id if run_dir else (run_id or "rank")
         return NodeJob(model=self.model, train_data=self.train_data, val_data=self.val_data,
                        collate_fn=self.collate_fn, strategy=strategy, config=config, run_id=run_id,
-                       started=time.time(), run_dir=run_dir,
+                       started=time.time(), began=began, run_dir=run_dir,
                        checkpoints=_checkpoint_folder(config, run_id, resume, writes), resume=resume)
 
 

@@ -99,6 +99,7 @@ class HFModel(nn.Module):
         self.wer = wer
         self.generate_kwargs = dict(generate_kwargs or {})
         self.save_merged = save_merged
+        self.checkpointing = False  # gradient_checkpointing_enable() was called
 
     # ---------------------------------------------------------------- building
     @classmethod
@@ -154,7 +155,9 @@ class HFModel(nn.Module):
         return hasattr(self.model, "peft_config")
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        out = self.model(**batch)
+        # A checkpointed decoder cannot keep a cache (transformers would warn and drop it).
+        extra = {"use_cache": False} if self.checkpointing and self.training else {}
+        out = self.model(**batch, **extra)
         if getattr(out, "loss", None) is None:
             raise ValueError(f"{type(self.base).__name__} returned no loss: the batch needs 'labels' "
                              f"(batch keys: {', '.join(batch)})")
@@ -166,6 +169,21 @@ class HFModel(nn.Module):
         if self.wer is not None:
             return self.wer
         return bool(getattr(self.config, "is_encoder_decoder", False)) and self.tokenizer is not None
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Recompute activations in the backward pass (transformers' own checkpointing,
+        which HF's docs call gradient or activation checkpointing).
+
+        Non-reentrant checkpointing: with LoRA the layers' inputs do not require grad, and
+        the reentrant kind would then give the adapters no gradient.
+        """
+        kwargs = {"use_reentrant": False}
+        base = self.base
+        if hasattr(base, "activation_checkpointing_enable"):  # its name from transformers 5.2x on
+            base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        self.checkpointing = True
 
     def trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)

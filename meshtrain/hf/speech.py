@@ -38,6 +38,7 @@ from meshtrain.hf.audio import (
     wav_format,
 )
 from meshtrain.hf.feature_cache import FeatureCache
+from meshtrain.progress import Status
 
 __all__ = ["SAMPLE_RATE", "Clip", "SpeechCollator", "SpeechDataError", "SpeechDataset",
            "feature_extractor_for", "find_splits", "mono", "read_audio", "read_metadata", "read_wav",
@@ -166,11 +167,15 @@ class SpeechDataset(Dataset):
         max_label_tokens: the decoder's length limit (``max_target_positions``).
         cache_dir: folder for the on-disk feature cache (see
             :func:`~meshtrain.hf.feature_cache.default_cache_dir`); None computes on the fly.
+            With a cache, the check also computes every clip's missing features, so the
+            first epoch does not.
+        status: announces the check (a bar over the clips); ``split`` names them in it.
     """
 
     def __init__(self, clips: list[Clip], feature_extractor: Any, tokenizer: Any,
                  max_label_tokens: int | None = None, cache_dir: str | Path | None = None,
-                 skip_long_clips: bool = False) -> None:
+                 skip_long_clips: bool = False, *, status: Status | None = None,
+                 split: str = "") -> None:
         self.feature_extractor = feature_extractor
         self.max_seconds = feature_extractor.n_samples / feature_extractor.sampling_rate
         self.cache = FeatureCache(cache_dir, feature_extractor) if cache_dir is not None else None
@@ -182,7 +187,17 @@ class SpeechDataset(Dataset):
                                       f"decodes at most {max_label_tokens}")
         # Every clip is checked before the first is refused, so one message lists them all.
         self.clips, self.labels = clips, labels
-        seconds = [self._check_recording(index) for index in range(len(clips))]
+        status = status or Status(enabled=False)
+        others = sum(1 for c in clips if c.path.suffix.lower() != ".wav")
+        doing = ["checking"] + (["decoding non-WAV"] if others else []) + \
+            (["computing features of"] if self.cache is not None else [])
+        label = f"{', '.join(doing[:-1])} and {doing[-1]}" if len(doing) > 1 else doing[0]
+        seconds = []
+        with status.items(f"{label} {len(clips)} {split} clips".replace("  ", " "), len(clips),
+                          "clips") as advance:
+            for index in range(len(clips)):
+                seconds.append(self._check_recording(index))
+                advance()
         long = [(c, s) for c, s in zip(clips, seconds, strict=True) if s > self.max_seconds + 1e-3]
         silent = [c for c, s in zip(clips, seconds, strict=True) if s < 0]
         if long and not skip_long_clips:
@@ -223,7 +238,9 @@ class SpeechDataset(Dataset):
         self._check_empty(path, fmt.frames)
         if fmt.seconds > self.max_seconds + 1e-3:
             return fmt.seconds
-        audio, _ = read_wav(path)
+        audio, rate = read_wav(path)
+        if self.cache is not None and not self._cached(index):  # now, not in the first epoch
+            self.features(index, resample(audio, rate, self.feature_extractor.sampling_rate))
         return -fmt.seconds if float(abs(audio).max()) < SILENT_PEAK else fmt.seconds
 
     def _cached(self, index: int) -> bool:

@@ -17,6 +17,7 @@ from torch.utils.data import Dataset
 from meshtrain.config.settings import SettingError, check_value
 from meshtrain.data import Collate, DataFactory
 from meshtrain.errors import InputError
+from meshtrain.progress import Status
 
 
 class TaskError(InputError):
@@ -25,11 +26,13 @@ class TaskError(InputError):
 
 @dataclass
 class TaskOptions:
-    """What a task is built from: ``--data``, the run seed, and its own options."""
+    """What a task is built from: ``--data``, the run seed, and its own options; ``status``
+    announces the slow phases of building (loading a model, checking data)."""
 
     data: str | None = None
     seed: int = 0
     options: dict[str, Any] = field(default_factory=dict)
+    status: Status = field(default_factory=Status)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import Dataset
 
 from meshtrain.tasks import Task, TaskBundle, TaskError, TaskOptions, require_positive
@@ -61,16 +62,25 @@ class CharGPT(nn.Module):
         self.head.weight = self.tokens.weight  # weight tying, as in GPT-2
         mask = torch.triu(torch.full((block_size, block_size), float("-inf")), diagonal=1)
         self.register_buffer("mask", mask, persistent=False)
+        self.checkpointing = False
         for p in self.parameters():
             if p.dim() >= 2:
                 nn.init.normal_(p, std=0.02)
+
+    def gradient_checkpointing_enable(self) -> None:
+        """Recompute each block's activations in the backward pass (less memory, more compute)."""
+        self.checkpointing = True
 
     def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = batch
         t = x.shape[1]
         h = self.tokens(x) + self.positions(torch.arange(t, device=x.device))
+        recompute = self.checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
-            h = block(h, self.mask[:t, :t])
+            if recompute:  # keep only each block's input; its inside is recomputed in backward
+                h = checkpoint(block, h, self.mask[:t, :t], use_reentrant=False)
+            else:
+                h = block(h, self.mask[:t, :t])
         logits = self.head(self.norm(h))
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 

@@ -48,7 +48,7 @@ def build(opts: TaskOptions) -> TaskBundle:
     )
     from meshtrain.hf.decoding import DecodingError, apply_to_tokenizer, check_generation, resolve_decoding
 
-    o = opts.options
+    o, status = opts.options, opts.status
     if not opts.data:
         raise TaskError("the whisper task needs --data DIR: a folder of recordings with metadata.csv "
                         "(file_name,transcription)")
@@ -56,9 +56,10 @@ def build(opts: TaskOptions) -> TaskBundle:
         train_clips, val_clips = find_splits(opts.data, float(o["val_fraction"]), opts.seed, o["text_column"])
         # A saved LoRA run (model/ with adapter_config.json) continues with its own adapter.
         lora = None if is_adapter_folder(o["model"]) else LoRA.from_options(o["lora"])
-        model = HFModel.from_pretrained(o["model"], lora=lora, seed=opts.seed, wer=True,
-                                        save_merged=bool(o["save_merged"]))
-        tokenizer = model.tokenizer = load_tokenizer(o["tokenizer"] or o["model"])
+        with status.phase(f"loading model {o['model']}"):
+            model = HFModel.from_pretrained(o["model"], lora=lora, seed=opts.seed, wer=True,
+                                            save_merged=bool(o["save_merged"]))
+            tokenizer = model.tokenizer = load_tokenizer(o["tokenizer"] or o["model"])
         # English-only checkpoints take no language/task tokens: decide the prefix now, the
         # same for the labels and for generate, instead of failing at the first validation.
         decoding = resolve_decoding(model.base, o["language"], o["task"], o["model"])
@@ -72,9 +73,15 @@ def build(opts: TaskOptions) -> TaskBundle:
         limit = getattr(config, "max_target_positions", None)
         cache, extractor = _cache_dir(o["feature_cache"]), model.feature_extractor
         skip = bool(o["skip_long_clips"])
-        train = SpeechDataset(train_clips, extractor, tokenizer, limit, cache, skip)
-        val = SpeechDataset(val_clips, extractor, tokenizer, limit, cache, skip) if val_clips else None
-        check_generation(model, train[0]["input_features"], o["model"])
+        if cache is None:
+            status.line("note: no feature cache (task_options.feature_cache: null): every batch "
+                        "computes its clips' features again")
+        train = SpeechDataset(train_clips, extractor, tokenizer, limit, cache, skip, status=status,
+                              split="training")
+        val = SpeechDataset(val_clips, extractor, tokenizer, limit, cache, skip, status=status,
+                            split="validation") if val_clips else None
+        with status.phase("test decode (the model generates for one clip)"):
+            check_generation(model, train[0]["input_features"], o["model"])
     except (SpeechDataError, TokenizerError, ModelLoadError, DecodingError) as exc:
         raise TaskError(str(exc)) from exc
     return TaskBundle(model, train, val, SpeechCollator(config.decoder_start_token_id))
