@@ -40,6 +40,16 @@ class Cluster:
     latency: float  # seconds per message
     shared_medium: bool = False  # Wi-Fi: nodes talking at once share the bandwidth
     speed: float = 1.0  # compute speed relative to one core of this machine
+    # The compute probe of `hosts bench --task`: one optimizer step on the slowest host
+    # (every sync waits for it), and what was timed (:func:`probe_label`).
+    step_seconds: float | None = None
+    probe: str | None = None
+
+
+def probe_label(task: str, batch_size: int, threads: int | None) -> str:
+    """What a compute probe timed, as a cluster file records it: a run with the same task,
+    batch size and threads may take its ``step_seconds`` for its own."""
+    return f"task {task}, batch {batch_size}, threads {threads if threads is not None else 'all'}"
 
 
 CLUSTERS: dict[str, Cluster] = {
@@ -71,8 +81,9 @@ def get_cluster(name: str) -> Cluster:
 
 def load_cluster_file(path: Path) -> Cluster:
     """Read a cluster file: ``bandwidth`` (bytes/s) and ``latency`` (s) are required;
-    ``name`` (default: the file's stem), ``description``, ``shared_medium`` and ``speed``
-    are optional. Raises :class:`ClusterFileError`."""
+    ``name`` (default: the file's stem), ``description``, ``shared_medium``, ``speed``
+    and the compute probe's ``step_seconds`` and ``probe`` are optional. Raises
+    :class:`ClusterFileError`."""
     try:
         text = path.read_text()
     except OSError as exc:
@@ -100,6 +111,9 @@ def load_cluster_file(path: Path) -> Cluster:
         latency=_number(path, data, "latency", "seconds >= 0", allow_zero=True),
         shared_medium=_flag(path, data, "shared_medium"),
         speed=_number(path, data, "speed", "relative compute speed > 0", allow_zero=False, default=1.0),
+        step_seconds=_number(path, data, "step_seconds", "seconds > 0", allow_zero=False)
+        if data.get("step_seconds") is not None else None,
+        probe=_text(path, data, "probe", "") if data.get("probe") is not None else None,
     )
 
 
@@ -132,7 +146,8 @@ def cluster_file_text(cluster: Cluster, comment: str = "") -> str:
     after ``comment`` lines (each prefixed with ``#``) and a line giving the units."""
     lines = [*comment.splitlines(), "bandwidth: bytes per second per link; latency: seconds per message"]
     header = "".join(f"# {line}\n" for line in lines)
-    return header + yaml.safe_dump(asdict(cluster), sort_keys=False)
+    values = {k: v for k, v in asdict(cluster).items() if v is not None}  # no probe: no keys
+    return header + yaml.safe_dump(values, sort_keys=False)
 
 
 def collective_seconds(record: CommRecord, cluster: Cluster) -> float:
@@ -151,9 +166,11 @@ def collective_seconds(record: CommRecord, cluster: Cluster) -> float:
     return hops * cluster.latency + moved / bandwidth
 
 
-def measured_step_seconds(wall_seconds: float, comm_seconds: float, steps: int, nodes: int) -> float:
-    """One node's compute per step here: simulated nodes share this machine's cores."""
-    cores = min(nodes, os.cpu_count() or 1)
+def measured_step_seconds(wall_seconds: float, comm_seconds: float, steps: int, nodes: int, *,
+                          own_host: bool = False) -> float:
+    """One node's compute per step here: simulated nodes share this machine's cores; a
+    launched rank (``own_host``) had its host to itself."""
+    cores = nodes if own_host else min(nodes, os.cpu_count() or 1)
     return max(0.0, wall_seconds - comm_seconds) * cores / nodes / max(1, steps)
 
 
