@@ -678,16 +678,16 @@ def register(app: typer.Typer) -> None:
         if allow_shrink and not training:
             raise fail("--allow-shrink continues a training run: give training flags, not a command after --")
         _check_out_dir(out)
-        plan = None
+        plan, cluster_file = None, None
         if training and flags["strategy"] == AUTO:  # chosen here, before any host is contacted
             plan, cluster_file = _plan_launch(inventory, inv, flags, set_)
             flags["strategy"] = plan.choice.strategy
             set_ = [*set_, *(f"{k}={v}" for k, v in plan.choice.options.items())]
-            if cluster_file is not None:  # the ranks project onto it: every workdir gets a copy
-                upload = [*upload, cluster_file]
-                set_.append(f"cluster={cluster_file.name}")
         if training:
             _check_training_flags(flags, set_, inv.world_size)
+            if cluster_file is not None:  # the ranks project onto it: every workdir gets a copy
+                upload = [*upload, cluster_file]
+                set_ = [*set_, f"cluster={cluster_file.name}"]
             if allow_shrink:
                 _check_shrink(flags, set_, max_restarts)
             set_, shipments, required = _ship_inputs(flags, set_, no_ship)
