@@ -75,6 +75,9 @@ def test_summary_projects_the_runs_own_collectives(
     assert projected["cluster"] == "internet"
     assert projected["compute_seconds"] == pytest.approx(20 * 0.25)
     assert projected["communication_seconds"] == pytest.approx(syncs * per_sync)
+    # Beside the projection: the time rank 0 spent inside its collectives here (> 0, and
+    # less than the whole run's wall-clock).
+    assert 0 < projected["measured_communication_seconds"] < result.summary["wall_seconds"]
 
 
 def test_unknown_cluster_is_rejected(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -67,6 +68,9 @@ def plan_and_launch(world: SshWorld, folder: Path, name: str) -> dict:
     summary = json.loads((folder / "runs" / name / "summary.json").read_text())
     assert summary["projected"]["cluster"] == name  # projected onto the shipped cluster file
     assert summary["projected"]["measured_communication_seconds"] > 0
+    # Rank 0's printed summary shows both, side by side.
+    assert re.search(r"communication measured +│ +[\d.]+ s \(projected [\d.]+ s\)", launched.stdout), \
+        launched.stdout
     return config
 
 

@@ -585,7 +585,8 @@ def _projection(job: NodeJob, comm: Communicator, loop_seconds: float, steps: in
     plan = plan or FaultPlan()
     step_seconds = cfg.step_seconds
     if step_seconds is None:
-        step_seconds = measured_step_seconds(loop_seconds, comm.log.seconds, steps, cfg.nodes)
+        step_seconds = measured_step_seconds(loop_seconds, comm.log.seconds, steps, cfg.nodes,
+                                             own_host=cfg.runtime == "launched")
         if plan.failures:  # fewer nodes shared this machine's cores after a node left
             node_steps = sum(len(plan.alive_at(s, cfg.nodes)) for s in range(steps))
             step_seconds *= steps * cfg.nodes / node_steps
@@ -597,7 +598,9 @@ def _projection(job: NodeJob, comm: Communicator, loop_seconds: float, steps: in
         out["total_seconds"] = out["compute_seconds"] + out["communication_seconds"]
         idle = sum(plan.idle_factor_at(s, cfg.nodes) for s in range(steps))
         out["idle_seconds"] = idle * step_seconds / cluster.speed
-    return {**out, "step_seconds": step_seconds}
+    # What this node spent inside its recorded collectives (waiting for peers included):
+    # beside the projected communication, it shows where the model is off.
+    return {**out, "step_seconds": step_seconds, "measured_communication_seconds": comm.log.seconds}
 
 
 def _add_projected_seconds(history: list[dict[str, Any]], records: list[CommRecord], cluster: Cluster,
