@@ -11,10 +11,13 @@ token bucket (``tbf``) to 1 Gbit/s or 100 Mbit/s. For every link:
    times, for DDP and DiLoCo (H=20), the projection on that cluster file;
 3. the table shows the medians: seconds per 100 steps after the first 5 (start-up and
    warm-up left out), the training-throughput speedup (samples per second on K hosts over
-   1 host), the communication time the K-host run measured inside its collectives, the
-   one the cluster projects, and two projections of the K-host run: the run's own summary
-   (its compute, measured, plus projected communication) and the planner's (the 1-host
-   run's compute plus projected communication, what ``meshtrain plan`` predicts).
+   1 host), the communication time the K-host run measured inside its collectives (split,
+   from the ranks' monotonic clocks, into waiting for the last host to arrive and moving the
+   bytes after it did), the one the cluster projects, the modelled wait for the slowest
+   host (the probe's spread), and two projections of the K-host run: the run's own summary
+   (its compute, measured, plus projected communication and wait) and the planner's (the
+   compute probe's step plus projected communication and wait: what ``launch --strategy
+   auto`` predicts), with the projected speedup.
 
     python benchmarks/scaling.py                          # 2 hosts, 3 repeats, all links
     python benchmarks/scaling.py --links 1gbit --repeats 5 --strategies ddp
@@ -93,6 +96,7 @@ class Run:
     projected_total: float  # the run's own summary: its compute + projected communication
     compute_per_step: float  # the summary's compute per step (loop minus communication)
     load: float
+    projected_wait: float = 0.0  # the modelled wait for the slowest host (the probe's spread)
     waiting: float = 0.0  # of measured_comm: rank 0 inside all-reduces before the last rank came
     moving: float = 0.0  # of measured_comm: from the last rank's arrival to rank 0's exit
 
@@ -184,6 +188,7 @@ def launch(world: SshWorld, folder: Path, inv: Path, strategy: str, steps: int, 
     projected = summary["projected"]
     waiting, moving = split_waiting(traces)
     return Run(waiting=waiting, moving=moving, hosts=summary["nodes"],
+               projected_wait=projected.get("sync_wait_seconds", 0.0),
                step_seconds=(seconds[-1] - seconds[WARM - 1]) / (steps - WARM),
                measured_comm=projected.get("measured_communication_seconds", float("nan")),
                projected_comm=projected["communication_seconds"],
@@ -253,12 +258,13 @@ def main() -> None:
                                   f"{run.step_seconds * args.steps:.2f} s per {args.steps} steps, "
                                   f"communication measured {run.measured_comm:.2f} s, projected "
                                   f"{run.projected_comm:.2f} s (waiting {run.waiting:.2f} s, moving "
-                                  f"{run.moving:.2f} s) (load {run.load:.1f})", flush=True)
+                                  f"{run.moving:.2f} s; modelled wait {run.projected_wait:.2f} s) "
+                                  f"(load {run.load:.1f})", flush=True)
+                print_table(cells, args.hosts, args.steps, probes)  # so far: a long run can be cut short
         finally:
             for server in world.servers:
                 server.stop()
             ns.delete()
-    print_table(cells, args.hosts, args.steps, probes)
 
 
 def print_table(cells: list[Cell], hosts: int, steps: int, probes: dict[str, float]) -> None:
@@ -271,24 +277,26 @@ def print_table(cells: list[Cell], hosts: int, steps: int, probes: dict[str, flo
                         f"namespace hosts, one core each; medians; seconds per {steps} steps after "
                         f"step {WARM}; communication of the {hosts}-host run (rank 0, whole run)")
     columns = ("link", "strategy", "1 host", f"{hosts} hosts", "speedup", "comm measured", "waiting",
-               "moving", "comm projected", "projected (run)", "error", "projected (probe)", "error",
-               "speedup projected", "load")
+               "moving", "comm projected", "wait projected", "projected (run)", "error", "projected (probe)",
+               "error", "speedup projected", "load")
     for column in columns:
         table.add_column(column, justify="right")
     for c in cells:
         t1 = median([r.step_seconds for r in c.one]) * steps
         tk = median([r.step_seconds for r in c.many]) * steps
         comm_projected = median([r.projected_comm for r in c.many])
+        wait_projected = median([r.projected_wait for r in c.many])
         own = median([r.projected_total for r in c.many])  # the K-host run's own summary
         # What the planner projects: the probe's compute per step plus the communication.
         probe = probes[c.link] * steps
-        planned = probe + comm_projected
+        planned = probe + comm_projected + wait_projected
         loads = [r.load for r in c.one + c.many]
         table.add_row(
             c.link, c.strategy, f"{t1:.2f} s", f"{tk:.2f} s", f"{hosts * t1 / tk:.2f}x",
             *(f"{median([getattr(r, k) for r in c.many]):.2f} s" for k in ("measured_comm", "waiting",
                                                                               "moving")),
-            f"{comm_projected:.2f} s", f"{own:.2f} s", f"{(own - tk) / tk:+.0%}", f"{planned:.2f} s",
+            f"{comm_projected:.2f} s", f"{wait_projected:.2f} s", f"{own:.2f} s", f"{(own - tk) / tk:+.0%}",
+            f"{planned:.2f} s",
             f"{(planned - tk) / tk:+.0%}", f"{hosts * probe / planned:.2f}x",
             f"{min(loads):.1f}-{max(loads):.1f}")
     Console(width=250).print(table)

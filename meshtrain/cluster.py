@@ -9,7 +9,9 @@ cluster with link bandwidth B (bytes/s) and latency alpha (s) a ring collective 
 
 On a shared medium (Wi-Fi) the g nodes talking at once share B. Compute per step is
 what one node needed here (or ``step_seconds`` if you know your machines' figure),
-scaled by the cluster's relative speed. Communication is not overlapped with compute.
+scaled by the cluster's relative speed. Communication is not overlapped with compute (the
+runtimes do not overlap them). A cluster whose compute probe measured how much a step
+varies (``step_jitter``) also costs every sync the wait for the slowest host.
 
 Besides the named clusters, ``get_cluster`` takes the path of a cluster file (YAML with
 the fields of :class:`Cluster`), such as ``meshtrain hosts bench`` writes from a
@@ -18,8 +20,10 @@ measurement of real hosts.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import statistics
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -44,6 +48,9 @@ class Cluster:
     # (every sync waits for it), and what was timed (:func:`probe_label`).
     step_seconds: float | None = None
     probe: str | None = None
+    # The probe's spread: standard deviation of one step's compute on the least steady host.
+    # A sync ends when the slowest host arrives, so every sync costs the others a wait.
+    step_jitter: float | None = None
 
 
 def probe_label(task: str, batch_size: int, threads: int | None) -> str:
@@ -82,7 +89,7 @@ def get_cluster(name: str) -> Cluster:
 def load_cluster_file(path: Path) -> Cluster:
     """Read a cluster file: ``bandwidth`` (bytes/s) and ``latency`` (s) are required;
     ``name`` (default: the file's stem), ``description``, ``shared_medium``, ``speed``
-    and the compute probe's ``step_seconds`` and ``probe`` are optional. Raises
+    and the compute probe's ``step_seconds``, ``step_jitter`` and ``probe`` are optional. Raises
     :class:`ClusterFileError`."""
     try:
         text = path.read_text()
@@ -114,6 +121,8 @@ def load_cluster_file(path: Path) -> Cluster:
         step_seconds=_number(path, data, "step_seconds", "seconds > 0", allow_zero=False)
         if data.get("step_seconds") is not None else None,
         probe=_text(path, data, "probe", "") if data.get("probe") is not None else None,
+        step_jitter=_number(path, data, "step_jitter", "seconds >= 0", allow_zero=True)
+        if data.get("step_jitter") is not None else None,
     )
 
 
@@ -166,6 +175,45 @@ def collective_seconds(record: CommRecord, cluster: Cluster) -> float:
     return hops * cluster.latency + moved / bandwidth
 
 
+@functools.cache
+def expected_slowest(hosts: int) -> float:
+    """How far, in standard deviations, the slowest of ``hosts`` equally noisy hosts lags
+    their mean: the expected maximum of ``hosts`` standard normals (0 for one host, 0.564
+    for two, 1.029 for four), integrated numerically."""
+    if hosts <= 1:
+        return 0.0
+    normal = statistics.NormalDist()
+    dx = 0.004
+    xs = [-8 + i * dx for i in range(int(16 / dx) + 1)]
+    return sum(x * hosts * normal.pdf(x) * normal.cdf(x) ** (hosts - 1) for x in xs) * dx
+
+
+def sync_wait_seconds(steps_since_sync: int, hosts: int, cluster: Cluster) -> float:
+    """What a sync among ``hosts`` costs in waiting for the slowest one, on ``cluster``.
+
+    Each host's compute per step varies with standard deviation ``step_jitter``
+    (independently: other processes, the OS); over ``steps_since_sync`` steps the hosts
+    drift apart by ``sqrt(steps) * jitter`` and the sync waits for the slowest. So DDP pays
+    it every step, DiLoCo once per H steps (``sqrt(H)`` larger, spread over H steps).
+    """
+    if not cluster.step_jitter or hosts <= 1 or steps_since_sync < 1:
+        return 0.0
+    return cluster.step_jitter * math.sqrt(steps_since_sync) * expected_slowest(hosts) / cluster.speed
+
+
+def sync_waits(records: Iterable[CommRecord], cluster: Cluster) -> dict[int, float]:
+    """The modelled waiting (:func:`sync_wait_seconds`) at each step that ends in a sync."""
+    groups: dict[int, int] = {}
+    for r in records:
+        if r.step >= 0:
+            groups[r.step] = max(groups.get(r.step, 1), r.group_size)
+    waits, last = {}, -1
+    for step in sorted(groups):
+        waits[step] = sync_wait_seconds(step - last, groups[step], cluster)
+        last = step
+    return waits
+
+
 def measured_step_seconds(wall_seconds: float, comm_seconds: float, steps: int, nodes: int, *,
                           own_host: bool = False) -> float:
     """One node's compute per step here: simulated nodes share this machine's cores; a
@@ -180,12 +228,21 @@ def project(
     steps: int,
     step_seconds: float,
 ) -> dict[str, float | str]:
-    """Projected seconds of compute, communication and their sum for a whole run."""
+    """Projected seconds of compute, communication and their sum for a whole run; on a
+    cluster whose compute probe measured its spread (``step_jitter``), also the waiting for
+    the slowest host at every sync (``sync_wait_seconds``, in the total). Compute and
+    communication are not overlapped: the runtimes do not overlap them."""
+    records = list(records)
     comm = sum(collective_seconds(r, cluster) for r in records if r.step >= 0)
     compute = steps * step_seconds / cluster.speed
-    return {
+    out: dict[str, float | str] = {
         "cluster": cluster.name,
         "compute_seconds": compute,
         "communication_seconds": comm,
         "total_seconds": compute + comm,
     }
+    if cluster.step_jitter is not None:
+        wait = sum(sync_waits(records, cluster).values())
+        out["sync_wait_seconds"] = wait
+        out["total_seconds"] = compute + comm + wait
+    return out

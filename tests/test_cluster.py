@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -11,7 +12,15 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from meshtrain import Trainer
-from meshtrain.cluster import CLUSTERS, Cluster, collective_seconds, get_cluster, project
+from meshtrain.cluster import (
+    CLUSTERS,
+    Cluster,
+    collective_seconds,
+    expected_slowest,
+    get_cluster,
+    project,
+    sync_wait_seconds,
+)
 from meshtrain.comm import CommRecord
 from meshtrain.strategies import DDP, DiLoCo
 
@@ -45,6 +54,27 @@ def test_project_adds_compute_and_ignores_startup_traffic() -> None:
     assert out["compute_seconds"] == pytest.approx(5.0)
     assert out["communication_seconds"] == pytest.approx(2 * 1e-3 + 1.0)
     assert out["total_seconds"] == pytest.approx(out["compute_seconds"] + out["communication_seconds"])
+
+
+def test_a_noisy_host_costs_every_sync_a_wait_for_the_slowest() -> None:
+    """With a probed spread sigma, a sync after k steps among g hosts waits
+    sigma * sqrt(k) * E[max of g standard normals]: DDP every step, DiLoCo every H."""
+    noisy = dataclasses.replace(LINK, step_jitter=0.01)
+    assert expected_slowest(1) == 0 and expected_slowest(2) == pytest.approx(1 / math.sqrt(math.pi))
+    assert expected_slowest(4) == pytest.approx(1.0294, abs=1e-4)
+    assert sync_wait_seconds(1, 2, noisy) == pytest.approx(0.01 * expected_slowest(2))
+    assert sync_wait_seconds(16, 2, noisy) == pytest.approx(4 * sync_wait_seconds(1, 2, noisy))
+    assert sync_wait_seconds(1, 2, LINK) == 0  # no probe, no spread: no wait modelled
+    ddp = [CommRecord(s, "all_reduce", 10**3, 10**3, 2) for s in range(16)]
+    diloco = [CommRecord(s, "all_reduce", 10**3, 10**3, 2) for s in (3, 7, 11, 15)]
+    waits = {name: project(records, noisy, steps=16, step_seconds=0.1) for name, records in
+             (("ddp", ddp), ("diloco", diloco))}
+    assert waits["ddp"]["sync_wait_seconds"] == pytest.approx(16 * sync_wait_seconds(1, 2, noisy))
+    assert waits["diloco"]["sync_wait_seconds"] == pytest.approx(4 * sync_wait_seconds(4, 2, noisy))
+    for out in waits.values():
+        assert out["total_seconds"] == pytest.approx(
+            out["compute_seconds"] + out["communication_seconds"] + out["sync_wait_seconds"])
+    assert "sync_wait_seconds" not in project(ddp, LINK, steps=16, step_seconds=0.1)
 
 
 class Linear(nn.Module):

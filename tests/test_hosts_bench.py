@@ -125,7 +125,7 @@ def test_cluster_file_round_trips_and_named_clusters_stay(tmp_path: Path) -> Non
 
 def test_cluster_file_keeps_the_compute_probe(tmp_path: Path) -> None:
     probed = Cluster("lab", "two boxes", 1.25e8, 2.5e-4, step_seconds=0.125,
-                     probe=probe_label("gpt", 32, 1))
+                     probe=probe_label("gpt", 32, 1), step_jitter=0.004)
     path = tmp_path / "lab.yaml"
     path.write_text(cluster_file_text(probed))
     assert get_cluster(str(path)) == probed
@@ -133,18 +133,19 @@ def test_cluster_file_keeps_the_compute_probe(tmp_path: Path) -> None:
     assert probe_label("gpt", 32, None) == "task gpt, batch 32, threads all"
     plain = tmp_path / "plain.yaml"  # no probe: no keys for it in the file
     plain.write_text(cluster_file_text(Cluster("plain", "x", 1e6, 0.0)))
-    assert "step_seconds" not in plain.read_text() and "probe" not in plain.read_text()
+    assert not {"step_seconds", "probe", "step_jitter"} & set(yaml.safe_load(plain.read_text()))
 
 
 def test_probe_times_from_rank_0_are_parsed_strictly() -> None:
     spec = ProbeSpec("gpt", 32, 1, "/data/text.txt")
     assert spec.argv() == ["--probe-task", "gpt", "--probe-batch", "32", "--probe-threads", "1",
                            "--probe-data", "/data/text.txt"]
-    good = {"samples": [], "probe": probe_to_json(spec, [0.12, 0.13])}
+    good = {"samples": [], "probe": probe_to_json(spec, [0.12, 0.13], [0.004, 0.0])}
     assert probe_from_json(json.dumps(good), "box0:bench.json", 2) == good["probe"]
     assert probe_from_json('{"samples": []}', "box0:bench.json", 2) is None
     for bad in ({"step_seconds": [0.1]}, {"step_seconds": [0.1, -1]}, {"step_seconds": [0.1, True]},
-                {"task": "gpt; rm -rf /"}, {"batch_size": 0}, {"threads": 1.5}):
+                {"task": "gpt; rm -rf /"}, {"batch_size": 0}, {"threads": 1.5}, {"step_jitter": [0.1]},
+                {"step_jitter": [0.1, -0.1]}):
         text = json.dumps({"samples": [], "probe": {**good["probe"], **bad}})
         with pytest.raises(BenchError, match="^box0:bench.json: not a benchmark result"):
             probe_from_json(text, "box0:bench.json", 2)
@@ -236,6 +237,8 @@ def test_bench_fits_the_configured_rate(benched) -> None:
     probed = re.search(r"compute probe, seconds per step: box0 ([\d.]+), box1 ([\d.]+)", result.stdout)
     assert probed, result.stdout
     assert cluster.step_seconds == pytest.approx(max(map(float, probed.groups())), abs=1e-4)
+    spread = re.search(r"standard deviation: box0 ([\d.]+), box1 ([\d.]+)", result.stdout)
+    assert spread and cluster.step_jitter == pytest.approx(max(map(float, spread.groups())), abs=1e-4)
 
 
 def test_simulate_projects_onto_the_benched_cluster(benched) -> None:

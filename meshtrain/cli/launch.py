@@ -223,11 +223,13 @@ def hosts_bench(
     if probe is not None:
         if probed is None:
             raise fail(f"{inv.hosts[0].name}:{BENCH_FILE}: the compute probe's times are missing", code=1)
-        per_host = probed["step_seconds"]
-        cluster = dataclasses.replace(cluster, step_seconds=max(per_host),
+        per_host, spread = probed["step_seconds"], probed["step_jitter"]
+        cluster = dataclasses.replace(cluster, step_seconds=max(per_host), step_jitter=max(spread),
                                       probe=probe_label(probe.task, probe.batch_size, probe.threads))
         probe_note = "\ncompute probe, seconds per step: " + ", ".join(
-            f"{h.name} {t:.4f}" for h, t in zip(inv.hosts, per_host, strict=True))
+            f"{h.name} {t:.4f}" for h, t in zip(inv.hosts, per_host, strict=True)) + \
+            "; standard deviation: " + ", ".join(
+            f"{h.name} {t:.4f}" for h, t in zip(inv.hosts, spread, strict=True))
     table = Table(title=f"all-reduce over {inv.world_size} hosts: measured vs fitted model",
                   caption=str(inventory))
     for column in ("buffer", "sent per host", "measured", "model", "model error"):

@@ -24,7 +24,14 @@ import torch
 from torch import nn
 
 from meshtrain import checkpoint, observers
-from meshtrain.cluster import Cluster, collective_seconds, get_cluster, measured_step_seconds, project
+from meshtrain.cluster import (
+    Cluster,
+    collective_seconds,
+    get_cluster,
+    measured_step_seconds,
+    project,
+    sync_waits,
+)
 from meshtrain.comm import Communicator
 from meshtrain.comm.communicator import CommLog, CommRecord
 from meshtrain.data import (
@@ -595,7 +602,8 @@ def _projection(job: NodeJob, comm: Communicator, loop_seconds: float, steps: in
     if plan.stragglers:
         slowest = sum(plan.slowdown_at(s, cfg.nodes) for s in range(steps))
         out["compute_seconds"] = slowest * step_seconds / cluster.speed
-        out["total_seconds"] = out["compute_seconds"] + out["communication_seconds"]
+        out["total_seconds"] = (out["compute_seconds"] + out["communication_seconds"]
+                                + out.get("sync_wait_seconds", 0.0))
         idle = sum(plan.idle_factor_at(s, cfg.nodes) for s in range(steps))
         out["idle_seconds"] = idle * step_seconds / cluster.speed
     # What this node spent inside its recorded collectives (waiting for peers included):
@@ -612,6 +620,8 @@ def _add_projected_seconds(history: list[dict[str, Any]], records: list[CommReco
     for r in records:
         if r.step >= 0:  # a collective after the last step (the final sync) counts in the last step
             comm_seconds[min(r.step, len(history) - 1)] += collective_seconds(r, cluster)
+    for step, wait in sync_waits(records, cluster).items():  # 0 unless the cluster has a jitter
+        comm_seconds[min(step, len(history) - 1)] += wait
     total = 0.0
     slowdowns = slowdowns or [1.0] * len(history)
     for row, seconds, slowdown in zip(history, comm_seconds, slowdowns, strict=True):

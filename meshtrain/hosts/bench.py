@@ -275,10 +275,11 @@ class ProbeSpec:
         return words
 
 
-def probe_step_seconds(spec: ProbeSpec) -> float:
+def probe_step_seconds(spec: ProbeSpec) -> tuple[float, float]:
     """This host's median seconds of one forward, backward and AdamW step of ``spec.task``'s
-    model at ``spec.batch_size`` (the planner's compute probe, run here)."""
-    from meshtrain.planning import measure_step_seconds
+    model at ``spec.batch_size``, and their standard deviation (the planner's compute probe,
+    run here)."""
+    from meshtrain.planning import measure_step_times
     from meshtrain.tasks import TaskOptions, check_options, get_task
 
     task = get_task(spec.task)
@@ -289,15 +290,19 @@ def probe_step_seconds(spec: ProbeSpec) -> float:
     torch.set_num_threads(spec.threads or int(os.environ.get("MESHTRAIN_THREADS") or 0)
                           or os.cpu_count() or 1)
     try:
-        return measure_step_seconds(bundle.model, bundle.train_data, spec.batch_size, bundle.collate_fn)
+        # 20 timed steps at least: enough for a spread, a few seconds for a small model.
+        times = measure_step_times(bundle.model, bundle.train_data, spec.batch_size, bundle.collate_fn,
+                                   min_steps=20)
+        return statistics.median(times), statistics.stdev(times)
     finally:
         torch.set_num_threads(threads_before)
 
 
-def probe_to_json(spec: ProbeSpec, seconds: Sequence[float]) -> dict[str, Any]:
-    """The probe as rank 0 writes it into bench.json: what was timed and each rank's time."""
+def probe_to_json(spec: ProbeSpec, seconds: Sequence[float], jitter: Sequence[float]) -> dict[str, Any]:
+    """The probe as rank 0 writes it into bench.json: what was timed, each rank's median
+    step and its standard deviation."""
     return {"task": spec.task, "batch_size": spec.batch_size, "threads": spec.threads,
-            "step_seconds": [float(x) for x in seconds]}
+            "step_seconds": [float(x) for x in seconds], "step_jitter": [float(x) for x in jitter]}
 
 
 def probe_from_json(text: str, source: str, world_size: int) -> dict[str, Any] | None:
@@ -311,7 +316,7 @@ def probe_from_json(text: str, source: str, world_size: int) -> dict[str, Any] |
         if probe is None:
             return None
         task, batch, threads = probe["task"], probe["batch_size"], probe["threads"]
-        times = probe["step_seconds"]
+        times, jitter = probe["step_seconds"], probe["step_jitter"]
         if not isinstance(task, str) or not task.isidentifier():
             raise ValueError(f"task {task!r} is not a task name")
         for key, value in (("batch_size", batch), ("threads", threads)):
@@ -321,8 +326,11 @@ def probe_from_json(text: str, source: str, world_size: int) -> dict[str, Any] |
         if not isinstance(times, list) or len(times) != world_size or not all(
                 isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < 1e6 for t in times):
             raise ValueError(f"step_seconds must hold one time > 0 per host ({world_size})")
+        if not isinstance(jitter, list) or len(jitter) != world_size or not all(
+                isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < 1e6 for t in jitter):
+            raise ValueError(f"step_jitter must hold one time >= 0 per host ({world_size})")
         return {"task": task, "batch_size": batch, "threads": threads,
-                "step_seconds": [float(t) for t in times]}
+                "step_seconds": [float(t) for t in times], "step_jitter": [float(t) for t in jitter]}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise BenchError(f"{source}: not a benchmark result (probe: {type(exc).__name__}: {exc})") from None
 
@@ -351,15 +359,18 @@ def run_rank(sizes: Sequence[int], repeats: int, out: Path, timeout_s: float,
 
         samples = measure(comm, sizes, repeats, report=report)
         probed: list[float] = []
+        jitter: list[float] = []
         if probe is not None:
             for turn in range(world):
-                mine = torch.zeros(1, dtype=torch.float64)
+                mine = torch.zeros(2, dtype=torch.float64)
                 if turn == rank:
-                    mine[0] = probe_step_seconds(probe)
+                    mine[0], mine[1] = probe_step_seconds(probe)
                     print(f"compute probe: {probe.task}, batch {probe.batch_size}: "
-                          f"{mine.item() * 1e3:.1f} ms per step (median)")
+                          f"{mine[0].item() * 1e3:.1f} ms per step (median), "
+                          f"{mine[1].item() * 1e3:.1f} ms standard deviation")
                 comm.all_reduce(mine, op="sum", record=False)  # also: the next host's turn
-                probed.append(float(mine.item()))
+                probed.append(float(mine[0]))
+                jitter.append(float(mine[1]))
         dist.barrier()
     except BaseException:
         dist.destroy_process_group()
@@ -368,7 +379,7 @@ def run_rank(sizes: Sequence[int], repeats: int, out: Path, timeout_s: float,
     if rank == 0:
         result = json.loads(samples_to_json(samples))
         if probe is not None:
-            result["probe"] = probe_to_json(probe, probed)
+            result["probe"] = probe_to_json(probe, probed, jitter)
         atomic_write_text(out, json.dumps(result, indent=1))
 
 
