@@ -48,8 +48,9 @@ class Cluster:
     # (every sync waits for it), and what was timed (:func:`probe_label`).
     step_seconds: float | None = None
     probe: str | None = None
-    # The probe's spread: standard deviation of one step's compute on the least steady host.
-    # A sync ends when the slowest host arrives, so every sync costs the others a wait.
+    # The probe's spread of one step's compute on the least steady host (its standard
+    # deviation for normal times; hosts/bench.py step_spread). A sync ends when the slowest
+    # host arrives, so every sync costs the others a wait.
     step_jitter: float | None = None
 
 

@@ -12,6 +12,7 @@ The namespace test is skipped (with the reason) where namespaces, sshd or tc can
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import subprocess
@@ -38,6 +39,7 @@ from meshtrain.hosts.bench import (
     probe_to_json,
     samples_from_json,
     samples_to_json,
+    step_spread,
 )
 
 # --------------------------------------------------------------------------- the fit
@@ -134,6 +136,21 @@ def test_cluster_file_keeps_the_compute_probe(tmp_path: Path) -> None:
     plain = tmp_path / "plain.yaml"  # no probe: no keys for it in the file
     plain.write_text(cluster_file_text(Cluster("plain", "x", 1e6, 0.0)))
     assert not {"step_seconds", "probe", "step_jitter"} & set(yaml.safe_load(plain.read_text()))
+
+
+def test_step_spread_is_the_standard_deviation_of_normal_times_and_halves_the_pair_gap() -> None:
+    import random
+    import statistics
+
+    rng = random.Random(0)
+    normal = [rng.gauss(0.1, 0.01) for _ in range(20_000)]
+    assert step_spread(normal) == pytest.approx(statistics.stdev(normal), rel=0.02)
+    # Two hosts' sync waits half the mean gap between two steps: 0.564 x spread, exactly.
+    times = [0.10, 0.12, 0.11, 0.30]
+    gaps = [abs(a - b) for i, a in enumerate(times) for b in times[i + 1:]]
+    assert step_spread(times) / math.sqrt(math.pi) == pytest.approx(statistics.mean(gaps) / 2)
+    assert step_spread(times) < statistics.stdev(times)  # one slow step sways it less
+    assert step_spread([0.1]) == 0.0
 
 
 def test_probe_times_from_rank_0_are_parsed_strictly() -> None:
@@ -237,7 +254,7 @@ def test_bench_fits_the_configured_rate(benched) -> None:
     probed = re.search(r"compute probe, seconds per step: box0 ([\d.]+), box1 ([\d.]+)", result.stdout)
     assert probed, result.stdout
     assert cluster.step_seconds == pytest.approx(max(map(float, probed.groups())), abs=1e-4)
-    spread = re.search(r"standard deviation: box0 ([\d.]+), box1 ([\d.]+)", result.stdout)
+    spread = re.search(r"spread: box0 ([\d.]+), box1 ([\d.]+)", result.stdout)
     assert spread and cluster.step_jitter == pytest.approx(max(map(float, spread.groups())), abs=1e-4)
 
 

@@ -228,7 +228,7 @@ def hosts_bench(
                                       probe=probe_label(probe.task, probe.batch_size, probe.threads))
         probe_note = "\ncompute probe, seconds per step: " + ", ".join(
             f"{h.name} {t:.4f}" for h, t in zip(inv.hosts, per_host, strict=True)) + \
-            "; standard deviation: " + ", ".join(
+            "; spread: " + ", ".join(
             f"{h.name} {t:.4f}" for h, t in zip(inv.hosts, spread, strict=True))
     table = Table(title=f"all-reduce over {inv.world_size} hosts: measured vs fitted model",
                   caption=str(inventory))
