@@ -301,6 +301,20 @@ def print_table(cells: list[Cell], hosts: int, steps: int, probes: dict[str, flo
             f"{min(loads):.1f}-{max(loads):.1f}")
     Console(width=250).print(table)
     print(f"cores here: {os.cpu_count()}; load average now {os.getloadavg()[0]:.1f}")
+    # Issue 19.3 and 17.1's checks, here rather than in a test: on a loaded machine they
+    # cannot hold reliably (the load changes between the probe, the 1-host and the K-host runs).
+    for c in cells:
+        t1 = median([r.step_seconds for r in c.one]) * steps
+        tk = median([r.step_seconds for r in c.many]) * steps
+        own = median([r.projected_total for r in c.many])
+        probe = probes[c.link] * steps
+        planned = (probe + median([r.projected_comm for r in c.many])
+                   + median([r.projected_wait for r in c.many]))
+        checks = {"projection within 25% of the measured run": abs(own - tk) / tk <= 0.25,
+                  "projected speedup within 25% of the measured one":
+                      abs(hosts * probe / planned - hosts * t1 / tk) / (hosts * t1 / tk) <= 0.25}
+        for what, ok in checks.items():
+            print(f"{c.link} {c.strategy}: {what}: {'yes' if ok else 'NO'}")
 
 
 if __name__ == "__main__":
