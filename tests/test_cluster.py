@@ -57,13 +57,14 @@ def test_project_adds_compute_and_ignores_startup_traffic() -> None:
 
 
 def test_a_noisy_host_costs_every_sync_a_wait_for_the_slowest() -> None:
-    """With a probed spread sigma, a sync after k steps among g hosts waits
-    sigma * sqrt(k) * E[max of g standard normals]: DDP every step, DiLoCo every H."""
+    """With a probed spread sigma, a sync among g hosts waits sigma * E[max of g standard
+    normals], however many steps since the last (measured: hosts catch up between syncs):
+    DDP every step, DiLoCo every H."""
     noisy = dataclasses.replace(LINK, step_jitter=0.01)
     assert expected_slowest(1) == 0 and expected_slowest(2) == pytest.approx(1 / math.sqrt(math.pi))
     assert expected_slowest(4) == pytest.approx(1.0294, abs=1e-4)
     assert sync_wait_seconds(1, 2, noisy) == pytest.approx(0.01 * expected_slowest(2))
-    assert sync_wait_seconds(16, 2, noisy) == pytest.approx(4 * sync_wait_seconds(1, 2, noisy))
+    assert sync_wait_seconds(16, 2, noisy) == pytest.approx(sync_wait_seconds(1, 2, noisy))
     assert sync_wait_seconds(1, 2, LINK) == 0  # no probe, no spread: no wait modelled
     ddp = [CommRecord(s, "all_reduce", 10**3, 10**3, 2) for s in range(16)]
     diloco = [CommRecord(s, "all_reduce", 10**3, 10**3, 2) for s in (3, 7, 11, 15)]

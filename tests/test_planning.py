@@ -170,8 +170,8 @@ def test_strategy_auto_refuses_strategy_parameters(tmp_path: Path) -> None:
 
 def test_a_noisy_host_tips_a_fast_link_from_ddp_to_diloco() -> None:
     """The probe's spread (step_jitter) costs DDP a wait at every step and DiLoCo one per H
-    steps (sqrt(H) larger): on a link where DDP fits the budget, hosts whose step varies by
-    a third of itself (a busy machine) make DiLoCo the choice."""
+    steps: on a link where DDP fits the budget, hosts whose step varies by a third of itself
+    (a busy machine) make DiLoCo the choice."""
     from meshtrain.cluster import sync_wait_seconds
 
     work = Workload(GPT_PARAMETERS, step_seconds=0.125, hosts=2)
