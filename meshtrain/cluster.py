@@ -196,9 +196,9 @@ def sync_wait_seconds(steps_since_sync: int, hosts: int, cluster: Cluster) -> fl
 
     Independent noise would make hosts drift apart by ``sqrt(steps_since_sync)`` steps'
     spread, but measured on namespace hosts (benchmarks/scaling.py) a DiLoCo sync after 20
-    steps waited about as long as a DDP step's sync (0.05-0.08 s against 0.04 s): what slows
-    a host (other processes, the OS) comes and goes, and hosts catch up between syncs. So
-    one step's spread per sync.
+    steps waited 0.05-0.08 s, a DDP step's sync 0.02-0.04 s, not sqrt(20) = 4.5x more: what
+    slows a host (other processes, the OS) comes and goes, and hosts catch up between syncs.
+    So one step's spread per sync.
     """
     if not cluster.step_jitter or hosts <= 1 or steps_since_sync < 1:
         return 0.0
