@@ -9,7 +9,9 @@ cluster with link bandwidth B (bytes/s) and latency alpha (s) a ring collective 
 
 On a shared medium (Wi-Fi) the g nodes talking at once share B. Compute per step is
 what one node needed here (or ``step_seconds`` if you know your machines' figure),
-scaled by the cluster's relative speed. Communication is not overlapped with compute.
+scaled by the cluster's relative speed. Communication is not overlapped with compute (the
+runtimes do not overlap them). A cluster whose compute probe measured how much a step
+varies (``step_jitter``) also costs every sync the wait for the slowest host.
 
 Besides the named clusters, ``get_cluster`` takes the path of a cluster file (YAML with
 the fields of :class:`Cluster`), such as ``meshtrain hosts bench`` writes from a
@@ -18,7 +20,9 @@ measurement of real hosts.
 
 from __future__ import annotations
 
+import functools
 import math
+import statistics
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -39,6 +43,20 @@ class Cluster:
     latency: float  # seconds per message
     shared_medium: bool = False  # Wi-Fi: nodes talking at once share the bandwidth
     speed: float = 1.0  # compute speed relative to one core of this machine
+    # The compute probe of `hosts bench --task`: one optimizer step on the slowest host
+    # (every sync waits for it), and what was timed (:func:`probe_label`).
+    step_seconds: float | None = None
+    probe: str | None = None
+    # The probe's spread of one step's compute on the least steady host (its standard
+    # deviation for normal times; hosts/bench.py step_spread). A sync ends when the slowest
+    # host arrives, so every sync costs the others a wait.
+    step_jitter: float | None = None
+
+
+def probe_label(task: str, batch_size: int, threads: int | None) -> str:
+    """What a compute probe timed, as a cluster file records it: a run with the same task,
+    batch size and threads may take its ``step_seconds`` for its own."""
+    return f"task {task}, batch {batch_size}, threads {threads if threads is not None else 'all'}"
 
 
 CLUSTERS: dict[str, Cluster] = {
@@ -70,8 +88,9 @@ def get_cluster(name: str) -> Cluster:
 
 def load_cluster_file(path: Path) -> Cluster:
     """Read a cluster file: ``bandwidth`` (bytes/s) and ``latency`` (s) are required;
-    ``name`` (default: the file's stem), ``description``, ``shared_medium`` and ``speed``
-    are optional. Raises :class:`ClusterFileError`."""
+    ``name`` (default: the file's stem), ``description``, ``shared_medium``, ``speed``
+    and the compute probe's ``step_seconds``, ``step_jitter`` and ``probe`` are optional. Raises
+    :class:`ClusterFileError`."""
     try:
         text = path.read_text()
     except OSError as exc:
@@ -99,6 +118,11 @@ def load_cluster_file(path: Path) -> Cluster:
         latency=_number(path, data, "latency", "seconds >= 0", allow_zero=True),
         shared_medium=_flag(path, data, "shared_medium"),
         speed=_number(path, data, "speed", "relative compute speed > 0", allow_zero=False, default=1.0),
+        step_seconds=_number(path, data, "step_seconds", "seconds > 0", allow_zero=False)
+        if data.get("step_seconds") is not None else None,
+        probe=_text(path, data, "probe", "") if data.get("probe") is not None else None,
+        step_jitter=_number(path, data, "step_jitter", "seconds >= 0", allow_zero=True)
+        if data.get("step_jitter") is not None else None,
     )
 
 
@@ -131,7 +155,8 @@ def cluster_file_text(cluster: Cluster, comment: str = "") -> str:
     after ``comment`` lines (each prefixed with ``#``) and a line giving the units."""
     lines = [*comment.splitlines(), "bandwidth: bytes per second per link; latency: seconds per message"]
     header = "".join(f"# {line}\n" for line in lines)
-    return header + yaml.safe_dump(asdict(cluster), sort_keys=False)
+    values = {k: v for k, v in asdict(cluster).items() if v is not None}  # no probe: no keys
+    return header + yaml.safe_dump(values, sort_keys=False)
 
 
 def collective_seconds(record: CommRecord, cluster: Cluster) -> float:
@@ -150,18 +175,69 @@ def collective_seconds(record: CommRecord, cluster: Cluster) -> float:
     return hops * cluster.latency + moved / bandwidth
 
 
+@functools.cache
+def expected_slowest(hosts: int) -> float:
+    """How far, in standard deviations, the slowest of ``hosts`` equally noisy hosts lags
+    their mean: the expected maximum of ``hosts`` standard normals (0 for one host, 0.564
+    for two, 1.029 for four), integrated numerically."""
+    if hosts <= 1:
+        return 0.0
+    normal = statistics.NormalDist()
+    dx = 0.004
+    xs = [-8 + i * dx for i in range(int(16 / dx) + 1)]
+    return sum(x * hosts * normal.pdf(x) * normal.cdf(x) ** (hosts - 1) for x in xs) * dx
+
+
+def sync_wait_seconds(steps_since_sync: int, hosts: int, cluster: Cluster) -> float:
+    """What a sync among ``hosts`` costs in waiting for the slowest one, on ``cluster``:
+    ``step_jitter * E[max of hosts standard normals]``, once per sync. So DDP pays it every
+    step and DiLoCo once per H steps.
+
+    Independent noise would make hosts drift apart by ``sqrt(steps_since_sync)`` steps'
+    spread, but measured on namespace hosts (benchmarks/scaling.py) a DiLoCo sync after 20
+    steps waited 0.05-0.08 s, a DDP step's sync 0.02-0.04 s, not sqrt(20) = 4.5x more: what
+    slows a host (other processes, the OS) comes and goes, and hosts catch up between syncs.
+    So one step's spread per sync.
+    """
+    if not cluster.step_jitter or hosts <= 1 or steps_since_sync < 1:
+        return 0.0
+    return cluster.step_jitter * expected_slowest(hosts) / cluster.speed
+
+
+def sync_waits(records: Iterable[CommRecord], cluster: Cluster) -> dict[int, float]:
+    """The modelled waiting (:func:`sync_wait_seconds`) at each step that ends in a sync."""
+    groups: dict[int, int] = {}
+    for r in records:
+        if r.step >= 0:
+            groups[r.step] = max(groups.get(r.step, 1), r.group_size)
+    waits, last = {}, -1
+    for step in sorted(groups):
+        waits[step] = sync_wait_seconds(step - last, groups[step], cluster)
+        last = step
+    return waits
+
+
 def project(
     records: Iterable[CommRecord],
     cluster: Cluster,
     steps: int,
     step_seconds: float,
 ) -> dict[str, float | str]:
-    """Projected seconds of compute, communication and their sum for a whole run."""
+    """Projected seconds of compute, communication and their sum for a whole run; on a
+    cluster whose compute probe measured its spread (``step_jitter``), also the waiting for
+    the slowest host at every sync (``sync_wait_seconds``, in the total). Compute and
+    communication are not overlapped: the runtimes do not overlap them."""
+    records = list(records)
     comm = sum(collective_seconds(r, cluster) for r in records if r.step >= 0)
     compute = steps * step_seconds / cluster.speed
-    return {
+    out: dict[str, float | str] = {
         "cluster": cluster.name,
         "compute_seconds": compute,
         "communication_seconds": comm,
         "total_seconds": compute + comm,
     }
+    if cluster.step_jitter is not None:
+        wait = sum(sync_waits(records, cluster).values())
+        out["sync_wait_seconds"] = wait
+        out["total_seconds"] = compute + comm + wait
+    return out

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from meshtrain.cluster import Cluster, collective_seconds
+from meshtrain.cluster import Cluster, collective_seconds, sync_wait_seconds
 from meshtrain.comm import CommRecord, ring_all_reduce_bytes
 from meshtrain.data import Collate, DataFactory, fetch, resolve_dataset
 
@@ -141,15 +141,20 @@ def _candidate(strategy: str, options: dict[str, Any], comm: float, work: Worklo
 
 
 def candidates(work: Workload, cluster: Cluster) -> list[Candidate]:
-    """Every strategy the planner weighs, with its projected cost per step."""
+    """Every strategy the planner weighs, with its projected cost per step (communication
+    plus, on a cluster whose probe measured a ``step_jitter``, the wait for the slowest host
+    at every sync: every step for DDP, SPARTA and DeMo, every H steps for DiLoCo)."""
     n, size = work.hosts, work.trainable_bytes
     full_sync = all_reduce_seconds(size, n, cluster)
-    found = [_candidate("ddp", {}, full_sync, work)]
-    found += [_candidate("diloco", {"H": h}, full_sync / h, work) for h in DILOCO_H]
-    found.append(_candidate("sparta", {"p": SPARTA_P}, all_reduce_seconds(size * SPARTA_P, n, cluster), work))
+    every_step = sync_wait_seconds(1, n, cluster)
+    found = [_candidate("ddp", {}, full_sync + every_step, work)]
+    found += [_candidate("diloco", {"H": h}, (full_sync + sync_wait_seconds(h, n, cluster)) / h, work)
+              for h in DILOCO_H]
+    found.append(_candidate("sparta", {"p": SPARTA_P},
+                            all_reduce_seconds(size * SPARTA_P, n, cluster) + every_step, work))
     demo = all_gather_seconds(demo_bytes_per_step(work.trainable_parameters), n, cluster)
     found.append(_candidate("demo", {"compression_topk": DEMO_TOPK, "compression_chunk": DEMO_CHUNK},
-                            demo, work))
+                            demo + every_step, work))
     return found
 
 
@@ -163,15 +168,20 @@ def recommend(work: Workload, cluster: Cluster, budget: float = COMM_BUDGET) -> 
     if work.hosts == 1:
         return Plan(work, cluster, ddp, found, ["one host: nothing to communicate, plain training"])
     share = f"{ddp.comm_share:.0%}"
+    wait = sync_wait_seconds(1, work.hosts, cluster)
+    # On a probed cluster the share includes the wait for the slowest host: say how much.
+    waiting = [f"of which {wait * 1e3:.1f} ms waiting for the slowest host at each sync (the "
+               f"probe's step varied by {cluster.step_jitter * 1e3:.1f} ms)"] if wait > 0 and \
+        cluster.step_jitter else []
     if ddp.comm_share <= budget:
         reasons = [f"DDP spends {share} of each step communicating on {cluster.name} "
-                   f"(budget {budget:.0%}), and it is exact: no quality cost",
+                   f"(budget {budget:.0%}), and it is exact: no quality cost", *waiting,
                    f"projected {ddp.speedup:.2f}x the samples per second of one host"]
         return Plan(work, cluster, ddp, found, reasons)
     fitting = [c for c in diloco if c.comm_share <= budget]
     choice = fitting[0] if fitting else diloco[-1]
     reasons = [f"DDP would spend {share} of each step communicating on {cluster.name} "
-               f"({ddp.speedup:.2f}x one host)"]
+               f"({ddp.speedup:.2f}x one host)", *waiting]
     if fitting:
         reasons.append(f"DiLoCo H={choice.options['H']} is the smallest H that keeps communication "
                        f"within {budget:.0%} ({choice.comm_share:.1%}): {choice.speedup:.2f}x one host")
@@ -196,6 +206,15 @@ def measure_step_seconds(model: nn.Module, data: Dataset | DataFactory, batch_si
     ``seconds`` (a median over more steps shrugs off a busy moment). A cluster file's
     ``speed`` scales the result to other machines.
     """
+    return statistics.median(measure_step_times(model, data, batch_size, collate_fn, warmup=warmup,
+                                                min_steps=min_steps, max_steps=max_steps, seconds=seconds))
+
+
+def measure_step_times(model: nn.Module, data: Dataset | DataFactory, batch_size: int,
+                       collate_fn: Collate | None = None, *, warmup: int = 3, min_steps: int = 5,
+                       max_steps: int = 50, seconds: float = 2.0) -> list[float]:
+    """The seconds of each timed step of :func:`measure_step_seconds` (their spread is how
+    much a host's step varies: what a sync waits for)."""
     dataset, _ = resolve_dataset(data, 0, 1, "train")
     size = len(dataset)  # type: ignore[arg-type]
     if size < 1:
@@ -215,4 +234,4 @@ def measure_step_seconds(model: nn.Module, data: Dataset | DataFactory, batch_si
             times.append(time.perf_counter() - started)
             deadline = deadline or started + seconds
         step += 1
-    return statistics.median(times)
+    return times

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -11,7 +12,15 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from meshtrain import Trainer
-from meshtrain.cluster import CLUSTERS, Cluster, collective_seconds, get_cluster, project
+from meshtrain.cluster import (
+    CLUSTERS,
+    Cluster,
+    collective_seconds,
+    expected_slowest,
+    get_cluster,
+    project,
+    sync_wait_seconds,
+)
 from meshtrain.comm import CommRecord
 from meshtrain.strategies import DDP, DiLoCo
 
@@ -47,6 +56,28 @@ def test_project_adds_compute_and_ignores_startup_traffic() -> None:
     assert out["total_seconds"] == pytest.approx(out["compute_seconds"] + out["communication_seconds"])
 
 
+def test_a_noisy_host_costs_every_sync_a_wait_for_the_slowest() -> None:
+    """With a probed spread sigma, a sync among g hosts waits sigma * E[max of g standard
+    normals], however many steps since the last (measured: hosts catch up between syncs):
+    DDP every step, DiLoCo every H."""
+    noisy = dataclasses.replace(LINK, step_jitter=0.01)
+    assert expected_slowest(1) == 0 and expected_slowest(2) == pytest.approx(1 / math.sqrt(math.pi))
+    assert expected_slowest(4) == pytest.approx(1.0294, abs=1e-4)
+    assert sync_wait_seconds(1, 2, noisy) == pytest.approx(0.01 * expected_slowest(2))
+    assert sync_wait_seconds(16, 2, noisy) == pytest.approx(sync_wait_seconds(1, 2, noisy))
+    assert sync_wait_seconds(1, 2, LINK) == 0  # no probe, no spread: no wait modelled
+    ddp = [CommRecord(s, "all_reduce", 10**3, 10**3, 2) for s in range(16)]
+    diloco = [CommRecord(s, "all_reduce", 10**3, 10**3, 2) for s in (3, 7, 11, 15)]
+    waits = {name: project(records, noisy, steps=16, step_seconds=0.1) for name, records in
+             (("ddp", ddp), ("diloco", diloco))}
+    assert waits["ddp"]["sync_wait_seconds"] == pytest.approx(16 * sync_wait_seconds(1, 2, noisy))
+    assert waits["diloco"]["sync_wait_seconds"] == pytest.approx(4 * sync_wait_seconds(4, 2, noisy))
+    for out in waits.values():
+        assert out["total_seconds"] == pytest.approx(
+            out["compute_seconds"] + out["communication_seconds"] + out["sync_wait_seconds"])
+    assert "sync_wait_seconds" not in project(ddp, LINK, steps=16, step_seconds=0.1)
+
+
 class Linear(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -75,6 +106,9 @@ def test_summary_projects_the_runs_own_collectives(
     assert projected["cluster"] == "internet"
     assert projected["compute_seconds"] == pytest.approx(20 * 0.25)
     assert projected["communication_seconds"] == pytest.approx(syncs * per_sync)
+    # Beside the projection: the time rank 0 spent inside its collectives here (> 0, and
+    # less than the whole run's wall-clock).
+    assert 0 < projected["measured_communication_seconds"] < result.summary["wall_seconds"]
 
 
 def test_unknown_cluster_is_rejected(tmp_path: Path) -> None:

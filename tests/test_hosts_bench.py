@@ -12,6 +12,8 @@ The namespace test is skipped (with the reason) where namespaces, sshd or tc can
 from __future__ import annotations
 
 import json
+import math
+import re
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -23,17 +25,21 @@ from ssh_fixtures import PYTHON, Namespaces, SshWorld, meshtrain
 from typer.testing import CliRunner
 
 from meshtrain.cli.main import app
-from meshtrain.cluster import CLUSTERS, Cluster, cluster_file_text, get_cluster
+from meshtrain.cluster import CLUSTERS, Cluster, cluster_file_text, get_cluster, probe_label
 from meshtrain.hosts.bench import (
     BenchError,
+    ProbeSpec,
     Sample,
     bench_sizes,
     fit_alpha_beta,
     fitted_cluster,
     model_seconds,
     parse_size,
+    probe_from_json,
+    probe_to_json,
     samples_from_json,
     samples_to_json,
+    step_spread,
 )
 
 # --------------------------------------------------------------------------- the fit
@@ -119,8 +125,54 @@ def test_cluster_file_round_trips_and_named_clusters_stay(tmp_path: Path) -> Non
     assert get_cluster(str(tmp_path / "min.yml")) == Cluster("min", "measured cluster from min.yml", 1e6, 0.0)
 
 
+def test_cluster_file_keeps_the_compute_probe(tmp_path: Path) -> None:
+    probed = Cluster("lab", "two boxes", 1.25e8, 2.5e-4, step_seconds=0.125,
+                     probe=probe_label("gpt", 32, 1), step_jitter=0.004)
+    path = tmp_path / "lab.yaml"
+    path.write_text(cluster_file_text(probed))
+    assert get_cluster(str(path)) == probed
+    assert probed.probe == "task gpt, batch 32, threads 1"
+    assert probe_label("gpt", 32, None) == "task gpt, batch 32, threads all"
+    plain = tmp_path / "plain.yaml"  # no probe: no keys for it in the file
+    plain.write_text(cluster_file_text(Cluster("plain", "x", 1e6, 0.0)))
+    assert not {"step_seconds", "probe", "step_jitter"} & set(yaml.safe_load(plain.read_text()))
+
+
+def test_step_spread_is_the_standard_deviation_of_normal_times_and_halves_the_pair_gap() -> None:
+    import random
+    import statistics
+
+    rng = random.Random(0)
+    normal = [rng.gauss(0.1, 0.01) for _ in range(20_000)]
+    assert step_spread(normal) == pytest.approx(statistics.stdev(normal), rel=0.02)
+    # Two hosts' sync waits half the mean gap between two steps: 0.564 x spread, exactly.
+    times = [0.10, 0.12, 0.11, 0.30]
+    gaps = [abs(a - b) for i, a in enumerate(times) for b in times[i + 1:]]
+    assert step_spread(times) / math.sqrt(math.pi) == pytest.approx(statistics.mean(gaps) / 2)
+    assert step_spread(times) < statistics.stdev(times)  # one slow step sways it less
+    assert step_spread([0.1]) == 0.0
+
+
+def test_probe_times_from_rank_0_are_parsed_strictly() -> None:
+    spec = ProbeSpec("gpt", 32, 1, "/data/text.txt")
+    assert spec.argv() == ["--probe-task", "gpt", "--probe-batch", "32", "--probe-threads", "1",
+                           "--probe-data", "/data/text.txt"]
+    good = {"samples": [], "probe": probe_to_json(spec, [0.12, 0.13], [0.004, 0.0])}
+    assert probe_from_json(json.dumps(good), "box0:bench.json", 2) == good["probe"]
+    assert probe_from_json('{"samples": []}', "box0:bench.json", 2) is None
+    for bad in ({"step_seconds": [0.1]}, {"step_seconds": [0.1, -1]}, {"step_seconds": [0.1, True]},
+                {"task": "gpt; rm -rf /"}, {"batch_size": 0}, {"threads": 1.5}, {"step_jitter": [0.1]},
+                {"step_jitter": [0.1, -0.1]}):
+        text = json.dumps({"samples": [], "probe": {**good["probe"], **bad}})
+        with pytest.raises(BenchError, match="^box0:bench.json: not a benchmark result"):
+            probe_from_json(text, "box0:bench.json", 2)
+    with pytest.raises(BenchError, match="not a benchmark result"):
+        probe_from_json(json.dumps(good).replace("0.12", "NaN"), "box0:bench.json", 2)
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("name: lab\nlatency: 0.001\n", "missing key 'bandwidth'"),
+    ("bandwidth: 1.0e+6\nlatency: 0.001\nstep_seconds: 0\n", "step_seconds: expected seconds > 0, got 0"),
     ("bandwidth: -5\nlatency: 0.001\n", "bandwidth: expected bytes per second > 0, got -5"),
     ("bandwidth: [1, 2\nlatency: 1\n", "not valid YAML (line 2)"),
     ("bandwith: 1e6\nlatency: 0.001\n", "unknown key 'bandwith'"),
@@ -179,7 +231,8 @@ def benched(limited_world, tmp_path_factory: pytest.TempPathFactory
              for i, s in enumerate(world.servers)]
     inv = world.inventory(folder / "lab.yaml", hosts, iface="eth0", rendezvous={"port": 29510, "timeout": 60})
     result = meshtrain(world, "hosts", "bench", str(inv), "--min-size", "64KB", "--max-size", "2MB",
-                       "--points", "5", "--repeats", "3", cwd=folder, timeout=180)
+                       "--points", "5", "--repeats", "3", "--task", "digits", "--batch-size", "16",
+                       "--threads", "1", cwd=folder, timeout=180)
     return result, folder, world
 
 
@@ -195,6 +248,14 @@ def test_bench_fits_the_configured_rate(benched) -> None:
     assert 0 <= cluster.latency < 0.05, cluster
     assert cluster.name == "lab" and not cluster.shared_medium and cluster.speed == 1.0
     assert f"wrote clusters{'/'}lab.yaml" in result.stdout
+    # The compute probe: every host timed digits steps; the slowest host's step is written.
+    assert cluster.probe == "task digits, batch 16, threads 1"
+    assert cluster.step_seconds is not None and 0 < cluster.step_seconds < 1.0, cluster
+    probed = re.search(r"compute probe, seconds per step: box0 ([\d.]+), box1 ([\d.]+)", result.stdout)
+    assert probed, result.stdout
+    assert cluster.step_seconds == pytest.approx(max(map(float, probed.groups())), abs=1e-4)
+    spread = re.search(r"spread: box0 ([\d.]+), box1 ([\d.]+)", result.stdout)
+    assert spread and cluster.step_jitter == pytest.approx(max(map(float, spread.groups())), abs=1e-4)
 
 
 def test_simulate_projects_onto_the_benched_cluster(benched) -> None:

@@ -42,7 +42,11 @@ def two_ranks(world: SshWorld, tmp_path: Path) -> Path:
         (["--task", "gpt", "--data", "{empty}"], "--data {empty}: the folder holds no files"),
         (["--out", "/proc/x"], "--out /proc/x: cannot write into /proc"),
         (["--set", "steps="], "--set steps=: empty value"),
-        (["--strategy", "auto"], "--strategy auto is for simulate (it times the model on this machine)"),
+        (["--strategy", "auto"], "--strategy auto plans from the hosts' measured network: run "
+                                 "`meshtrain hosts bench"),
+        (["--strategy", "auto", "--set", "cluster={noprobe}"],
+         "{noprobe}: it has no compute probe, this run is task digits, batch 32, threads all"),
+        (["--strategy", "auto", "--set", "H=5"], "--set H: --strategy auto chooses the strategy"),
     ],
 )
 def test_bad_launch_input_stops_before_any_host_is_contacted(
@@ -50,8 +54,10 @@ def test_bad_launch_input_stops_before_any_host_is_contacted(
 ) -> None:
     inv = two_ranks(loopback_ssh, tmp_path)
     (tmp_path / "empty").mkdir()
-    args = [a.replace("{empty}", str(tmp_path / "empty")) for a in args]
-    message = message.replace("{empty}", str(tmp_path / "empty"))
+    (tmp_path / "noprobe.yaml").write_text("bandwidth: 1.0e+8\nlatency: 0.0002\n")  # no compute probe
+    for name, path in (("{empty}", tmp_path / "empty"), ("{noprobe}", tmp_path / "noprobe.yaml")):
+        args = [a.replace(name, str(path)) for a in args]
+        message = message.replace(name, str(path))
     result = runner.invoke(app, ["launch", str(inv), "--out", str(tmp_path / "runs"), *args])
     assert result.exit_code == 2, result.output
     lines = result.output.strip().splitlines()

@@ -3,12 +3,13 @@ the choices the rule makes on fast and slow links."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from meshtrain.cluster import CLUSTERS, Cluster
-from meshtrain.planning import COMM_BUDGET, Workload, candidates, recommend
+from meshtrain.cluster import CLUSTERS, Cluster, get_cluster
+from meshtrain.planning import COMM_BUDGET, Workload, all_reduce_seconds, candidates, recommend
 
 GPT_PARAMETERS = 420_000  # the gpt task's model, about 1.68 MB of fp32
 SLOW = Cluster("slow", "~50 Mbit/s", bandwidth=50e6 / 8, latency=1e-3)
@@ -165,3 +166,23 @@ def test_strategy_auto_refuses_strategy_parameters(tmp_path: Path) -> None:
                                       "--out", str(tmp_path)])
     assert result.exit_code == 2
     assert "--strategy auto chooses the strategy and its parameters itself" in result.output
+
+
+def test_a_noisy_host_tips_a_fast_link_from_ddp_to_diloco() -> None:
+    """The probe's spread (step_jitter) costs DDP a wait at every step and DiLoCo one per H
+    steps: on a link where DDP fits the budget, hosts whose step varies by a third of itself
+    (a busy machine) make DiLoCo the choice."""
+    from meshtrain.cluster import sync_wait_seconds
+
+    work = Workload(GPT_PARAMETERS, step_seconds=0.125, hosts=2)
+    quiet = get_cluster("10gbe")
+    assert recommend(work, quiet).choice.strategy == "ddp"
+    busy = dataclasses.replace(quiet, step_jitter=0.04)
+    plan = recommend(work, busy)
+    ddp = plan.candidates[0]
+    assert ddp.comm_seconds == pytest.approx(all_reduce_seconds(GPT_PARAMETERS * 4, 2, quiet)
+                                             + sync_wait_seconds(1, 2, busy))
+    assert plan.choice.strategy == "diloco" and plan.choice.comm_share <= 0.10
+    h = plan.choice.options["H"]
+    assert plan.choice.comm_seconds == pytest.approx(
+        (all_reduce_seconds(GPT_PARAMETERS * 4, 2, quiet) + sync_wait_seconds(h, 2, busy)) / h)

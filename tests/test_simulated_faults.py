@@ -220,8 +220,11 @@ def test_a_straggler_at_slowdown_1_changes_no_projected_number(tmp_path: Path) -
     common = dict(nodes=4, max_steps=steps, batch_size=batch, step_seconds=0.1)
     plain = fit(data, DDP(lr=0.01), tmp_path / "p", **common)
     same = fit(data, DDP(lr=0.01), tmp_path / "s", **common, straggler=["node=3,slowdown=1"])
-    expected = {**plain.summary["projected"], "idle_seconds": 0.0}
-    assert same.summary["projected"] == expected
+    def projected_numbers(summary: dict) -> dict:  # what was measured here differs run to run
+        return {k: v for k, v in summary["projected"].items() if k != "measured_communication_seconds"}
+
+    expected = {**projected_numbers(plain.summary), "idle_seconds": 0.0}
+    assert projected_numbers(same.summary) == expected
     assert [r["projected_seconds"] for r in same.history] == [r["projected_seconds"] for r in plain.history]
 
 

@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import typer
+import yaml
 from rich.table import Table
 from rich.text import Text
 
+from meshtrain import yaml12
 from meshtrain.build import AUTO, resolve_run
 from meshtrain.checkpoint import fewer_nodes_refusal
 from meshtrain.cli import dashboard as dashboard_cli
@@ -25,7 +27,8 @@ from meshtrain.cli.console import errors, fail, fail_on
 from meshtrain.cli.console import wide_console as console  # the hosts commands' output
 from meshtrain.cli.flags import takes_settings
 from meshtrain.cli.hosts_setup import hosts_setup
-from meshtrain.cluster import cluster_file_text
+from meshtrain.cli.plan import plan_table
+from meshtrain.cluster import cluster_file_text, get_cluster, probe_label
 from meshtrain.config.launching import LaunchSettings
 from meshtrain.config.resume import resume_conflict
 from meshtrain.config.settings import SettingError, check_flag, check_run_id
@@ -36,12 +39,14 @@ from meshtrain.hosts import discovery as d
 from meshtrain.hosts.bench import (
     BENCH_FILE,
     BenchError,
+    ProbeSpec,
     bench_sizes,
     fit_alpha_beta,
     fit_warning,
     fitted_cluster,
     model_seconds,
     parse_size,
+    probe_from_json,
     samples_from_json,
 )
 from meshtrain.hosts.checks import CHECKS, check_hosts
@@ -57,9 +62,10 @@ from meshtrain.launch.launcher import (
     training_argv,
 )
 from meshtrain.launch.live import rank_output
+from meshtrain.planning import Plan, Workload, recommend, trainable_parameters
 from meshtrain.progress import human_bytes
 from meshtrain.run_dir import atomic_write_text
-from meshtrain.tasks import Task, check_options
+from meshtrain.tasks import Task, TaskError, TaskOptions, check_options, get_task
 
 
 def resume_command(args: list[str], run_id: str) -> str:
@@ -135,6 +141,14 @@ def hosts_bench(
                                                      "of this machine (not measured)."),
     accept_new_host_keys: bool = typer.Option(
         False, "--accept-new-host-keys", help="Trust hosts seen for the first time (records their keys)."),
+    task: str = typer.Option(None, "--task", help="Compute probe: time a few steps of this task's model "
+                                                  "on every host; the slowest host's step goes into the "
+                                                  "cluster file (what `launch --strategy auto` plans with)."),
+    data: str = typer.Option(None, "--data", help="The probe task's data file (same path on every host)."),
+    batch_size: int = typer.Option(None, "--batch-size", help="The probe's samples per step (default: "
+                                                              "the task's)."),
+    threads: int = typer.Option(None, "--threads", help="The probe's torch threads (default: the "
+                                                        "inventory's, else every core)."),
 ) -> None:
     """Measure latency and bandwidth between the hosts and write a cluster file.
 
@@ -157,10 +171,13 @@ def hosts_bench(
         sizes = bench_sizes(parse_size(min_size), parse_size(max_size), points)
     except BenchError as exc:
         raise fail(str(exc)) from None
+    # Without --threads the probe times what a launch on these hosts runs: the inventory's threads.
+    inventory_threads = inv.hosts[0].threads if len({h.threads for h in inv.hosts}) == 1 else None
+    probe = _probe_spec(task, data, batch_size, threads, inventory_threads)
     name = name or inventory.stem
     out = out or Path("clusters") / f"{name}.yaml"
     argv = ["python", "-m", "meshtrain.hosts.bench", "--sizes", ",".join(map(str, sizes)),
-            "--repeats", str(repeats)]
+            "--repeats", str(repeats), *(probe.argv() if probe else [])]
     with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as tmp:
         run_id = new_launch_id("bench", inv.world_size, Path(tmp))
         argv += ["--out", f"{REMOTE_RUNS}/{run_id}/{BENCH_FILE}"]  # copied back like a run directory
@@ -180,13 +197,26 @@ def hosts_bench(
             raise fail("the benchmark did not finish; no cluster file was written",
                        code=result.exit_code or 1)
         try:
-            samples = samples_from_json(timings.read_text(), f"{inv.hosts[0].name}:{BENCH_FILE}")
+            text, source = timings.read_text(), f"{inv.hosts[0].name}:{BENCH_FILE}"
+            samples = samples_from_json(text, source)
+            probed = probe_from_json(text, source, inv.world_size) if probe else None
             fit = fit_alpha_beta(samples)
         except BenchError as exc:
             raise fail(str(exc), code=1) from None
     labels = ", ".join(h.name for h in inv.hosts)
     cluster = fitted_cluster(fit, name, description or f"measured by meshtrain hosts bench on {labels}",
                              shared_medium=shared_medium, speed=speed)
+    probe_note = ""
+    if probe is not None:
+        if probed is None:
+            raise fail(f"{inv.hosts[0].name}:{BENCH_FILE}: the compute probe's times are missing", code=1)
+        per_host, spread = probed["step_seconds"], probed["step_jitter"]
+        cluster = dataclasses.replace(cluster, step_seconds=max(per_host), step_jitter=max(spread),
+                                      probe=probe_label(probe.task, probe.batch_size, probe.threads))
+        probe_note = "\ncompute probe, seconds per step: " + ", ".join(
+            f"{h.name} {t:.4f}" for h, t in zip(inv.hosts, per_host, strict=True)) + \
+            "; spread: " + ", ".join(
+            f"{h.name} {t:.4f}" for h, t in zip(inv.hosts, spread, strict=True))
     table = Table(title=f"all-reduce over {inv.world_size} hosts: measured vs fitted model",
                   caption=str(inventory))
     for column in ("buffer", "sent per host", "measured", "model", "model error"):
@@ -202,10 +232,34 @@ def hosts_bench(
     shared = " (shared by the hosts)" if shared_medium else " per link"
     console.print(f"fitted: latency {cluster.latency * 1e3:.3f} ms per message, bandwidth "
                   f"{human_bytes(cluster.bandwidth)}/s{shared}", highlight=False)
+    if probe_note:
+        console.print(probe_note.strip() + f" ({cluster.probe})", highlight=False)
     atomic_write_text(out, cluster_file_text(
         cluster, f"meshtrain hosts bench {inventory}: {len(samples)} sizes x {repeats} repeats"
-                 + (f"\nWARNING: {doubt}" if doubt else "")))
+                 + probe_note + (f"\nWARNING: {doubt}" if doubt else "")))
     console.print(f"wrote {out}; use it with: meshtrain simulate --cluster {out}", highlight=False)
+
+
+def _probe_spec(task: str | None, data: str | None, batch_size: int | None, threads: int | None,
+                inventory_threads: int | None) -> ProbeSpec | None:
+    """``hosts bench``'s compute probe from its flags, checked here (exit 2) before any host runs it."""
+    if task is None:
+        if data is not None or batch_size is not None or threads is not None:
+            raise fail("--data, --batch-size and --threads set up the compute probe: give --task too")
+        return None
+    try:
+        chosen = get_task(task)
+    except TaskError as exc:
+        raise fail(str(exc)) from None
+    if data is not None and not chosen.takes_data:
+        raise fail(f"task {task!r} reads no data file: drop --data {data}")
+    for flag, value in (("--batch-size", batch_size), ("--threads", threads)):
+        if value is not None and value < 1:
+            raise fail(f"{flag}: expected a whole number >= 1, got {value}")
+    batch = batch_size or int(chosen.defaults.get("batch_size", 32))
+    threads = threads if threads is not None else inventory_threads
+    absolute = str(Path(data).expanduser().resolve()) if data is not None else None
+    return ProbeSpec(task, batch, threads, absolute)
 
 
 def hosts_discover(
@@ -318,9 +372,6 @@ def _resolve_training(flags: dict[str, Any], overrides: list[str], world_size: i
     ranks may be started again with --resume (--resume, --max-restarts)."""
     try:
         spec, task = resolve_run(flags, overrides, launched=False)
-        if spec.strategy == AUTO:
-            raise fail("--strategy auto is for simulate (it times the model on this machine): run "
-                       f"`meshtrain plan --hosts {world_size} --cluster CLUSTER` and launch with its choice")
         # As a launched rank sees it: one node per host, simulated faults not allowed.
         config = dataclasses.replace(spec.train_config(), nodes=world_size, runtime="launched")
         if restarts and config.balance:
@@ -334,6 +385,59 @@ def _resolve_training(flags: dict[str, Any], overrides: list[str], world_size: i
     except ValueError as exc:  # ConfigError, SettingError, FaultError, TaskError
         raise fail(str(exc)) from None
     return spec, task
+
+
+def _plan_launch(inventory: Path, inv: Inventory, flags: dict[str, Any], overrides: list[str]
+                 ) -> tuple[Plan, Path | None]:
+    """``launch --strategy auto``: the planner's choice for the inventory's hosts, from the
+    cluster file ``hosts bench`` wrote for them (``clusters/INVENTORY.yaml``, or ``--set
+    cluster=...``) and its compute probe (or ``--set step_seconds=...``). Returns the plan
+    and the cluster file the ranks should project onto (None for a named cluster)."""
+    try:
+        spec, task = resolve_run(flags, overrides, launched=False)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    given = any(item.partition("=")[0].strip() == "cluster" for item in overrides)
+    default = Path("clusters") / f"{inventory.stem}.yaml"
+    if not given and not default.is_file():
+        raise fail(f"--strategy auto plans from the hosts' measured network: run `meshtrain hosts bench "
+                   f"{inventory} --task {task.name}` (it writes {default}), or give --set cluster=FILE")
+    name = spec.cluster if given else str(default)
+    try:
+        cluster = get_cluster(name)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    threads = inv.hosts[0].threads if len({h.threads for h in inv.hosts}) == 1 else None
+    wanted = probe_label(task.name, spec.batch_size, threads)
+    step = spec.step_seconds
+    if step is None:
+        if cluster.step_seconds is None or cluster.probe != wanted:
+            timed = f"its probe timed {cluster.probe}" if cluster.probe else "it has no compute probe"
+            threads_flag = f" --threads {threads}" if threads is not None else ""
+            raise fail(f"--strategy auto: {name}: {timed}, this run is {wanted}: run `meshtrain hosts bench "
+                       f"{inventory} --task {task.name} --batch-size {spec.batch_size}{threads_flag}`, or "
+                       "give --set step_seconds=S (one step's compute on the slowest host)")
+        step = cluster.step_seconds
+    try:
+        bundle = task.build(TaskOptions(spec.data, spec.seed, check_options(task, spec.task_options)))
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    plan = recommend(Workload(trainable_parameters(bundle.model), step, inv.world_size), cluster)
+    console.print(plan_table(plan))
+    console.print(f"--strategy auto chose {plan.choice.label}", highlight=False)
+    return plan, (Path(name) if name.endswith((".yaml", ".yml")) else None)
+
+
+def _record_plan(run_dir: Path, plan: Plan) -> None:
+    """config.yaml of a launch with ``--strategy auto``: the choice and its reasons under ``plan``."""
+    config_file = run_dir / "config.yaml"
+    try:
+        config = yaml12.load(config_file.read_text())
+    except (OSError, ValueError):
+        return  # nothing usable came back: the copy-back already said why
+    if isinstance(config, dict):
+        config["plan"] = plan.as_config()
+        atomic_write_text(config_file, yaml.safe_dump(config, sort_keys=False))
 
 
 def _check_shrink(spec: RunSpec, max_restarts: int) -> None:
@@ -519,6 +623,11 @@ def register(app: typer.Typer) -> None:
         if how.allow_shrink and not training:
             raise fail("--allow-shrink continues a training run: give training flags, not a command after --")
         _check_out_dir(out)
+        plan, cluster_file = None, None
+        if training and flags["strategy"] == AUTO:  # chosen here, before any host is contacted
+            plan, cluster_file = _plan_launch(inventory, inv, flags, set_)
+            flags["strategy"] = plan.choice.strategy
+            set_ = [*set_, *(f"{k}={v}" for k, v in plan.choice.options.items())]
         if training:
             spec, task = _resolve_training(flags, set_, inv.world_size,
                                            restarts=bool(resume or how.max_restarts))
@@ -530,6 +639,9 @@ def register(app: typer.Typer) -> None:
             if resume:
                 _check_resume_here(spec, out, resume)
             run_id = resume or run_id or new_launch_id(strategy or "train", inv.world_size, out)
+            if cluster_file is not None:  # the ranks project onto it: every workdir gets a copy
+                upload = [*upload, cluster_file]
+                spec.cluster = cluster_file.name
             settings_file = _settings_file(spec, out, run_id)
             upload = [*upload, settings_file]
             argv = training_argv(["--settings-file", settings_file.name])
@@ -570,6 +682,8 @@ def register(app: typer.Typer) -> None:
         # then records the settings), and only if it wrote checkpoints.
         if settings_file is not None and (result.run_dir is not None or not spec.checkpoint_every):
             settings_file.unlink(missing_ok=True)
+        if plan is not None and result.run_dir is not None:
+            _record_plan(result.run_dir, plan)
         logs = output.keep_logs(result.run_dir)
         if logs:
             console.print(logs, highlight=False, soft_wrap=True)

@@ -226,6 +226,10 @@ def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
             f"{projected['total_seconds']:.2f} s (compute {projected['compute_seconds']:.2f} s"
             f" + communication {projected['communication_seconds']:.2f} s)",
         )
+        if summary.get("runtime") == "launched" and "measured_communication_seconds" in projected:
+            # Over the real link, beside the model's figure: a user sees when the model is off.
+            table.add_row("communication measured", f"{projected['measured_communication_seconds']:.2f} s "
+                          f"(projected {projected['communication_seconds']:.2f} s)")
         if "idle_seconds" in projected:
             slow = ", ".join(f"node {s['node']} x{s['slowdown']:g}" for s in faults.get("stragglers", []))
             table.add_row("waiting for stragglers",

@@ -211,7 +211,8 @@ def _report(run: NodeRun, final: dict[str, float]) -> FitResult:
                       history_val=run.history_val, initial=run.initial, final=final,
                       skipped=run.skipped, steps=run.max_steps, plan=run.plan, live=run.live,
                       log_lines=run.progress.lines,
-                      balance=run.balancer.to_dict() if run.balancer is not None else None)
+                      balance=run.balancer.to_dict() if run.balancer is not None else None,
+                      measured_communication_seconds=comm.log.seconds)
 
 
 def _agreed_epoch_steps(epochs: float, batches_per_epoch: int, comm: Communicator) -> int:

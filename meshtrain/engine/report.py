@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from meshtrain import observers
-from meshtrain.cluster import Cluster, collective_seconds, get_cluster, project
+from meshtrain.cluster import Cluster, collective_seconds, get_cluster, project, sync_waits
 from meshtrain.comm import Communicator
 from meshtrain.comm.communicator import CommRecord
 from meshtrain.engine import loggers
@@ -54,7 +54,8 @@ def finish_run(job: NodeJob, strategy: Strategy, model: nn.Module, records: list
                reports: list[NodeReport], *, history_val: dict[int, dict[str, float]],
                initial: dict[str, float], final: dict[str, float], skipped: list[int], steps: int,
                plan: FaultPlan, live: loggers.RunLoggers, log_lines: list[str],
-               balance: dict[str, Any] | None = None) -> FitResult:
+               balance: dict[str, Any] | None = None,
+               measured_communication_seconds: float | None = None) -> FitResult:
     """Rank 0, after the last step: the history and summary from every node's report, the
     projection, the loggers' last word and the run directory."""
     cfg = job.config
@@ -72,7 +73,7 @@ def finish_run(job: NodeJob, strategy: Strategy, model: nn.Module, records: list
         skipped_steps = set(skipped)
         for row in history:
             row["skipped"] = int(row["step"] in skipped_steps)
-    summary["projected"] = projection(job, records, reports, steps, plan)
+    summary["projected"] = projection(job, records, reports, steps, plan, measured_communication_seconds)
     add_projected_seconds(history, records, get_cluster(cfg.cluster), summary["projected"]["step_seconds"],
                           [plan.slowdown_at(s, cfg.nodes) for s in range(steps)])
     with live.closed_on_failure():  # before the run directory is committed (TensorBoard's files)
@@ -173,7 +174,8 @@ def run_summary(
 
 
 def projection(job: NodeJob, records: list[CommRecord], reports: list[NodeReport], steps: int,
-               plan: FaultPlan | None = None) -> dict[str, Any]:
+               plan: FaultPlan | None = None, measured_communication_seconds: float | None = None
+               ) -> dict[str, Any]:
     """Rank 0's collectives and the nodes' compute, replayed on the configured cluster.
 
     The compute of one step (``step_seconds``) is ``cfg.step_seconds`` if given, else the
@@ -193,10 +195,16 @@ def projection(job: NodeJob, records: list[CommRecord], reports: list[NodeReport
     if plan.stragglers:
         slowest = sum(plan.slowdown_at(s, cfg.nodes) for s in range(steps))
         out["compute_seconds"] = slowest * step_seconds / cluster.speed
-        out["total_seconds"] = out["compute_seconds"] + out["communication_seconds"]
+        out["total_seconds"] = (out["compute_seconds"] + out["communication_seconds"]
+                                + out.get("sync_wait_seconds", 0.0))
         idle = sum(plan.idle_factor_at(s, cfg.nodes) for s in range(steps))
         out["idle_seconds"] = idle * step_seconds / cluster.speed
-    return {**out, "step_seconds": step_seconds}
+    out["step_seconds"] = step_seconds
+    if measured_communication_seconds is not None:
+        # What rank 0 spent inside its recorded collectives (waiting for peers included):
+        # beside the projected communication, it shows where the model is off.
+        out["measured_communication_seconds"] = measured_communication_seconds
+    return out
 
 
 def add_projected_seconds(history: list[dict[str, Any]], records: list[CommRecord], cluster: Cluster,
@@ -208,6 +216,8 @@ def add_projected_seconds(history: list[dict[str, Any]], records: list[CommRecor
     for r in records:
         if r.step >= 0:  # a collective after the last step (the final sync) counts in the last step
             comm_seconds[min(r.step, len(history) - 1)] += collective_seconds(r, cluster)
+    for step, wait in sync_waits(records, cluster).items():  # 0 unless the cluster has a jitter
+        comm_seconds[min(step, len(history) - 1)] += wait
     total = 0.0
     slowdowns = slowdowns or [1.0] * len(history)
     for row, seconds, slowdown in zip(history, comm_seconds, slowdowns, strict=True):

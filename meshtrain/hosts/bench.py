@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -37,7 +38,7 @@ from meshtrain.cluster import Cluster, collective_seconds
 from meshtrain.comm import CommRecord, Communicator, ring_all_reduce_bytes
 from meshtrain.comm.sealing import bind_gloo_to_advertise
 from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group, leave_in_order
-from meshtrain.config.environment import RankEnvironmentError, launched_rank
+from meshtrain.config.environment import RankEnvironmentError, launched_rank, threads_from_environment
 from meshtrain.errors import InputError
 from meshtrain.heartbeat import start_heartbeat
 from meshtrain.run_dir import atomic_write_text
@@ -256,10 +257,106 @@ def samples_from_json(text: str, source: str) -> list[Sample]:
         raise BenchError(f"{source}: not a benchmark result ({type(exc).__name__}: {exc})") from None
 
 
+# --------------------------------------------------------------------------- compute probe
+@dataclass(frozen=True)
+class ProbeSpec:
+    """What the compute probe times on every host: a few optimizer steps of a task's model."""
+
+    task: str
+    batch_size: int
+    threads: int | None = None  # torch intra-op threads (None: torch's default, every core)
+    data: str | None = None  # the task's data file, at the same path on every host
+
+    def argv(self) -> list[str]:
+        """The rank's arguments that ask for this probe."""
+        words = ["--probe-task", self.task, "--probe-batch", str(self.batch_size)]
+        if self.threads is not None:
+            words += ["--probe-threads", str(self.threads)]
+        if self.data is not None:
+            words += ["--probe-data", self.data]
+        return words
+
+
+def probe_step_seconds(spec: ProbeSpec) -> tuple[float, float]:
+    """This host's median seconds of one forward, backward and AdamW step of ``spec.task``'s
+    model at ``spec.batch_size``, and their spread (:func:`step_spread`; the planner's compute
+    probe, run here)."""
+    from meshtrain.planning import measure_step_times
+    from meshtrain.tasks import TaskOptions, check_options, get_task
+
+    task = get_task(spec.task)
+    bundle = task.build(TaskOptions(spec.data, 0, check_options(task, {})))
+    threads_before = torch.get_num_threads()
+    # As a launched rank would train: the given threads, else the inventory's (the launcher
+    # sets MESHTRAIN_THREADS, already checked), else every core.
+    torch.set_num_threads(spec.threads or threads_from_environment()
+                          or os.cpu_count() or 1)
+    try:
+        # 20 timed steps at least: enough for a spread, a few seconds for a small model.
+        times = measure_step_times(bundle.model, bundle.train_data, spec.batch_size, bundle.collate_fn,
+                                   min_steps=20)
+        return statistics.median(times), step_spread(times)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def step_spread(times: Sequence[float]) -> float:
+    """How much one step varies: ``sqrt(pi)/2`` times the mean difference between two steps,
+    the standard deviation for normally distributed times. Two hosts' sync waits half the
+    mean difference, which this keeps exact, and a few very slow steps sway it less than
+    the standard deviation."""
+    ordered = sorted(times)
+    n = len(ordered)
+    if n < 2:
+        return 0.0
+    # sum over pairs i<j of x_j - x_i, from the sorted times in one pass
+    total = sum((2 * i - n + 1) * x for i, x in enumerate(ordered))
+    return math.sqrt(math.pi) / 2 * total / (n * (n - 1) / 2)
+
+
+def probe_to_json(spec: ProbeSpec, seconds: Sequence[float], jitter: Sequence[float]) -> dict[str, Any]:
+    """The probe as rank 0 writes it into bench.json: what was timed, each rank's median
+    step and its spread."""
+    return {"task": spec.task, "batch_size": spec.batch_size, "threads": spec.threads,
+            "step_seconds": [float(x) for x in seconds], "step_jitter": [float(x) for x in jitter]}
+
+
+def probe_from_json(text: str, source: str, world_size: int) -> dict[str, Any] | None:
+    """The ``probe`` of bench.json (None if it has none), checked strictly like the samples:
+    a task name, whole batch and threads, one finite positive time per rank."""
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not a number")
+
+    try:
+        probe = json.loads(text, parse_constant=refuse).get("probe")
+        if probe is None:
+            return None
+        task, batch, threads = probe["task"], probe["batch_size"], probe["threads"]
+        times, jitter = probe["step_seconds"], probe["step_jitter"]
+        if not isinstance(task, str) or not task.isidentifier():
+            raise ValueError(f"task {task!r} is not a task name")
+        for key, value in (("batch_size", batch), ("threads", threads)):
+            whole = isinstance(value, int) and not isinstance(value, bool) and 0 < value < 2**31
+            if value is not None and not whole:
+                raise ValueError(f"{key} {value!r} is not a whole number > 0")
+        if not isinstance(times, list) or len(times) != world_size or not all(
+                isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < 1e6 for t in times):
+            raise ValueError(f"step_seconds must hold one time > 0 per host ({world_size})")
+        if not isinstance(jitter, list) or len(jitter) != world_size or not all(
+                isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < 1e6 for t in jitter):
+            raise ValueError(f"step_jitter must hold one time >= 0 per host ({world_size})")
+        return {"task": task, "batch_size": batch, "threads": threads,
+                "step_seconds": [float(t) for t in times], "step_jitter": [float(t) for t in jitter]}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise BenchError(f"{source}: not a benchmark result (probe: {type(exc).__name__}: {exc})") from None
+
+
 # --------------------------------------------------------------------------- one rank
-def run_rank(sizes: Sequence[int], repeats: int, out: Path, timeout_s: float) -> None:
+def run_rank(sizes: Sequence[int], repeats: int, out: Path, timeout_s: float,
+             probe: ProbeSpec | None = None) -> None:
     """Join the launched group (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), measure, and on
-    rank 0 write the samples to ``out``."""
+    rank 0 write the samples to ``out``; with ``probe`` every host also times a few steps of
+    a task's model (one host at a time: on a shared machine they would slow each other)."""
     start_heartbeat()  # the launcher stops a rank that goes silent
     # One thread: summing the chunks takes well under a millisecond per MB, while idle
     # OpenMP workers spinning on shared cores can add tens of ms to every message.
@@ -283,13 +380,29 @@ def run_rank(sizes: Sequence[int], repeats: int, out: Path, timeout_s: float) ->
                 print(f"{sample.payload_bytes} B: {sample.seconds * 1e3:.3f} ms (this rank, median)")
 
         samples = measure(comm, sizes, repeats, report=report)
+        probed: list[float] = []
+        jitter: list[float] = []
+        if probe is not None:
+            for turn in range(world):
+                mine = torch.zeros(2, dtype=torch.float64)
+                if turn == rank:
+                    mine[0], mine[1] = probe_step_seconds(probe)
+                    print(f"compute probe: {probe.task}, batch {probe.batch_size}: "
+                          f"{mine[0].item() * 1e3:.1f} ms per step (median), "
+                          f"{mine[1].item() * 1e3:.1f} ms spread")
+                comm.all_reduce(mine, op="sum", record=False)  # also: the next host's turn
+                probed.append(float(mine[0]))
+                jitter.append(float(mine[1]))
         dist.barrier()
     except BaseException:
         dist.destroy_process_group()
         raise
     leave_in_order(rank, world, timeout_s)  # the same exit order as training ranks
     if rank == 0:
-        atomic_write_text(out, samples_to_json(samples))
+        result = json.loads(samples_to_json(samples))
+        if probe is not None:
+            result["probe"] = probe_to_json(probe, probed, jitter)
+        atomic_write_text(out, json.dumps(result, indent=1))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -299,6 +412,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--sizes", required=True, help="Buffer sizes in bytes, comma-separated.")
     parser.add_argument("--repeats", type=int, default=5, help="Timed all-reduces per size.")
     parser.add_argument("--out", type=Path, required=True, help="Where rank 0 writes the JSON timings.")
+    parser.add_argument("--probe-task", help="Also time a few steps of this task's model on every host.")
+    parser.add_argument("--probe-batch", type=int, default=32, help="The probe's batch size.")
+    parser.add_argument("--probe-threads", type=int, help="The probe's torch threads.")
+    parser.add_argument("--probe-data", help="The probe task's data file (same path on every host).")
     args = parser.parse_args(argv)
     try:
         place = launched_rank()
@@ -310,7 +427,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit("error: run by `meshtrain hosts bench`, which sets RANK, WORLD_SIZE, MASTER_ADDR, "
                  "MASTER_PORT")
     sizes = [int(s) for s in args.sizes.split(",")]
-    run_rank(sizes, args.repeats, args.out, place.timeout_s if place.timeout_s is not None else 60.0)
+    probe = ProbeSpec(args.probe_task, args.probe_batch, args.probe_threads, args.probe_data) \
+        if args.probe_task else None
+    run_rank(sizes, args.repeats, args.out, place.timeout_s if place.timeout_s is not None else 60.0, probe)
 
 
 if __name__ == "__main__":
