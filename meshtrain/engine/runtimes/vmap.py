@@ -53,6 +53,7 @@ from meshtrain.engine.callbacks import (
 from meshtrain.engine.job import FitResult, NodeJob
 from meshtrain.engine.loop import node_seed
 from meshtrain.engine.report import NodeReport, add_projected_seconds, history_rows, run_summary, write_run
+from meshtrain.errors import InputError
 from meshtrain.progress import Progress
 from meshtrain.strategies import Strategy
 
@@ -179,8 +180,9 @@ class _StackedParameters(nn.Module):
         return dict(zip(self.names, self.stacked, strict=True))
 
 
-class RandomnessUnsupported(RuntimeError):
-    """A random draw inside the vectorised forward that no node stream can give."""
+class RandomnessUnsupported(InputError):
+    """A random draw inside the vectorised forward that no node stream can give: the model
+    cannot run in the vmap runtime (found by the trial step before training)."""
 
 
 class NodeRandomness(TorchDispatchMode):
