@@ -141,7 +141,9 @@ class Balancer:
     its samples per second and takes its share from the next step on. The same happens
     again after every further ``REBALANCE_STEPS`` steps (at a sync boundary), timed with
     the shares then in force: a host that slows down later (heat, other work) or whose
-    speed per sample depends on its batch size is followed.
+    speed per sample depends on its batch size is followed. Each estimate is the samples
+    over the compute seconds of every window so far, an earlier window counting half as
+    much at each new one.
     """
 
     def __init__(self, comm: Communicator, nodes: int, batch_size: int, *, measured: bool,
@@ -157,6 +159,11 @@ class Balancer:
         # Where the current timing window began: (clock, collective seconds, 0-based step).
         self._timed_from: tuple[float, float, int] | None = None
         self._since = (time.perf_counter(), comm.log.seconds)
+        # Samples and compute seconds of the windows timed so far, each earlier window's
+        # weight halved at every new one: one short window's noise (a host descheduled for a
+        # moment) does not set the shares alone, and a lasting change is followed within a
+        # few windows.
+        self._samples = self._compute = 0.0
 
     def start(self, batches: NodeBatches, strategy: Strategy) -> None:
         """Before step 0: simulated nodes take their shares now."""
@@ -178,7 +185,9 @@ class Balancer:
         if step + 1 - first < window or (step + 1) % self.sync_interval:
             return False
         compute = (now - began) - (self.comm.log.seconds - waited)
-        speed = batches.batch_size * (step + 1 - first) / max(compute, 1e-9)
+        self._samples = self._samples / 2 + batches.batch_size * (step + 1 - first)
+        self._compute = self._compute / 2 + max(compute, 1e-9)
+        speed = self._samples / self._compute
         shares = measured_shares(self.comm, self.batch_size, speed)
         self.rebalances += self.shares is not None
         self.shares = shares
