@@ -106,6 +106,8 @@ class Strategy:
     name: ClassVar[str] = "custom"
     #: How tables and plot legends name it (default: ``name``).
     display_name: ClassVar[str | None] = None
+    #: Where a built-in strategy is listed (``meshtrain strategies``, the registry's order).
+    listing_order: ClassVar[int] = 100
     #: The parameters that tell its runs apart, each with its label (``DiLoCo H=25``).
     key_parameters: ClassVar[dict[str, str]] = {}
     #: True when every node holds the run's whole global state at a checkpoint, so a run

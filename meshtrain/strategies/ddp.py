@@ -35,6 +35,7 @@ class DDP(Strategy):
 
     name = "ddp"
     display_name = "DDP"
+    listing_order = 10
     continues_on_fewer_nodes = True  # the nodes are exact replicas (parameters and optimizer)
     replicas_in_sync = True
     balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)

@@ -99,6 +99,7 @@ class DeMo(Strategy):
 
     name = "demo"
     display_name = "DeMo"
+    listing_order = 60
     key_parameters = {"compression_topk": "topk"}
     # Not continues_on_fewer_nodes: each node's residual holds gradient never applied anywhere.
     replicas_in_sync = True  # every node applies the same decoded update

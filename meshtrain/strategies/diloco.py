@@ -101,6 +101,7 @@ class DiLoCo(Strategy):
 
     name = "diloco"
     display_name = "DiLoCo"
+    listing_order = 20
     key_parameters = {"H": "H"}
     # Checkpoints fall on outer syncs, where every node holds the outer parameters and the
     # same outer optimizer (the inner optimizer is each node's own).

@@ -125,6 +125,7 @@ class FedAvg(Strategy):
 
     name = "fedavg"
     display_name = "FedAvg"
+    listing_order = 50
     key_parameters = {"H": "H", "island_size": "islands"}
     continues_on_fewer_nodes = True  # after a full average every node holds the global model
     balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)

@@ -116,6 +116,7 @@ class SPARTA(Strategy):
 
     name = "sparta"
     display_name = "SPARTA"
+    listing_order = 30
     key_parameters = {"p": "p"}
     balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)
     supports_vmap = True

@@ -18,6 +18,7 @@ class SPARTADiLoCo(Strategy):
 
     name = "sparta-diloco"
     display_name = "SPARTA+DiLoCo"
+    listing_order = 40
     key_parameters = {"p": "p", "H": "H"}
     continues_on_fewer_nodes = True  # as DiLoCo: checkpoints fall on outer syncs
     balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)
