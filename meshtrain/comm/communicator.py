@@ -104,9 +104,11 @@ def ring_reduce_chunk_(out: torch.Tensor, chunks_by_position: Sequence[torch.Ten
     """Write chunk ``c`` of :func:`ring_reduce`'s result into ``out``: the same additions in
     the same order, so chunks reduced separately (by different threads) match it bit for bit."""
     g = len(chunks_by_position)
-    out.copy_(chunks_by_position[c].tensor_split(g)[c])
+    sizes = ring_chunk_sizes(chunks_by_position[0].numel(), g)
+    start = sum(sizes[:c])  # chunk c as torch.tensor_split cuts it, one view per buffer
+    out.copy_(chunks_by_position[c].narrow(0, start, sizes[c]))
     for k in range(1, g):
-        _combine_(out, chunks_by_position[(c + k) % g].tensor_split(g)[c], op)
+        _combine_(out, chunks_by_position[(c + k) % g].narrow(0, start, sizes[c]), op)
     if op == "mean":
         out.div_(g)
 

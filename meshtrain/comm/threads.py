@@ -20,7 +20,13 @@ from typing import Any
 
 import torch
 
-from meshtrain.comm.communicator import Communicator, NodeAborted, ReduceOp, ring_reduce_chunk_
+from meshtrain.comm.communicator import (
+    Communicator,
+    NodeAborted,
+    ReduceOp,
+    ring_chunk_sizes,
+    ring_reduce_chunk_,
+)
 
 
 @dataclass
@@ -98,9 +104,10 @@ class ThreadHub:
                 self._cv.notify_all()
             self._wait_until(lambda: len(rnd.payloads) == g, lambda: set(members) - set(rnd.payloads))
         position = members.index(rank)
+        sizes = ring_chunk_sizes(flat.numel(), g)
         try:
             # Outside the lock: the members reduce their chunks in parallel.
-            ring_reduce_chunk_(rnd.result.tensor_split(g)[position],
+            ring_reduce_chunk_(rnd.result.narrow(0, sum(sizes[:position]), sizes[position]),
                                [rnd.payloads[m] for m in members], position, op)
         except BaseException as exc:
             self.abort(exc)
