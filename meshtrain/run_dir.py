@@ -170,7 +170,8 @@ class RunDirectory:
         ax1.set(xlabel="step", ylabel="loss", title=title)
         ax2.set(xlabel="MB sent per node", ylabel="loss", title="loss against communication")
         ax1.legend()
-        fig.tight_layout()
+        # Fixed margins: tight_layout measures every tick label, ~40 ms of a short run's fit.
+        fig.subplots_adjust(left=0.08, right=0.98, bottom=0.13, top=0.91, wspace=0.25)
         atomic_write(self.partial / "loss.png", lambda tmp: fig.savefig(tmp, format="png", dpi=100))
         plt.close(fig)
 

@@ -124,6 +124,31 @@ def test_gathered_tensors_are_copies():
         assert [g.tolist() for g in gathered] == [[0.0, 0.0], [1.0, 1.0], [2.0, 2.0]]
 
 
+def test_each_member_reduces_its_own_ring_chunk(monkeypatch):
+    """The in-process all-reduce is shared out as a ring's is: node at position c sums chunk c
+    (no node sums every buffer), and the result is still ring_reduce's bit for bit."""
+    import meshtrain.comm.threads as threads_backend
+
+    world, xs = 5, inputs(5, 1003)  # 1003 does not split evenly: chunks of 201 and 200
+    reduced_by: dict[str, list[int]] = {}
+    real = threads_backend.ring_reduce_chunk_
+
+    def recording(out, chunks, c, op):
+        reduced_by.setdefault(threading.current_thread().name, []).append(c)
+        real(out, chunks, c, op)
+
+    monkeypatch.setattr(threads_backend, "ring_reduce_chunk_", recording)
+
+    def fn(comm):
+        threading.current_thread().name = f"node-{comm.rank}"
+        return _reduced(comm, xs[comm.rank], "mean")
+
+    out = on_threads(world, fn)
+    assert reduced_by == {f"node-{r}": [r] for r in range(world)}
+    for r in range(world):
+        assert torch.equal(out[r], ring_reduce(xs, "mean"))
+
+
 def test_two_disjoint_groups_reduce_concurrently():
     world = 4
     xs = inputs(world, 101)

@@ -93,15 +93,24 @@ def ring_reduce(chunks_by_position: Sequence[torch.Tensor], op: ReduceOp) -> tor
     makes threads and processes bit-identical.
     """
     g = len(chunks_by_position)
-    pieces = [x.tensor_split(g) for x in chunks_by_position]
     result = torch.empty_like(chunks_by_position[0])
     for c, acc in enumerate(result.tensor_split(g)):  # each chunk accumulates in place
-        acc.copy_(pieces[c][c])
-        for k in range(1, g):
-            _combine_(acc, pieces[(c + k) % g][c], op)
-    if op == "mean":
-        result.div_(g)
+        ring_reduce_chunk_(acc, chunks_by_position, c, op)
     return result
+
+
+def ring_reduce_chunk_(out: torch.Tensor, chunks_by_position: Sequence[torch.Tensor], c: int,
+                       op: ReduceOp) -> None:
+    """Write chunk ``c`` of :func:`ring_reduce`'s result into ``out``: the same additions in
+    the same order, so chunks reduced separately (by different threads) match it bit for bit."""
+    g = len(chunks_by_position)
+    sizes = ring_chunk_sizes(chunks_by_position[0].numel(), g)
+    start = sum(sizes[:c])  # chunk c as torch.tensor_split cuts it, one view per buffer
+    out.copy_(chunks_by_position[c].narrow(0, start, sizes[c]))
+    for k in range(1, g):
+        _combine_(out, chunks_by_position[(c + k) % g].narrow(0, start, sizes[c]), op)
+    if op == "mean":
+        out.div_(g)
 
 
 def _combine_(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:

@@ -1,10 +1,13 @@
 """In-process collectives: every node is a thread and tensors never leave memory.
 
 Each collective is a *round* keyed by (group, sequence number). Members deposit
-their tensor; the last to arrive computes the result once (in the ring's summation
-order) and wakes the others. If any node fails, :meth:`ThreadHub.abort` wakes every
-waiter with :class:`NodeAborted`, so one failure never hangs the rest; a node that
-waits longer than ``timeout_s`` for its peers raises :class:`TimeoutError`.
+their tensor; the last to arrive computes the result once and wakes the others. An
+all-reduce is shared out instead: once every member has deposited, the member at ring
+position ``c`` reduces chunk ``c`` of the result (in the ring's summation order, so
+the result is the same bit for bit), as the nodes of a real ring would. If any node
+fails, :meth:`ThreadHub.abort` wakes every waiter with :class:`NodeAborted`, so one
+failure never hangs the rest; a node that waits longer than ``timeout_s`` for its peers
+raises :class:`TimeoutError`.
 """
 
 from __future__ import annotations
@@ -17,7 +20,13 @@ from typing import Any
 
 import torch
 
-from meshtrain.comm.communicator import Communicator, NodeAborted, ReduceOp, ring_reduce
+from meshtrain.comm.communicator import (
+    Communicator,
+    NodeAborted,
+    ReduceOp,
+    ring_chunk_sizes,
+    ring_reduce_chunk_,
+)
 
 
 @dataclass
@@ -26,6 +35,7 @@ class _Round:
     payloads: dict[int, Any] = field(default_factory=dict)
     result: Any = None
     done: bool = False
+    reduced: set[int] = field(default_factory=set)  # members whose chunk is written (all-reduce)
 
 
 class ThreadHub:
@@ -71,18 +81,57 @@ class ThreadHub:
                 rnd.result, rnd.done = result, True
                 self._cv.notify_all()
             return result
-        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         with self._cv:
-            while not rnd.done:
-                self._check()
-                if deadline is not None and time.monotonic() >= deadline:
-                    missing = sorted(set(members) - set(rnd.payloads))
-                    raise TimeoutError(
-                        f"collective waited more than {self.timeout_s:g} s for nodes {missing}"
-                    )
-                wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
-                self._cv.wait(timeout=wait)
+            self._wait_until(lambda: rnd.done, lambda: set(members) - set(rnd.payloads))
             return rnd.result
+
+    def all_reduce(
+        self, key: tuple[tuple[int, ...], int], rank: int, flat: torch.Tensor, op: ReduceOp
+    ) -> torch.Tensor:
+        """Deposit ``flat``; once every member has, reduce this member's ring chunk of the
+        result; return the whole result when every chunk is written (one tensor, shared by
+        the members: read it, never write it)."""
+        members = key[0]
+        g = len(members)
+        with self._cv:
+            self._check()
+            rnd = self._rounds.setdefault(key, _Round(expected=g))
+            if rnd.result is None:
+                rnd.result = torch.empty_like(flat)
+            rnd.payloads[rank] = flat
+            if len(rnd.payloads) == g:
+                del self._rounds[key]
+                self._cv.notify_all()
+            self._wait_until(lambda: len(rnd.payloads) == g, lambda: set(members) - set(rnd.payloads))
+        position = members.index(rank)
+        sizes = ring_chunk_sizes(flat.numel(), g)
+        try:
+            # Outside the lock: the members reduce their chunks in parallel.
+            ring_reduce_chunk_(rnd.result.narrow(0, sum(sizes[:position]), sizes[position]),
+                               [rnd.payloads[m] for m in members], position, op)
+        except BaseException as exc:
+            self.abort(exc)
+            raise
+        with self._cv:
+            rnd.reduced.add(rank)
+            if len(rnd.reduced) == g:
+                rnd.done = True
+                self._cv.notify_all()
+            self._wait_until(lambda: rnd.done, lambda: set(members) - rnd.reduced)
+        return rnd.result
+
+    def _wait_until(self, ready: Callable[[], bool], missing: Callable[[], set[int]]) -> None:
+        """Wait (holding ``self._cv``) until ``ready()``; raise on a failed peer, or on a
+        timeout naming the ``missing()`` members."""
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        while not ready():
+            self._check()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"collective waited more than {self.timeout_s:g} s for nodes {sorted(missing())}"
+                )
+            wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
+            self._cv.wait(timeout=wait)
 
     def check(self) -> None:
         """Raise :class:`NodeAborted` if a node of this cluster has failed."""
@@ -109,10 +158,7 @@ class ThreadCommunicator(Communicator):
         return group, seq
 
     def _ring_all_reduce(self, flat: torch.Tensor, op: ReduceOp, members: list[int]) -> torch.Tensor:
-        result = self.hub.exchange(
-            self._key(members), self.rank, flat, lambda xs: ring_reduce(xs, op)
-        )
-        return result
+        return self.hub.all_reduce(self._key(members), self.rank, flat, op)
 
     def _all_gather(self, flat: torch.Tensor, members: list[int]) -> list[torch.Tensor]:
         # The depositor may change its tensor once it returns: the result holds copies.
