@@ -25,38 +25,36 @@ from meshtrain.checkpoint import fewer_nodes_refusal
 from meshtrain.cli import dashboard as dashboard_cli
 from meshtrain.cli.console import errors, fail, fail_on
 from meshtrain.cli.console import wide_console as console  # the hosts commands' output
-from meshtrain.cli.flags import takes_settings
+from meshtrain.cli.flags import takes_options, takes_settings
 from meshtrain.cli.hosts_setup import hosts_setup
 from meshtrain.cli.plan import plan_table
-from meshtrain.cluster import cluster_file_text, get_cluster, probe_label
+from meshtrain.cluster import get_cluster, probe_label
+from meshtrain.config.hosts import (
+    BENCH,
+    CHECK,
+    DISCOVER,
+    HostsBenchSettings,
+    HostsCheckSettings,
+    HostsDiscoverSettings,
+)
 from meshtrain.config.launching import LaunchSettings
 from meshtrain.config.resume import resume_conflict
-from meshtrain.config.settings import SettingError, check_flag, check_run_id
+from meshtrain.config.settings import Options, SettingError, check_flag, check_run_id, from_flags
 from meshtrain.config.spec import ConfigError, RunSpec, load_settings_file, settings_file_text
 from meshtrain.config.strategy_options import build_strategy
 from meshtrain.engine.balance import check_strategy as check_strategy_balance
+from meshtrain.errors import InputError
 from meshtrain.hosts import discovery as d
-from meshtrain.hosts.bench import (
-    BENCH_FILE,
-    BenchError,
-    ProbeSpec,
-    bench_sizes,
-    fit_alpha_beta,
-    fit_warning,
-    fitted_cluster,
-    model_seconds,
-    parse_size,
-    probe_from_json,
-    samples_from_json,
-)
+from meshtrain.hosts.bench import BenchError, model_seconds, parse_size
 from meshtrain.hosts.checks import CHECKS, check_hosts
 from meshtrain.hosts.inventory import Inventory, InventoryError, load_inventory
 from meshtrain.hosts.safe_copy import CopyLimits
 from meshtrain.hosts.shipping import ShipError, Shipment, hash_path
+from meshtrain.launch.benchmark import BenchmarkFailed, benchmark_hosts, probe_note
 from meshtrain.launch.launcher import (
-    REMOTE_RUNS,
     LaunchOptions,
     PreflightError,
+    RankFailure,
     launch,
     new_launch_id,
     training_argv,
@@ -65,7 +63,7 @@ from meshtrain.launch.live import rank_output
 from meshtrain.planning import Plan, Workload, recommend, trainable_parameters
 from meshtrain.progress import human_bytes
 from meshtrain.run_dir import atomic_write_text
-from meshtrain.tasks import Task, TaskError, TaskOptions, check_options, get_task
+from meshtrain.tasks import Task, TaskOptions, check_options
 
 
 def resume_command(args: list[str], run_id: str) -> str:
@@ -90,15 +88,15 @@ def _inventory(path: Path) -> Inventory:
         raise fail_on(exc) from None
 
 
+@takes_options(HostsCheckSettings, CHECK)
 def hosts_check(
     inventory: Path = typer.Argument(..., help="Inventory file (hosts/NAME.yaml)."),
-    accept_new_host_keys: bool = typer.Option(
-        False, "--accept-new-host-keys", help="Trust hosts seen for the first time (records their keys)."),
-    timeout: float = typer.Option(10.0, "--timeout", help="Seconds to wait for each host."),
+    **options: Any,
 ) -> None:
     """Check every host: SSH, interpreter, versions, device, workdir, rendezvous port."""
+    how = _options(HostsCheckSettings, options)
     inv = _inventory(inventory)
-    reports = check_hosts(inv, accept_new_host_keys=accept_new_host_keys, timeout=timeout)
+    reports = check_hosts(inv, accept_new_host_keys=how.accept_new_host_keys, timeout=how.timeout)
     table = Table(title=f"{inventory} ({inv.world_size} hosts, rendezvous "
                         f"{inv.master.advertise}:{inv.rendezvous.port})")
     table.add_column("host")
@@ -124,31 +122,10 @@ def hosts_check(
     console.print(f"all {inv.world_size} hosts ready")
 
 
+@takes_options(HostsBenchSettings, BENCH)
 def hosts_bench(
     inventory: Path = typer.Argument(..., help="Inventory file (hosts/NAME.yaml); at least 2 hosts."),
-    out: Path = typer.Option(None, "--out", help="Cluster file to write (default: clusters/NAME.yaml)."),
-    name: str = typer.Option(None, "--name", help="The cluster's name (default: the inventory's file name)."),
-    description: str = typer.Option(None, "--description", help="What the cluster is, in words."),
-    min_size: str = typer.Option("4KB", "--min-size", help="Smallest all-reduce buffer (4096, 64KB, 1MiB)."),
-    max_size: str = typer.Option("16MB", "--max-size", help="Largest all-reduce buffer: big enough that "
-                                                            "bandwidth, not latency, decides its time."),
-    points: int = typer.Option(8, "--points", help="Buffer sizes from --min-size to --max-size (log scale)."),
-    repeats: int = typer.Option(5, "--repeats", help="Timed all-reduces per size (the median counts)."),
-    shared_medium: bool = typer.Option(
-        False, "--shared-medium", help="The hosts share one medium (Wi-Fi): the model then divides "
-                                       "its bandwidth among the hosts talking at once."),
-    speed: float = typer.Option(1.0, "--speed", help="The hosts' compute speed relative to one core "
-                                                     "of this machine (not measured)."),
-    accept_new_host_keys: bool = typer.Option(
-        False, "--accept-new-host-keys", help="Trust hosts seen for the first time (records their keys)."),
-    task: str = typer.Option(None, "--task", help="Compute probe: time a few steps of this task's model "
-                                                  "on every host; the slowest host's step goes into the "
-                                                  "cluster file (what `launch --strategy auto` plans with)."),
-    data: str = typer.Option(None, "--data", help="The probe task's data file (same path on every host)."),
-    batch_size: int = typer.Option(None, "--batch-size", help="The probe's samples per step (default: "
-                                                              "the task's)."),
-    threads: int = typer.Option(None, "--threads", help="The probe's torch threads (default: the "
-                                                        "inventory's, else every core)."),
+    **options: Any,
 ) -> None:
     """Measure latency and bandwidth between the hosts and write a cluster file.
 
@@ -160,130 +137,63 @@ def hosts_bench(
 
       meshtrain simulate --strategy diloco --cluster clusters/NAME.yaml
     """
+    bench_hosts(inventory, _options(HostsBenchSettings, options))
+
+
+def bench_hosts(inventory: Path, how: HostsBenchSettings) -> None:
+    """Run ``hosts bench`` (:func:`~meshtrain.launch.benchmark.benchmark_hosts`) and print
+    what it measured; ``meshtrain up`` runs its step 4 with it."""
     inv = _inventory(inventory)
-    if inv.world_size < 2:
-        raise fail(f"{inventory}: a benchmark needs at least 2 hosts, the inventory has {inv.world_size}")
-    if repeats < 1:
-        raise fail(f"--repeats: expected a whole number >= 1, got {repeats}")
-    if not 0 < speed < float("inf"):
-        raise fail(f"--speed: expected a relative speed > 0, got {speed}")
     try:
-        sizes = bench_sizes(parse_size(min_size), parse_size(max_size), points)
-    except BenchError as exc:
-        raise fail(str(exc)) from None
-    # Without --threads the probe times what a launch on these hosts runs: the inventory's threads.
-    inventory_threads = inv.hosts[0].threads if len({h.threads for h in inv.hosts}) == 1 else None
-    probe = _probe_spec(task, data, batch_size, threads, inventory_threads)
-    name = name or inventory.stem
-    out = out or Path("clusters") / f"{name}.yaml"
-    argv = ["python", "-m", "meshtrain.hosts.bench", "--sizes", ",".join(map(str, sizes)),
-            "--repeats", str(repeats), *(probe.argv() if probe else [])]
-    with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as tmp:
-        run_id = new_launch_id("bench", inv.world_size, Path(tmp))
-        argv += ["--out", f"{REMOTE_RUNS}/{run_id}/{BENCH_FILE}"]  # copied back like a run directory
-        options = LaunchOptions(run_id=run_id, out_dir=Path(tmp), accept_new_host_keys=accept_new_host_keys)
-        try:
-            result = launch(inv, argv, options, training=False)
-        except PreflightError as exc:
-            for problem in exc.problems:
-                errors.print(Text.assemble(("error: ", "bold red"), problem), soft_wrap=True)
-            raise typer.Exit(2) from None
-        for failure in result.failures:
-            errors.print(Text.assemble(("failed: ", "bold red"), f"rank {failure.rank} on "
-                                       f"{failure.host.name} ({failure.host.label}) {failure.reason}"),
-                         soft_wrap=True)
-        timings = Path(tmp) / run_id / BENCH_FILE
-        if result.exit_code != 0 or not timings.is_file():
-            raise fail("the benchmark did not finish; no cluster file was written",
-                       code=result.exit_code or 1)
-        try:
-            text, source = timings.read_text(), f"{inv.hosts[0].name}:{BENCH_FILE}"
-            samples = samples_from_json(text, source)
-            probed = probe_from_json(text, source, inv.world_size) if probe else None
-            fit = fit_alpha_beta(samples)
-        except BenchError as exc:
-            raise fail(str(exc), code=1) from None
-    labels = ", ".join(h.name for h in inv.hosts)
-    cluster = fitted_cluster(fit, name, description or f"measured by meshtrain hosts bench on {labels}",
-                             shared_medium=shared_medium, speed=speed)
-    probe_note = ""
-    if probe is not None:
-        if probed is None:
-            raise fail(f"{inv.hosts[0].name}:{BENCH_FILE}: the compute probe's times are missing", code=1)
-        per_host, spread = probed["step_seconds"], probed["step_jitter"]
-        cluster = dataclasses.replace(cluster, step_seconds=max(per_host), step_jitter=max(spread),
-                                      probe=probe_label(probe.task, probe.batch_size, probe.threads))
-        probe_note = "\ncompute probe, seconds per step: " + ", ".join(
-            f"{h.name} {t:.4f}" for h, t in zip(inv.hosts, per_host, strict=True)) + \
-            "; spread: " + ", ".join(
-            f"{h.name} {t:.4f}" for h, t in zip(inv.hosts, spread, strict=True))
+        bench = benchmark_hosts(inventory, inv, how)
+    except PreflightError as exc:
+        for problem in exc.problems:
+            errors.print(Text.assemble(("error: ", "bold red"), problem), soft_wrap=True)
+        raise typer.Exit(2) from None
+    except BenchmarkFailed as exc:
+        _print_failures(exc.failures)
+        raise fail_on(exc) from None
+    except InputError as exc:
+        raise fail_on(exc) from None
+    cluster = bench.cluster
     table = Table(title=f"all-reduce over {inv.world_size} hosts: measured vs fitted model",
                   caption=str(inventory))
     for column in ("buffer", "sent per host", "measured", "model", "model error"):
         table.add_column(column, justify="right")
-    for s in samples:
+    for s in bench.samples:
         predicted = model_seconds(s, cluster)
         table.add_row(human_bytes(s.payload_bytes), human_bytes(s.moved_bytes), f"{s.seconds * 1e3:.3f} ms",
                       f"{predicted * 1e3:.3f} ms", f"{(predicted - s.seconds) / s.seconds:+.0%}")
     console.print(table)
-    doubt = fit_warning(samples, cluster)
-    if doubt:
-        errors.print(f"warning: {doubt}", style="bold yellow", highlight=False, markup=False, soft_wrap=True)
-    shared = " (shared by the hosts)" if shared_medium else " per link"
+    if bench.doubt:
+        errors.print(f"warning: {bench.doubt}", style="bold yellow", highlight=False, markup=False,
+                     soft_wrap=True)
+    shared = " (shared by the hosts)" if how.shared_medium else " per link"
     console.print(f"fitted: latency {cluster.latency * 1e3:.3f} ms per message, bandwidth "
                   f"{human_bytes(cluster.bandwidth)}/s{shared}", highlight=False)
-    if probe_note:
-        console.print(probe_note.strip() + f" ({cluster.probe})", highlight=False)
-    atomic_write_text(out, cluster_file_text(
-        cluster, f"meshtrain hosts bench {inventory}: {len(samples)} sizes x {repeats} repeats"
-                 + probe_note + (f"\nWARNING: {doubt}" if doubt else "")))
-    console.print(f"wrote {out}; use it with: meshtrain simulate --cluster {out}", highlight=False)
+    if bench.probe_seconds:
+        console.print(probe_note(bench) + f" ({cluster.probe})", highlight=False)
+    console.print(f"wrote {bench.out}; use it with: meshtrain simulate --cluster {bench.out}",
+                  highlight=False)
 
 
-def _probe_spec(task: str | None, data: str | None, batch_size: int | None, threads: int | None,
-                inventory_threads: int | None) -> ProbeSpec | None:
-    """``hosts bench``'s compute probe from its flags, checked here (exit 2) before any host runs it."""
-    if task is None:
-        if data is not None or batch_size is not None or threads is not None:
-            raise fail("--data, --batch-size and --threads set up the compute probe: give --task too")
-        return None
+def _print_failures(failures: list[RankFailure]) -> None:
+    for failure in failures:
+        errors.print(Text.assemble(("failed: ", "bold red"), f"rank {failure.rank} on "
+                                   f"{failure.host.name} ({failure.host.label}) {failure.reason}"),
+                     soft_wrap=True)
+
+
+def _options(cls: type[Options], given: dict[str, Any]) -> Options:
+    """A hosts command's options, each checked by its own rule (exit 2 naming the flag)."""
     try:
-        chosen = get_task(task)
-    except TaskError as exc:
+        return from_flags(cls, given)
+    except SettingError as exc:
         raise fail(str(exc)) from None
-    if data is not None and not chosen.takes_data:
-        raise fail(f"task {task!r} reads no data file: drop --data {data}")
-    for flag, value in (("--batch-size", batch_size), ("--threads", threads)):
-        if value is not None and value < 1:
-            raise fail(f"{flag}: expected a whole number >= 1, got {value}")
-    batch = batch_size or int(chosen.defaults.get("batch_size", 32))
-    threads = threads if threads is not None else inventory_threads
-    absolute = str(Path(data).expanduser().resolve()) if data is not None else None
-    return ProbeSpec(task, batch, threads, absolute)
 
 
-def hosts_discover(
-    timeout: float = typer.Option(3.0, "--timeout", help="Seconds to listen for announcements."),
-    write: Path = typer.Option(None, "--write", help="Write a starter inventory here (hosts/NAME.yaml)."),
-    force: bool = typer.Option(False, "--force", help="Let --write replace an existing file."),
-    check_keys: bool = typer.Option(
-        False, "--check-keys", help="Try a public-key SSH login on every machine found (your agent or "
-                                    "keys, your known_hosts; never a password; unknown host keys refused)."),
-    accepted_only: bool = typer.Option(
-        False, "--accepted-only",
-        help="With --check-keys: list and write only the machines that accepted the key."),
-    iface: str = typer.Option(None, "--iface", help="Listen on this network interface only (en0, eth0)."),
-    network: str = typer.Option(None, "--network",
-                                help="Keep only addresses in this range (192.168.1.0/24)."),
-    user: str = typer.Option(None, "--user", help="Login name for the inventory and --check-keys "
-                                                   "(default: yours here)."),
-    python: str = typer.Option(None, "--python", help="Interpreter path on the hosts for the inventory "
-                                                       "(default: this one's path)."),
-    identity_file: str = typer.Option(None, "--identity-file", help="Private key to use (default: ssh-agent "
-                                                                     "and ~/.ssh/id_*)."),
-    known_hosts: str = typer.Option(None, "--known-hosts", help="known_hosts file (default "
-                                                                 "~/.ssh/known_hosts)."),
-) -> None:
+@takes_options(HostsDiscoverSettings, DISCOVER)
+def hosts_discover(**options: Any) -> None:
     """Find machines on this network that advertise SSH (Bonjour) and write an inventory.
 
     Macs with Remote Login on announce ``_ssh._tcp`` over mDNS; so do Linux hosts running
@@ -293,9 +203,13 @@ def hosts_discover(
 
       meshtrain hosts discover --check-keys --write hosts/mine.yaml
     """
+    how = _options(HostsDiscoverSettings, options)
+    timeout, force, check_keys, accepted_only = how.timeout, how.force, how.check_keys, how.accepted_only
+    user, python, identity_file, known_hosts = how.user, how.python, how.identity_file, how.known_hosts
+    write = Path(how.write) if how.write is not None else None
     try:
         d.require_zeroconf()
-        net = d.parse_network(network) if network else None
+        net = d.parse_network(how.network) if how.network else None
     except d.DiscoveryError as exc:
         raise fail_on(exc) from None
     if not 0 < timeout <= 600:
@@ -314,7 +228,7 @@ def hosts_discover(
         if problem:
             raise fail(f"--{problem.replace('identity_file', 'identity-file', 1)}")
     try:
-        found = d.browse(timeout, iface=iface, network=net)
+        found = d.browse(timeout, iface=how.iface, network=net)
     except d.DiscoveryError as exc:
         raise fail_on(exc) from None
     if not found:

@@ -30,8 +30,9 @@ from meshtrain.cli.console import errors, fail, fail_on
 from meshtrain.cli.console import wide_console as console
 from meshtrain.cli.dashboard import require_extra
 from meshtrain.cli.hosts_setup import hosts_setup
-from meshtrain.cli.launch import hosts_bench
+from meshtrain.cli.launch import bench_hosts
 from meshtrain.cli.plan import plan_table
+from meshtrain.config.hosts import HostsBenchSettings
 from meshtrain.guided import (
     COPY_KEY,
     MAKE_KEY,
@@ -151,7 +152,7 @@ def up(
                       f"(check with: meshtrain hosts check {inventory})", highlight=False)
 
     _step(4, "measure the network (hosts bench)")
-    _call(hosts_bench, inventory=inventory, out=cluster, name=name)
+    bench_hosts(inventory, HostsBenchSettings(out=str(cluster), name=name))
 
     _step(5, "choose the strategy (plan)")
     try:
