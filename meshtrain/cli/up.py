@@ -30,7 +30,7 @@ from meshtrain.cli.console import errors, fail, fail_on
 from meshtrain.cli.console import wide_console as console
 from meshtrain.cli.dashboard import require_extra
 from meshtrain.cli.hosts_setup import hosts_setup
-from meshtrain.cli.launch import bench_hosts
+from meshtrain.cli.launch import bench_hosts, launch_hosts
 from meshtrain.cli.plan import plan_table
 from meshtrain.config.hosts import HostsBenchSettings
 from meshtrain.guided import (
@@ -172,7 +172,7 @@ def up(
         console.print(f"not started; start it any time with: {command}", highlight=False)
         return
     console.print(f"$ {command}", highlight=False)
-    _call(_launch_command(), inventory=inventory, profile=str(profile_out), dashboard=dashboard)
+    launch_hosts(inventory, None, dashboard, {"profile": str(profile_out)})
 
 
 def _check_input(name: str, profile: str, data: str | None, overrides: list[str], timeout: float,
@@ -307,16 +307,5 @@ def _call(command: Callable[..., Any], **given: Any) -> Any:
     return command(**args)
 
 
-_APP: typer.Typer | None = None
-
-
-def _launch_command() -> Callable[..., Any]:
-    """The ``launch`` command's function, as registered on the app."""
-    assert _APP is not None
-    return next(c.callback for c in _APP.registered_commands if c.name == "launch" and c.callback)
-
-
 def register(app: typer.Typer) -> None:
-    global _APP
-    _APP = app
     app.command("up")(up)
