@@ -26,14 +26,10 @@ def main(argv: list[str] | None = None) -> Comparison:
     args = parser.parse_args(argv)
     spec = CompareSpec(
         strategies=["ddp", "diloco", "sparta"],
-        nodes=args.nodes,
-        task="digits",
-        steps=args.steps,
-        cluster=args.cluster,
+        settings={"nodes": args.nodes, "task": "digits", "steps": args.steps, "cluster": args.cluster,
+                  "out_dir": args.out, "progress": False},
         # Validate 6 times whatever the budget, so the curves have points to draw.
         overrides=[f"val_interval={max(1, args.steps // 6)}", "diloco.H=25", "sparta.p=0.005"],
-        out_dir=args.out,
-        progress=False,
     )
     result = run_comparison(spec, notify=print)
     for row in result.rows:

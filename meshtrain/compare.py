@@ -55,21 +55,25 @@ NOT_SHARED = ("strategy", "strategy_options", "out_dir", "run_id", "resume", "wa
 
 @dataclass
 class CompareSpec:
-    """What to compare. ``overrides`` are ``--set`` items: ``KEY=VALUE`` for every run,
-    ``STRATEGY.KEY=VALUE`` (``diloco.H=50``) for one strategy's run."""
+    """What to compare: the strategies, the settings every run shares, and ``overrides``,
+    ``--set`` items: ``KEY=VALUE`` for every run, ``STRATEGY.KEY=VALUE`` (``diloco.H=50``)
+    for one strategy's run.
+
+    ``settings`` are RunSpec settings by name (``nodes``, ``task``, ``steps``, ``cluster``,
+    ...), the layer a command's flags give (None: not given); a run's own defaults, its
+    task's suggestions and ``--set`` resolve around them as for ``simulate``. Not mirrored
+    here: the settings' one definition is :class:`~meshtrain.config.spec.RunSpec`.
+    """
 
     strategies: list[str] = field(default_factory=lambda: list(DEFAULT_STRATEGIES))
-    nodes: int = 4
-    task: str | None = None
-    data: str | None = None
-    steps: int | None = None
-    seed: int | None = None
-    lr: float | None = None
-    cluster: str | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
     overrides: list[str] = field(default_factory=list)
-    out_dir: str = "runs"
     target_loss: float | None = None
-    progress: bool = True
+
+    @property
+    def out_dir(self) -> str:
+        """The folder that gets the ``compare-<time>`` folder."""
+        return str(self.settings.get("out_dir") or RunSpec.out_dir)
 
 
 @dataclass
@@ -143,11 +147,15 @@ def plan(spec: CompareSpec) -> list[PlannedRun]:
     if spec.target_loss is not None and not (math.isfinite(spec.target_loss) and spec.target_loss > 0):
         raise ConfigError(f"--target-loss must be a positive number, got {spec.target_loss!r}")
     shared, own = split_overrides(spec)
+    for key in spec.settings:
+        if key not in RunSpec.field_names() and key != "progress":
+            raise ConfigError(f"unknown setting {key!r}")
+        if key in NOT_SHARED and key != "out_dir":
+            raise ConfigError(f"{key}: a comparison sets this itself; use --strategies or "
+                              "STRATEGY.KEY=VALUE")
     planned = []
     for name in spec.strategies:
-        flags = dict(strategy=name, task=spec.task, data=spec.data, steps=spec.steps, seed=spec.seed,
-                     lr=spec.lr, nodes=spec.nodes, cluster=spec.cluster, out_dir=spec.out_dir,
-                     progress=spec.progress)
+        flags = {**spec.settings, "strategy": name, "out_dir": spec.out_dir}
         defaults = COMPARE_DEFAULTS.get(_task_of(spec, shared), {}).get(name, [])
         try:
             run_spec, bundle, instance = build_run(flags, [*defaults, *shared, *own[name]], launched=False)
@@ -167,7 +175,7 @@ def _task_of(spec: CompareSpec, shared: list[str]) -> str:
         key, _, value = item.partition("=")
         if key.strip() == "task":
             return value.strip()
-    return spec.task or RunSpec.task
+    return spec.settings.get("task") or RunSpec.task
 
 
 def claim_folder(out_dir: str | Path) -> Path:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
@@ -151,19 +152,51 @@ class Status:
     #: Seconds between plain lines of a phase over items, when not on a terminal.
     LINE_EVERY = 5.0
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, say: Callable[[str], None] | None = None) -> None:
         self.enabled = enabled
+        # Where lines go: stdout, or a running Progress's note (above its bar, into the log).
+        self.say = say
 
     def line(self, message: str) -> None:
-        if self.enabled:
+        if not self.enabled:
+            return
+        if self.say is not None:
+            self.say(message)
+        else:
             print(message, flush=True)
 
     @contextlib.contextmanager
-    def phase(self, message: str) -> Iterator[None]:
-        """``message ...`` now; ``message: done in N s`` at the end if that was over a second."""
-        self.line(f"{message} ...")
+    def phase(self, message: str, *, after: float = 0.0) -> Iterator[None]:
+        """``message ...`` as it begins; ``message: done in N s`` at the end if that was over
+        a second. With ``after``, the first line waits that many seconds and is never
+        printed when the phase is quicker (work that is usually instant, slow on a large
+        model)."""
         started = time.perf_counter()
-        yield
+        if after <= 0:
+            self.line(f"{message} ...")
+            yield
+        else:
+            announced = threading.Event()  # the timer's line, then the end's, in that order
+            lock = threading.Lock()
+
+            def announce() -> None:
+                with lock:
+                    if not finished:
+                        self.line(f"{message} ...")
+                        announced.set()
+
+            finished = False
+            timer = threading.Timer(after, announce)
+            timer.daemon = True
+            timer.start()
+            try:
+                yield
+            finally:
+                with lock:
+                    finished = True
+                timer.cancel()
+            if not announced.is_set():
+                return
         took = time.perf_counter() - started
         if took >= 1.0:
             self.line(f"{message}: done in {took:.1f} s")

@@ -10,7 +10,9 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import meshtrain
 
@@ -105,3 +107,20 @@ def test_the_research_library_loads_neither_the_cli_nor_ssh() -> None:
             "or m.startswith('meshtrain.launch')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_up_runs_the_functions_commands_run_never_another_command() -> None:
+    """``meshtrain up`` is a command like the others: its steps call library functions (and
+    the CLI's printing of them), not other commands' functions or the app's registry."""
+    from meshtrain.cli import up
+    from meshtrain.cli.main import app
+
+    def callbacks(typer_app: Any) -> Iterator[Any]:
+        yield from (c.callback for c in typer_app.registered_commands)
+        for group in typer_app.registered_groups:
+            yield from callbacks(group.typer_instance)
+
+    commands = {id(c) for c in callbacks(app) if c is not None and c is not up.up}
+    assert len(commands) > 10  # the walk sees the commands (launch, hosts bench, ...)
+    assert [name for name, value in vars(up).items() if id(value) in commands] == []
+    assert "registered_commands" not in Path(up.__file__).read_text()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -14,6 +15,7 @@ from typer.testing import CliRunner
 
 from meshtrain.cli.main import app
 from meshtrain.compare import CompareSpec, plan, summarise
+from meshtrain.config.spec import ConfigError
 from meshtrain.runs import list_runs, load_run
 
 runner = CliRunner()
@@ -196,3 +198,15 @@ def test_runs_lists_finished_runs_and_marks_unfinished_ones(compared, tmp_path: 
     assert "unfinished" in next(li for li in result.output.splitlines() if ".partial" in li)
     result = runner.invoke(app, ["runs", str(tmp_path / "nope")])
     assert result.exit_code == 2 and result.output == f"error: {tmp_path / 'nope'}: no such folder\n"
+
+
+def test_a_comparison_takes_the_shared_settings_by_their_one_definition() -> None:
+    # No mirror of RunSpec's fields: the shared settings are RunSpec's, by name.
+    assert {f.name for f in dataclasses.fields(CompareSpec)} == {"strategies", "settings", "overrides",
+                                                                 "target_loss"}
+    planned = plan(CompareSpec(strategies=["ddp"], settings={"nodes": 2, "steps": 7, "batch_size": 8}))
+    assert (planned[0].spec.nodes, planned[0].spec.steps, planned[0].spec.batch_size) == (2, 7, 8)
+    with pytest.raises(ConfigError, match="unknown setting 'node'"):
+        plan(CompareSpec(settings={"node": 2}))
+    with pytest.raises(ConfigError, match="strategy: a comparison sets this itself"):
+        plan(CompareSpec(settings={"strategy": "ddp"}))

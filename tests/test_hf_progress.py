@@ -1,5 +1,6 @@
-"""Whisper as a Mac owner meets it: every slow phase before the first step says so, and
-the progress line's clock, rate and time left tell the truth."""
+"""Whisper as a Mac owner meets it: every slow phase (before the first step, and a mid-run
+validation's decoding) says so, and the progress line's clock, rate and time left tell
+the truth."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def test_each_phase_before_training_has_a_line_before_the_first_step(speech: Spe
     proc = run_cli("simulate", "--profile", "whisper-tiny-random-lora", "--nodes", "2", "--steps", "6",
                    "--data", str(speech.data), "--set", f"task_options.model={speech.model}",
                    "--set", f"task_options.feature_cache={cache}", "--set", "task_options.val_fraction=0.25",
-                   "--batch-size", "2", "--out", str(tmp_path / "runs"), cwd=tmp_path)
+                   "--batch-size", "2", "--val-interval", "3", "--out", str(tmp_path / "runs"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
 
@@ -44,6 +45,9 @@ def test_each_phase_before_training_has_a_line_before_the_first_step(speech: Spe
     ]
     step = first(r"^step 1/6  loss ")
     assert phases == sorted(phases) and phases[-1] < step
+    # The validation at step 3 decodes for its WER while the bar stands still: it says so.
+    mid_run = first(r"^validating at step 3/6: loss and word error rate \(\d+ batch(es)?\) \.\.\.$")
+    assert first(r"^step 2/6  loss ") < mid_run < first(r"^step 3/6  loss ")
     # The features were computed up front, so the first epoch reads them (one file a clip).
     assert len(list(cache.glob("*/*.npy"))) == 12
     # Every progress line after the first step has its rate, the clock and the time left.

@@ -14,6 +14,11 @@ from ssh_fixtures import SshWorld, loopback_world, meshtrain
 from typer.testing import CliRunner
 
 from meshtrain.cli.main import app
+from meshtrain.config.hosts import HostsBenchSettings
+from meshtrain.errors import InputError
+from meshtrain.hosts.inventory import load_inventory
+from meshtrain.launch.benchmark import benchmark_hosts
+from meshtrain.launch.training import abandon_launch, prepare_launch
 
 pytestmark = pytest.mark.slow
 runner = CliRunner()
@@ -211,3 +216,27 @@ def test_every_rank_gets_the_resolved_settings_file_and_no_training_flags(
     settings = yaml.safe_load((tmp_path / "runs" / "r.settings.yaml").read_text())
     assert (settings["strategy"], settings["steps"], settings["lr"]) == ("fedavg", 7, 0.05)
     assert settings["strategy_options"]["H"] == 3 and settings["task"] == "digits"
+
+
+def test_the_library_prepares_a_launch_without_the_cli(loopback_ssh: SshWorld, tmp_path: Path) -> None:
+    """What `launch` and `meshtrain up` both run: every check and the one resolution, as a
+    library call that raises InputError and contacts no host."""
+    inv = two_ranks(loopback_ssh, tmp_path)
+    runs = str(tmp_path / "runs")
+    with pytest.raises(InputError, match="strategy 'diloco': H must be >= 1, got -1"):
+        prepare_launch(inv, None, {"set_": ["H=-1"], "out_dir": runs})
+    prepared = prepare_launch(inv, None, {"set_": ["H=5"], "strategy": "diloco", "steps": 4, "out_dir": runs,
+                                          "run_id": "lib"})
+    assert prepared.training and prepared.spec is not None and prepared.settings_file is not None
+    assert (prepared.spec.strategy_options["H"], prepared.spec.steps) == (5, 4)
+    assert prepared.options.run_id == "lib" and prepared.settings_file.name in prepared.argv
+    assert yaml.safe_load(prepared.settings_file.read_text())["strategy_options"]["H"] == 5
+    assert not (tmp_path / "remote").exists()  # no host was contacted
+    abandon_launch(prepared)  # nothing started: a new run leaves no settings file
+    assert not prepared.settings_file.exists()
+    with pytest.raises(InputError, match="a benchmark needs at least 2 hosts, the inventory has 1"):
+        one = loopback_ssh.inventory(tmp_path / "one.yaml", [
+            {"name": "alpha", "host": "127.0.0.1", "port": loopback_ssh.servers[0].port}],
+            workdir=str(tmp_path / "remote"))
+        benchmark_hosts(one, load_inventory(one), HostsBenchSettings())
+    assert not (tmp_path / "remote").exists()

@@ -1,14 +1,22 @@
-"""The progress numbers' schedule: what a step pays to show progress."""
+"""The progress numbers' schedule: what a step pays to show progress; and the slow phases
+that say so."""
 
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+from helpers import MLP, regression_data
 
+from meshtrain import Trainer
+from meshtrain.comm.threads import ThreadCommunicator, ThreadHub
+from meshtrain.engine import loop
 from meshtrain.engine.loop import _ProgressNumbers
-from meshtrain.progress import Progress
+from meshtrain.progress import Progress, Status
+from meshtrain.strategies import DDP
 
 
 def _printed_lines(steps: int, due: Callable[[int], bool]) -> list[str]:
@@ -30,3 +38,38 @@ def test_a_launched_run_collects_progress_only_for_the_lines_it_prints(steps: in
     # (not one per step: each is a round trip over a real link).
     assert _printed_lines(steps, numbers.due) == _printed_lines(steps, lambda s: s + 1 < steps)
     assert len(collected) <= 11
+
+
+def test_a_phase_is_announced_once_it_outlasts_its_wait_and_a_quick_one_never() -> None:
+    said: list[str] = []
+    announced = threading.Event()
+
+    def say(line: str) -> None:
+        said.append(line)
+        announced.set()
+
+    status = Status(say=say)
+    with status.phase("quick", after=60.0):
+        pass
+    assert said == []  # finished long before its wait: not a word
+    with status.phase("hashing", after=0.01):
+        assert announced.wait(30), "the phase was never announced"
+    assert said[0] == "hashing ..."
+    assert all(line.startswith("hashing: done in ") for line in said[1:]), said
+
+
+@pytest.mark.parametrize("wait, announced", [(0.0, True), (60.0, False)])
+def test_a_launched_rank_announces_the_replica_check_when_it_takes_a_while(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        wait: float, announced: bool) -> None:
+    # A launched rank trains with verify_replicas=True; a 0 s wait stands in for a model
+    # large enough that hashing it takes over the real wait (a second).
+    monkeypatch.setattr(loop, "HASH_NOTICE_AFTER_S", wait)
+    job = Trainer(MLP(), regression_data(48)).prepare(DDP(), nodes=1, max_steps=2, batch_size=4,
+                                                      out_dir=tmp_path, progress=True)
+    loop.train_node(job, ThreadCommunicator(ThreadHub(1), 0), verify_replicas=True)
+    out = capsys.readouterr().out
+    line = "checking that every host holds the same weights (hashing them) ..."
+    assert (line in out.splitlines()) is announced, out
+    if announced:  # before the first step's line
+        assert out.index(line) < out.index("step 1/2")

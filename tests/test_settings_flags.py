@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 import meshtrain.cli.main as cli_main
 from meshtrain.build import resolve_run
 from meshtrain.cli.main import app
+from meshtrain.config.hosts import HostsBenchSettings, HostsCheckSettings, HostsDiscoverSettings
 from meshtrain.config.launching import LaunchSettings
 from meshtrain.config.settings import Flag
 from meshtrain.config.spec import NOT_IN_PROFILES, ConfigError, RunSpec
@@ -182,3 +183,24 @@ def test_settings_lists_every_setting_with_its_flag(monkeypatch: pytest.MonkeyPa
         assert name in rows, f"{name} not listed"
         if flag:
             assert f"{', '.join(flag.names)} ({', '.join(flag.commands)})" in rows[name], rows[name]
+
+
+@pytest.mark.parametrize(("cls", "command"), [(HostsCheckSettings, "check"), (HostsBenchSettings, "bench"),
+                                              (HostsDiscoverSettings, "discover")])
+def test_the_hosts_commands_options_are_their_settings_one_definition(cls: type, command: str) -> None:
+    """``hosts check``, ``bench`` and ``discover`` take exactly the options of their config/
+    dataclass, each with its field's default and help (no hand-written typer option)."""
+    click_command = get_command(app).commands["hosts"].commands[command]  # type: ignore[attr-defined]
+    options = {p.name: p for p in click_command.params if p.name != "inventory"}
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    assert set(options) == set(fields)
+    for name, field in fields.items():
+        assert options[name].opts == list(field.metadata["flag"].names), name
+        assert options[name].default == field.default, name
+        assert options[name].help == field.metadata["help"], name
+
+
+def test_a_hosts_bench_option_is_checked_by_its_rule_before_any_host(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["hosts", "bench", str(tmp_path / "nowhere.yaml"), "--repeats", "0"])
+    assert result.exit_code == 2
+    assert result.output.strip() == "error: --repeats must be >= 1, got 0", result.output

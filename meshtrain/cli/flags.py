@@ -117,3 +117,30 @@ def takes_settings(command: str) -> Callable[[Command], Command]:
         function.__signature__ = inspect.Signature([*own, *generated])  # type: ignore[attr-defined]
         return function
     return decorate
+
+
+def takes_options(cls: type, command: str) -> Callable[[Command], Command]:
+    """Give a command function (``def f(arguments..., **options)``) an option for every field
+    of dataclass ``cls`` whose flag names ``command``, with its help, default and panel;
+    the function receives them by field name (read them with
+    :func:`~meshtrain.config.settings.from_flags`)."""
+    hints = typing.get_type_hints(cls)
+
+    def decorate(function: Command) -> Command:
+        own = [p for p in inspect.signature(function).parameters.values()
+               if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        own_hints = typing.get_type_hints(function)
+        own = [p.replace(annotation=own_hints.get(p.name, p.annotation)) for p in own]
+        generated = []
+        for field in dataclasses.fields(cls):
+            flag = field.metadata.get("flag")
+            if flag is None or command not in flag.commands:
+                continue
+            default = field.default_factory() if callable(field.default_factory) else field.default
+            option = typer.Option(default, *flag.names, help=escape(field.metadata.get("help", "")),
+                                  metavar=flag.metavar, rich_help_panel=flag.panel)
+            generated.append(inspect.Parameter(field.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                               default=option, annotation=_option_type(hints[field.name])))
+        function.__signature__ = inspect.Signature([*own, *generated])  # type: ignore[attr-defined]
+        return function
+    return decorate

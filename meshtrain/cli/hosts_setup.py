@@ -49,6 +49,16 @@ def hosts_setup(
     exact dependency versions installed here (from the host's package index), and
     this meshtrain as a wheel sent over SSH. A second run checks and changes nothing.
     """
+    setup_hosts(inventory, base_python=base_python, pip_arg=pip_arg, write_inventory=write_inventory,
+                wheel=wheel, accept_new_host_keys=accept_new_host_keys, timeout=timeout)
+
+
+def setup_hosts(inventory: Path, *, base_python: str = "python3", pip_arg: list[str] | None = None,
+                write_inventory: bool = True, wheel: Path | None = None, accept_new_host_keys: bool = False,
+                timeout: float = 10.0) -> None:
+    """Run ``hosts setup`` (:func:`~meshtrain.hosts.provisioning.provision_hosts` under a
+    progress row per host) and print how it went; ``meshtrain up`` runs its step 3 with it."""
+    pip_arg = pip_arg or []
     try:
         inv = load_inventory(inventory)
     except InventoryError as exc:

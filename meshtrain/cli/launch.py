@@ -7,65 +7,45 @@ launcher stopped by Ctrl-C or SIGTERM exits 130 or 143 after stopping every rank
 
 from __future__ import annotations
 
-import dataclasses
 import shlex
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import typer
-import yaml
 from rich.table import Table
 from rich.text import Text
 
-from meshtrain import yaml12
-from meshtrain.build import AUTO, resolve_run
-from meshtrain.checkpoint import fewer_nodes_refusal
 from meshtrain.cli import dashboard as dashboard_cli
 from meshtrain.cli.console import errors, fail, fail_on
 from meshtrain.cli.console import wide_console as console  # the hosts commands' output
-from meshtrain.cli.flags import takes_settings
+from meshtrain.cli.flags import takes_options, takes_settings
 from meshtrain.cli.hosts_setup import hosts_setup
 from meshtrain.cli.plan import plan_table
-from meshtrain.cluster import cluster_file_text, get_cluster, probe_label
-from meshtrain.config.launching import LaunchSettings
-from meshtrain.config.resume import resume_conflict
-from meshtrain.config.settings import SettingError, check_flag, check_run_id
-from meshtrain.config.spec import ConfigError, RunSpec, load_settings_file, settings_file_text
-from meshtrain.config.strategy_options import build_strategy
-from meshtrain.engine.balance import check_strategy as check_strategy_balance
-from meshtrain.hosts import discovery as d
-from meshtrain.hosts.bench import (
-    BENCH_FILE,
-    BenchError,
-    ProbeSpec,
-    bench_sizes,
-    fit_alpha_beta,
-    fit_warning,
-    fitted_cluster,
-    model_seconds,
-    parse_size,
-    probe_from_json,
-    samples_from_json,
+from meshtrain.config.hosts import (
+    BENCH,
+    CHECK,
+    DISCOVER,
+    HostsBenchSettings,
+    HostsCheckSettings,
+    HostsDiscoverSettings,
 )
+from meshtrain.config.settings import Options, SettingError, from_flags
+from meshtrain.errors import InputError
+from meshtrain.hosts import discovery as d
+from meshtrain.hosts.bench import model_seconds
 from meshtrain.hosts.checks import CHECKS, check_hosts
 from meshtrain.hosts.inventory import Inventory, InventoryError, load_inventory
-from meshtrain.hosts.safe_copy import CopyLimits
-from meshtrain.hosts.shipping import ShipError, Shipment, hash_path
+from meshtrain.launch.benchmark import BenchmarkFailed, benchmark_hosts, probe_note
 from meshtrain.launch.launcher import (
-    REMOTE_RUNS,
-    LaunchOptions,
     PreflightError,
+    RankFailure,
     launch,
-    new_launch_id,
-    training_argv,
 )
 from meshtrain.launch.live import rank_output
-from meshtrain.planning import Plan, Workload, recommend, trainable_parameters
+from meshtrain.launch.training import abandon_launch, finish_launch, prepare_launch
+from meshtrain.planning import Plan
 from meshtrain.progress import human_bytes
-from meshtrain.run_dir import atomic_write_text
-from meshtrain.tasks import Task, TaskError, TaskOptions, check_options, get_task
 
 
 def resume_command(args: list[str], run_id: str) -> str:
@@ -90,15 +70,15 @@ def _inventory(path: Path) -> Inventory:
         raise fail_on(exc) from None
 
 
+@takes_options(HostsCheckSettings, CHECK)
 def hosts_check(
     inventory: Path = typer.Argument(..., help="Inventory file (hosts/NAME.yaml)."),
-    accept_new_host_keys: bool = typer.Option(
-        False, "--accept-new-host-keys", help="Trust hosts seen for the first time (records their keys)."),
-    timeout: float = typer.Option(10.0, "--timeout", help="Seconds to wait for each host."),
+    **options: Any,
 ) -> None:
     """Check every host: SSH, interpreter, versions, device, workdir, rendezvous port."""
+    how = _options(HostsCheckSettings, options)
     inv = _inventory(inventory)
-    reports = check_hosts(inv, accept_new_host_keys=accept_new_host_keys, timeout=timeout)
+    reports = check_hosts(inv, accept_new_host_keys=how.accept_new_host_keys, timeout=how.timeout)
     table = Table(title=f"{inventory} ({inv.world_size} hosts, rendezvous "
                         f"{inv.master.advertise}:{inv.rendezvous.port})")
     table.add_column("host")
@@ -124,31 +104,10 @@ def hosts_check(
     console.print(f"all {inv.world_size} hosts ready")
 
 
+@takes_options(HostsBenchSettings, BENCH)
 def hosts_bench(
     inventory: Path = typer.Argument(..., help="Inventory file (hosts/NAME.yaml); at least 2 hosts."),
-    out: Path = typer.Option(None, "--out", help="Cluster file to write (default: clusters/NAME.yaml)."),
-    name: str = typer.Option(None, "--name", help="The cluster's name (default: the inventory's file name)."),
-    description: str = typer.Option(None, "--description", help="What the cluster is, in words."),
-    min_size: str = typer.Option("4KB", "--min-size", help="Smallest all-reduce buffer (4096, 64KB, 1MiB)."),
-    max_size: str = typer.Option("16MB", "--max-size", help="Largest all-reduce buffer: big enough that "
-                                                            "bandwidth, not latency, decides its time."),
-    points: int = typer.Option(8, "--points", help="Buffer sizes from --min-size to --max-size (log scale)."),
-    repeats: int = typer.Option(5, "--repeats", help="Timed all-reduces per size (the median counts)."),
-    shared_medium: bool = typer.Option(
-        False, "--shared-medium", help="The hosts share one medium (Wi-Fi): the model then divides "
-                                       "its bandwidth among the hosts talking at once."),
-    speed: float = typer.Option(1.0, "--speed", help="The hosts' compute speed relative to one core "
-                                                     "of this machine (not measured)."),
-    accept_new_host_keys: bool = typer.Option(
-        False, "--accept-new-host-keys", help="Trust hosts seen for the first time (records their keys)."),
-    task: str = typer.Option(None, "--task", help="Compute probe: time a few steps of this task's model "
-                                                  "on every host; the slowest host's step goes into the "
-                                                  "cluster file (what `launch --strategy auto` plans with)."),
-    data: str = typer.Option(None, "--data", help="The probe task's data file (same path on every host)."),
-    batch_size: int = typer.Option(None, "--batch-size", help="The probe's samples per step (default: "
-                                                              "the task's)."),
-    threads: int = typer.Option(None, "--threads", help="The probe's torch threads (default: the "
-                                                        "inventory's, else every core)."),
+    **options: Any,
 ) -> None:
     """Measure latency and bandwidth between the hosts and write a cluster file.
 
@@ -160,130 +119,63 @@ def hosts_bench(
 
       meshtrain simulate --strategy diloco --cluster clusters/NAME.yaml
     """
+    bench_hosts(inventory, _options(HostsBenchSettings, options))
+
+
+def bench_hosts(inventory: Path, how: HostsBenchSettings) -> None:
+    """Run ``hosts bench`` (:func:`~meshtrain.launch.benchmark.benchmark_hosts`) and print
+    what it measured; ``meshtrain up`` runs its step 4 with it."""
     inv = _inventory(inventory)
-    if inv.world_size < 2:
-        raise fail(f"{inventory}: a benchmark needs at least 2 hosts, the inventory has {inv.world_size}")
-    if repeats < 1:
-        raise fail(f"--repeats: expected a whole number >= 1, got {repeats}")
-    if not 0 < speed < float("inf"):
-        raise fail(f"--speed: expected a relative speed > 0, got {speed}")
     try:
-        sizes = bench_sizes(parse_size(min_size), parse_size(max_size), points)
-    except BenchError as exc:
-        raise fail(str(exc)) from None
-    # Without --threads the probe times what a launch on these hosts runs: the inventory's threads.
-    inventory_threads = inv.hosts[0].threads if len({h.threads for h in inv.hosts}) == 1 else None
-    probe = _probe_spec(task, data, batch_size, threads, inventory_threads)
-    name = name or inventory.stem
-    out = out or Path("clusters") / f"{name}.yaml"
-    argv = ["python", "-m", "meshtrain.hosts.bench", "--sizes", ",".join(map(str, sizes)),
-            "--repeats", str(repeats), *(probe.argv() if probe else [])]
-    with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as tmp:
-        run_id = new_launch_id("bench", inv.world_size, Path(tmp))
-        argv += ["--out", f"{REMOTE_RUNS}/{run_id}/{BENCH_FILE}"]  # copied back like a run directory
-        options = LaunchOptions(run_id=run_id, out_dir=Path(tmp), accept_new_host_keys=accept_new_host_keys)
-        try:
-            result = launch(inv, argv, options, training=False)
-        except PreflightError as exc:
-            for problem in exc.problems:
-                errors.print(Text.assemble(("error: ", "bold red"), problem), soft_wrap=True)
-            raise typer.Exit(2) from None
-        for failure in result.failures:
-            errors.print(Text.assemble(("failed: ", "bold red"), f"rank {failure.rank} on "
-                                       f"{failure.host.name} ({failure.host.label}) {failure.reason}"),
-                         soft_wrap=True)
-        timings = Path(tmp) / run_id / BENCH_FILE
-        if result.exit_code != 0 or not timings.is_file():
-            raise fail("the benchmark did not finish; no cluster file was written",
-                       code=result.exit_code or 1)
-        try:
-            text, source = timings.read_text(), f"{inv.hosts[0].name}:{BENCH_FILE}"
-            samples = samples_from_json(text, source)
-            probed = probe_from_json(text, source, inv.world_size) if probe else None
-            fit = fit_alpha_beta(samples)
-        except BenchError as exc:
-            raise fail(str(exc), code=1) from None
-    labels = ", ".join(h.name for h in inv.hosts)
-    cluster = fitted_cluster(fit, name, description or f"measured by meshtrain hosts bench on {labels}",
-                             shared_medium=shared_medium, speed=speed)
-    probe_note = ""
-    if probe is not None:
-        if probed is None:
-            raise fail(f"{inv.hosts[0].name}:{BENCH_FILE}: the compute probe's times are missing", code=1)
-        per_host, spread = probed["step_seconds"], probed["step_jitter"]
-        cluster = dataclasses.replace(cluster, step_seconds=max(per_host), step_jitter=max(spread),
-                                      probe=probe_label(probe.task, probe.batch_size, probe.threads))
-        probe_note = "\ncompute probe, seconds per step: " + ", ".join(
-            f"{h.name} {t:.4f}" for h, t in zip(inv.hosts, per_host, strict=True)) + \
-            "; spread: " + ", ".join(
-            f"{h.name} {t:.4f}" for h, t in zip(inv.hosts, spread, strict=True))
+        bench = benchmark_hosts(inventory, inv, how)
+    except PreflightError as exc:
+        for problem in exc.problems:
+            errors.print(Text.assemble(("error: ", "bold red"), problem), soft_wrap=True)
+        raise typer.Exit(2) from None
+    except BenchmarkFailed as exc:
+        _print_failures(exc.failures)
+        raise fail_on(exc) from None
+    except InputError as exc:
+        raise fail_on(exc) from None
+    cluster = bench.cluster
     table = Table(title=f"all-reduce over {inv.world_size} hosts: measured vs fitted model",
                   caption=str(inventory))
     for column in ("buffer", "sent per host", "measured", "model", "model error"):
         table.add_column(column, justify="right")
-    for s in samples:
+    for s in bench.samples:
         predicted = model_seconds(s, cluster)
         table.add_row(human_bytes(s.payload_bytes), human_bytes(s.moved_bytes), f"{s.seconds * 1e3:.3f} ms",
                       f"{predicted * 1e3:.3f} ms", f"{(predicted - s.seconds) / s.seconds:+.0%}")
     console.print(table)
-    doubt = fit_warning(samples, cluster)
-    if doubt:
-        errors.print(f"warning: {doubt}", style="bold yellow", highlight=False, markup=False, soft_wrap=True)
-    shared = " (shared by the hosts)" if shared_medium else " per link"
+    if bench.doubt:
+        errors.print(f"warning: {bench.doubt}", style="bold yellow", highlight=False, markup=False,
+                     soft_wrap=True)
+    shared = " (shared by the hosts)" if how.shared_medium else " per link"
     console.print(f"fitted: latency {cluster.latency * 1e3:.3f} ms per message, bandwidth "
                   f"{human_bytes(cluster.bandwidth)}/s{shared}", highlight=False)
-    if probe_note:
-        console.print(probe_note.strip() + f" ({cluster.probe})", highlight=False)
-    atomic_write_text(out, cluster_file_text(
-        cluster, f"meshtrain hosts bench {inventory}: {len(samples)} sizes x {repeats} repeats"
-                 + probe_note + (f"\nWARNING: {doubt}" if doubt else "")))
-    console.print(f"wrote {out}; use it with: meshtrain simulate --cluster {out}", highlight=False)
+    if bench.probe_seconds:
+        console.print(probe_note(bench) + f" ({cluster.probe})", highlight=False)
+    console.print(f"wrote {bench.out}; use it with: meshtrain simulate --cluster {bench.out}",
+                  highlight=False)
 
 
-def _probe_spec(task: str | None, data: str | None, batch_size: int | None, threads: int | None,
-                inventory_threads: int | None) -> ProbeSpec | None:
-    """``hosts bench``'s compute probe from its flags, checked here (exit 2) before any host runs it."""
-    if task is None:
-        if data is not None or batch_size is not None or threads is not None:
-            raise fail("--data, --batch-size and --threads set up the compute probe: give --task too")
-        return None
+def _print_failures(failures: list[RankFailure]) -> None:
+    for failure in failures:
+        errors.print(Text.assemble(("failed: ", "bold red"), f"rank {failure.rank} on "
+                                   f"{failure.host.name} ({failure.host.label}) {failure.reason}"),
+                     soft_wrap=True)
+
+
+def _options(cls: type[Options], given: dict[str, Any]) -> Options:
+    """A hosts command's options, each checked by its own rule (exit 2 naming the flag)."""
     try:
-        chosen = get_task(task)
-    except TaskError as exc:
+        return from_flags(cls, given)
+    except SettingError as exc:
         raise fail(str(exc)) from None
-    if data is not None and not chosen.takes_data:
-        raise fail(f"task {task!r} reads no data file: drop --data {data}")
-    for flag, value in (("--batch-size", batch_size), ("--threads", threads)):
-        if value is not None and value < 1:
-            raise fail(f"{flag}: expected a whole number >= 1, got {value}")
-    batch = batch_size or int(chosen.defaults.get("batch_size", 32))
-    threads = threads if threads is not None else inventory_threads
-    absolute = str(Path(data).expanduser().resolve()) if data is not None else None
-    return ProbeSpec(task, batch, threads, absolute)
 
 
-def hosts_discover(
-    timeout: float = typer.Option(3.0, "--timeout", help="Seconds to listen for announcements."),
-    write: Path = typer.Option(None, "--write", help="Write a starter inventory here (hosts/NAME.yaml)."),
-    force: bool = typer.Option(False, "--force", help="Let --write replace an existing file."),
-    check_keys: bool = typer.Option(
-        False, "--check-keys", help="Try a public-key SSH login on every machine found (your agent or "
-                                    "keys, your known_hosts; never a password; unknown host keys refused)."),
-    accepted_only: bool = typer.Option(
-        False, "--accepted-only",
-        help="With --check-keys: list and write only the machines that accepted the key."),
-    iface: str = typer.Option(None, "--iface", help="Listen on this network interface only (en0, eth0)."),
-    network: str = typer.Option(None, "--network",
-                                help="Keep only addresses in this range (192.168.1.0/24)."),
-    user: str = typer.Option(None, "--user", help="Login name for the inventory and --check-keys "
-                                                   "(default: yours here)."),
-    python: str = typer.Option(None, "--python", help="Interpreter path on the hosts for the inventory "
-                                                       "(default: this one's path)."),
-    identity_file: str = typer.Option(None, "--identity-file", help="Private key to use (default: ssh-agent "
-                                                                     "and ~/.ssh/id_*)."),
-    known_hosts: str = typer.Option(None, "--known-hosts", help="known_hosts file (default "
-                                                                 "~/.ssh/known_hosts)."),
-) -> None:
+@takes_options(HostsDiscoverSettings, DISCOVER)
+def hosts_discover(**options: Any) -> None:
     """Find machines on this network that advertise SSH (Bonjour) and write an inventory.
 
     Macs with Remote Login on announce ``_ssh._tcp`` over mDNS; so do Linux hosts running
@@ -293,9 +185,13 @@ def hosts_discover(
 
       meshtrain hosts discover --check-keys --write hosts/mine.yaml
     """
+    how = _options(HostsDiscoverSettings, options)
+    timeout, force, check_keys, accepted_only = how.timeout, how.force, how.check_keys, how.accepted_only
+    user, python, identity_file, known_hosts = how.user, how.python, how.identity_file, how.known_hosts
+    write = Path(how.write) if how.write is not None else None
     try:
         d.require_zeroconf()
-        net = d.parse_network(network) if network else None
+        net = d.parse_network(how.network) if how.network else None
     except d.DiscoveryError as exc:
         raise fail_on(exc) from None
     if not 0 < timeout <= 600:
@@ -314,7 +210,7 @@ def hosts_discover(
         if problem:
             raise fail(f"--{problem.replace('identity_file', 'identity-file', 1)}")
     try:
-        found = d.browse(timeout, iface=iface, network=net)
+        found = d.browse(timeout, iface=how.iface, network=net)
     except d.DiscoveryError as exc:
         raise fail_on(exc) from None
     if not found:
@@ -364,199 +260,74 @@ def hosts_discover(
     console.print(f"wrote {write} ({len(found)} hosts); next: meshtrain hosts check {write}", highlight=False)
 
 
-def _resolve_training(flags: dict[str, Any], overrides: list[str], world_size: int,
-                      restarts: bool = False) -> tuple[RunSpec, Task]:
-    """The run's settings, resolved here once by the one resolver (exit 2 on any fault)
-    before any host is contacted: a bad value must not start ``world_size`` ranks that
-    each fail. Every rank receives this spec (:func:`_settings_file`). ``restarts``: the
-    ranks may be started again with --resume (--resume, --max-restarts)."""
+def launch_hosts(inventory: Path, command: list[str] | None, dashboard: bool,
+                 settings: dict[str, Any]) -> None:
+    """Run ``meshtrain launch`` (:func:`~meshtrain.launch.training.prepare_launch`, the
+    launcher, :func:`~meshtrain.launch.training.finish_launch`) and print how it went; exits
+    with the launch's status. ``settings``: the command's options by setting name (a
+    caller gives only what it sets). ``meshtrain up`` runs its step 6 with it."""
     try:
-        spec, task = resolve_run(flags, overrides, launched=False)
-        # As a launched rank sees it: one node per host, simulated faults not allowed.
-        config = dataclasses.replace(spec.train_config(), nodes=world_size, runtime="launched")
-        if restarts and config.balance:
-            raise fail("--balance cannot be combined with --resume or --max-restarts yet: the shares "
-                       "are measured at the start of a run and not kept in checkpoints")
-        config.validate()
-        strategy = build_strategy(spec)
-        strategy.check_nodes(world_size)
-        check_strategy_balance(strategy, config.balance)
-        check_options(task, spec.task_options)
-    except ValueError as exc:  # ConfigError, SettingError, FaultError, TaskError
-        raise fail(str(exc)) from None
-    return spec, task
+        prepared = prepare_launch(inventory, command, settings, show_plan=_show_plan, note=_note)
+    except InputError as exc:
+        raise fail_on(exc) from None
+    inv, options, training, how = prepared.inventory, prepared.options, prepared.training, prepared.how
+    strategy = prepared.strategy
+    output = rank_output([h.name for h in inv.hosts], plain=how.plain, title=options.run_id,
+                         log_dir=options.out_dir / f"{options.run_id}.ranks")  # moved into the run directory
+    try:
+        names = [h.name for h in inv.hosts]
+        with dashboard_cli.live_dashboard(dashboard, "launch", options.run_id, names,
+                                          {"strategy": strategy or ""}) as board:
+            with output:
+                result = launch(inv, prepared.argv, options, training=training, output=output)
+            if board is not None and result.run_dir is not None:
+                board.load_directory(result.run_dir)  # the whole curve, projected time included
+            if board is not None and result.exit_code != 0:
+                board.failed(f"the launch ended with exit code {result.exit_code}")
+    except PreflightError as exc:
+        for problem in exc.problems:
+            errors.print(Text.assemble(("error: ", "bold red"), problem), soft_wrap=True)
+        errors.print("nothing was started; `meshtrain hosts check` shows every host's state")
+        abandon_launch(prepared)  # no run exists to continue
+        raise typer.Exit(2) from None
+    finish_launch(prepared, result)
+    logs = output.keep_logs(result.run_dir)
+    if logs:
+        console.print(logs, highlight=False, soft_wrap=True)
+    for failure in result.failures:
+        errors.print(Text.assemble(
+            ("failed: ", "bold red"),
+            f"rank {failure.rank} on {failure.host.name} ({failure.host.label}) {failure.reason}"),
+            soft_wrap=True)
+        if failure.tail:
+            errors.print(f"last lines of rank {failure.rank}:", style="bold")
+            for line in failure.tail[-10:]:
+                errors.print(Text(f"  {line}"), soft_wrap=True)
+    for event in result.restarts:
+        shrunk = (f"; continued on {event['shrunk_to']} hosts without {event['dropped']} from step "
+                  f"{event['at_step']}") if "shrunk_to" in event else ""
+        console.print(f"restarted after rank {event['rank']} on {event['host']} {event['reason']}"
+                      + shrunk, highlight=False)
+    if result.exit_code == 1 and training and prepared.checkpoint_every:
+        errors.print("the checkpoints stay on every host; continue with: "
+                     + resume_command(sys.argv[1:], options.run_id), highlight=False, soft_wrap=True)
+    if result.copy_failed:
+        console.print(f"all {result.world_size} ranks finished in {result.seconds:.1f} s, but the run "
+                      "directory was not copied back (see above)", highlight=False)
+    if result.exit_code == 0:
+        where = f"; run directory: {result.run_dir}" if result.run_dir else ""
+        console.print(f"all {result.world_size} ranks finished in {result.seconds:.1f} s{where}",
+                      highlight=False)
+    raise typer.Exit(result.exit_code)
 
 
-def _plan_launch(inventory: Path, inv: Inventory, flags: dict[str, Any], overrides: list[str]
-                 ) -> tuple[Plan, Path | None]:
-    """``launch --strategy auto``: the planner's choice for the inventory's hosts, from the
-    cluster file ``hosts bench`` wrote for them (``clusters/INVENTORY.yaml``, or ``--set
-    cluster=...``) and its compute probe (or ``--set step_seconds=...``). Returns the plan
-    and the cluster file the ranks should project onto (None for a named cluster)."""
-    try:
-        spec, task = resolve_run(flags, overrides, launched=False)
-    except ValueError as exc:
-        raise fail(str(exc)) from None
-    given = any(item.partition("=")[0].strip() == "cluster" for item in overrides)
-    default = Path("clusters") / f"{inventory.stem}.yaml"
-    if not given and not default.is_file():
-        raise fail(f"--strategy auto plans from the hosts' measured network: run `meshtrain hosts bench "
-                   f"{inventory} --task {task.name}` (it writes {default}), or give --set cluster=FILE")
-    name = spec.cluster if given else str(default)
-    try:
-        cluster = get_cluster(name)
-    except ValueError as exc:
-        raise fail(str(exc)) from None
-    threads = inv.hosts[0].threads if len({h.threads for h in inv.hosts}) == 1 else None
-    wanted = probe_label(task.name, spec.batch_size, threads)
-    step = spec.step_seconds
-    if step is None:
-        if cluster.step_seconds is None or cluster.probe != wanted:
-            timed = f"its probe timed {cluster.probe}" if cluster.probe else "it has no compute probe"
-            threads_flag = f" --threads {threads}" if threads is not None else ""
-            raise fail(f"--strategy auto: {name}: {timed}, this run is {wanted}: run `meshtrain hosts bench "
-                       f"{inventory} --task {task.name} --batch-size {spec.batch_size}{threads_flag}`, or "
-                       "give --set step_seconds=S (one step's compute on the slowest host)")
-        step = cluster.step_seconds
-    try:
-        bundle = task.build(TaskOptions(spec.data, spec.seed, check_options(task, spec.task_options)))
-    except ValueError as exc:
-        raise fail(str(exc)) from None
-    plan = recommend(Workload(trainable_parameters(bundle.model), step, inv.world_size), cluster)
+def _show_plan(plan: Plan) -> None:
     console.print(plan_table(plan))
     console.print(f"--strategy auto chose {plan.choice.label}", highlight=False)
-    return plan, (Path(name) if name.endswith((".yaml", ".yml")) else None)
 
 
-def _record_plan(run_dir: Path, plan: Plan) -> None:
-    """config.yaml of a launch with ``--strategy auto``: the choice and its reasons under ``plan``."""
-    config_file = run_dir / "config.yaml"
-    try:
-        config = yaml12.load(config_file.read_text())
-    except (OSError, ValueError):
-        return  # nothing usable came back: the copy-back already said why
-    if isinstance(config, dict):
-        config["plan"] = plan.as_config()
-        atomic_write_text(config_file, yaml.safe_dump(config, sort_keys=False))
-
-
-def _check_shrink(spec: RunSpec, max_restarts: int) -> None:
-    """``--allow-shrink`` needs restarts, checkpoints, and a strategy whose checkpoint can
-    continue on fewer nodes (see checkpoint.fewer_nodes_refusal); exit 2 otherwise."""
-    if max_restarts < 1:
-        raise fail("--allow-shrink continues after a restart: give --max-restarts 1 or more")
-    if not spec.checkpoint_every:
-        raise fail("--allow-shrink continues from a checkpoint: give --checkpoint-every")
-    refusal = fewer_nodes_refusal(build_strategy(spec))
-    if refusal:
-        raise fail(f"--allow-shrink: {refusal}")
-
-
-def _local_inputs(spec: RunSpec, task: Task) -> list[tuple[str, str, str]]:
-    """(what, setting, path) for what a training run reads from this machine's disk: its
-    data, and ``task_options.model`` when that names a local file or folder (not a hub id)."""
-    if spec.data and not task.takes_data:  # here, before anything is shipped
-        raise fail(f"task {task.name!r} reads no data file: drop --data {spec.data}")
-    found = [("--data", "data", str(spec.data))] if spec.data else []
-    model = spec.task_options.get("model")
-    if isinstance(model, str) and model and Path(model).expanduser().exists():
-        found.append(("task_options.model", "task_options.model", model))
-    return found
-
-
-def _ship_inputs(spec: RunSpec, task: Task, no_ship: bool
-                 ) -> tuple[list[Shipment], list[tuple[str, str]]]:
-    """Hash the local data and model (exit 2 if unreadable) and point ``spec`` at the
-    copies shipped into every workdir: (what to ship, what every host must hold)."""
-    inputs = _local_inputs(spec, task)
-    if no_ship:  # the same path on every host, checked before starting
-        return [], [(what, path) for what, _, path in inputs]
-    try:
-        shipments = [hash_path(what, Path(path).expanduser()) for what, _, path in inputs]
-    except ShipError as exc:
-        raise fail_on(exc) from None
-    for shipment in shipments:
-        if not shipment.files:  # every rank would start, then find nothing to read
-            raise fail(f"{shipment.what} {shipment.local}: the folder holds no files")
-    for (_, key, _), shipment in zip(inputs, shipments, strict=True):
-        if key == "data":
-            spec.data = shipment.remote
-        else:
-            spec.task_options = {**spec.task_options, "model": shipment.remote}
-    return shipments, []
-
-
-def _check_out_dir(out: Path) -> None:
-    """``--out`` must be a folder this user can write (rank 0's run directory and every
-    rank's log come back there): checked by writing, before any host is contacted, without
-    leaving anything behind."""
-    existing = out
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise fail(f"--out {out}: {existing} is a file, not a folder")
-    try:
-        with tempfile.TemporaryDirectory(dir=existing, prefix=".meshtrain-write-test-"):
-            pass
-    except OSError as exc:
-        raise fail(f"--out {out}: cannot write into {existing} ({exc.strerror or exc})") from None
-
-
-def _settings_file(spec: RunSpec, out: Path, run_id: str) -> Path:
-    """Write the run's resolved settings to ``<out>/<run-id>.settings.yaml``: uploaded
-    into every workdir, it is all a rank is told about what to train (no flags, no
-    profile to look up there), and it stays here so that ``--resume`` can check a
-    continuation before contacting any host. Removed once the run directory is back."""
-    path = out / f"{run_id}.settings.yaml"
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, settings_file_text(spec, f"resolved by meshtrain launch for run {run_id}"))
-    return path
-
-
-def _check_resume_here(spec: RunSpec, out: Path, run_id: str) -> None:
-    """``--resume RUN-ID``: refuse, before any host is contacted, a finished run or
-    settings the checkpointed run cannot continue with (simulate's rules: steps, logging
-    and how it runs may change; what is trained and how may not). The hosts' checkpoints
-    are checked again by every rank."""
-    if (out / run_id / "summary.json").is_file():
-        raise fail(f"--resume {run_id}: the run already finished ({out / run_id}); to train it "
-                   "further, give --steps above its steps and a new --run-id")
-    record = out / f"{run_id}.settings.yaml"
-    if not record.is_file():  # launched from another machine or folder: the ranks check
-        errors.print(f"note: {record} is missing, so the settings are checked on the hosts",
-                     highlight=False, soft_wrap=True, markup=False)
-        return
-    try:
-        saved = load_settings_file(str(record))
-    except ConfigError as exc:
-        raise fail(str(exc)) from None
-    conflict = resume_conflict(saved, spec, 0)  # the step is known on the hosts
-    if conflict:
-        raise fail(f"--resume {run_id}: {conflict}")
-
-
-def _apply_overrides(inv: Inventory, threads: int | None, heartbeat_timeout: float | None) -> Inventory:
-    """``--threads`` and ``--heartbeat-timeout`` over the inventory's settings (bad value: exit 2)."""
-    if threads is not None:
-        try:
-            check_flag(RunSpec, "threads", threads)  # the setting's own rule
-        except SettingError as exc:
-            raise fail(str(exc)) from None
-        inv = dataclasses.replace(inv, hosts=tuple(dataclasses.replace(h, threads=threads)
-                                                   for h in inv.hosts))
-    if heartbeat_timeout is not None:  # checked by LaunchSettings
-        inv = dataclasses.replace(inv, rendezvous=dataclasses.replace(
-            inv.rendezvous, heartbeat_timeout=heartbeat_timeout))
-    return inv
-
-
-def _copy_limits(size: str, files: int) -> CopyLimits:
-    """The caps on the copy-back from --copy-back-limit and --copy-back-files (checked)."""
-    try:
-        max_bytes = parse_size(size)
-    except BenchError:
-        raise fail(f"--copy-back-limit {size!r}: expected a size such as 64GiB or 500MB") from None
-    return CopyLimits(max_bytes=max_bytes, max_files=files)
+def _note(line: str) -> None:
+    errors.print(line, highlight=False, soft_wrap=True, markup=False)
 
 
 def register(app: typer.Typer) -> None:
@@ -585,133 +356,7 @@ def register(app: typer.Typer) -> None:
         script calling Trainer.fit (or any torchrun script) joins the group. The output of
         every rank streams here; rank 0's run directory is copied back under --out.
         """
-        set_: list[str] = list(settings.pop("set_"))
-        try:
-            how = LaunchSettings.checked({f.name: settings.pop(f.name)
-                                          for f in dataclasses.fields(LaunchSettings)})
-        except SettingError as exc:
-            raise fail(str(exc)) from None
-        upload = [Path(f) for f in how.upload]
-        run_id, resume, device, threads = (settings.pop(k) for k in ("run_id", "resume", "device", "threads"))
-        out = Path(settings.pop("out_dir") or RunSpec.out_dir)
-        progress = settings.pop("progress") is not False
-        strategy = settings["strategy"]
-        for flag, value in (("--run-id", run_id), ("--resume", resume)):
-            if value is not None:
-                try:
-                    check_run_id(value, flag)
-                except SettingError as exc:
-                    raise fail(str(exc)) from None
-        inv = _inventory(inventory)
-        limits = _copy_limits(how.copy_back_limit, how.copy_back_files)
-        flags = dict(settings)  # the training settings, resolved here for every rank
-        training = not command
-        if command and (resume or how.max_restarts):
-            raise fail("--resume and --max-restarts continue a training run: give training flags, "
-                       "not a command after --")
-        if resume and run_id and resume != run_id:
-            raise fail(f"--resume {resume} continues that run id: drop --run-id {run_id}")
-        if command and (any(v is not None for v in flags.values()) or set_ or device):
-            raise fail("give training flags or a command after --, not both")
-        for f in upload:
-            if not f.is_file():
-                raise fail(f"--upload {f}: no such file")
-        if device:
-            inv = dataclasses.replace(inv, hosts=tuple(dataclasses.replace(h, device=device)
-                                                       for h in inv.hosts))
-        inv = _apply_overrides(inv, threads, how.heartbeat_timeout)
-        if how.allow_shrink and not training:
-            raise fail("--allow-shrink continues a training run: give training flags, not a command after --")
-        _check_out_dir(out)
-        plan, cluster_file = None, None
-        if training and flags["strategy"] == AUTO:  # chosen here, before any host is contacted
-            plan, cluster_file = _plan_launch(inventory, inv, flags, set_)
-            flags["strategy"] = plan.choice.strategy
-            set_ = [*set_, *(f"{k}={v}" for k, v in plan.choice.options.items())]
-        if training:
-            spec, task = _resolve_training(flags, set_, inv.world_size,
-                                           restarts=bool(resume or how.max_restarts))
-            if how.allow_shrink:
-                _check_shrink(spec, how.max_restarts)
-            shipments, required = _ship_inputs(spec, task, how.no_ship)
-            spec.progress = progress
-            checkpoint_every = spec.checkpoint_every  # from a flag, the profile or --set
-            if resume:
-                _check_resume_here(spec, out, resume)
-            run_id = resume or run_id or new_launch_id(strategy or "train", inv.world_size, out)
-            if cluster_file is not None:  # the ranks project onto it: every workdir gets a copy
-                upload = [*upload, cluster_file]
-                spec.cluster = cluster_file.name
-            settings_file = _settings_file(spec, out, run_id)
-            upload = [*upload, settings_file]
-            argv = training_argv(["--settings-file", settings_file.name])
-            label = strategy or "train"
-        else:
-            argv, label = list(command), "script"
-            shipments, required, settings_file, checkpoint_every = [], [], None, None
-        # The program of a script command is looked up on every host in preflight, unless
-        # it is the host's python or a file this launch uploads first.
-        program = None if training or argv[0] in ("python", "python3") or \
-            Path(argv[0]).name in {f.name for f in upload} else argv[0]
-        options = LaunchOptions(run_id=resume or run_id or new_launch_id(label, inv.world_size, out),
-                                out_dir=out, accept_new_host_keys=how.accept_new_host_keys,
-                                uploads=list(upload), resume=bool(resume), max_restarts=how.max_restarts,
-                                restart_wait=how.restart_wait, allow_shrink=how.allow_shrink,
-                                shipments=shipments, required_paths=required, copy_limits=limits,
-                                program=program)
-        output = rank_output([h.name for h in inv.hosts], plain=how.plain, title=options.run_id,
-                             log_dir=out / f"{options.run_id}.ranks")  # moved into the run directory
-        try:
-            names = [h.name for h in inv.hosts]
-            with dashboard_cli.live_dashboard(dashboard, "launch", options.run_id, names,
-                                              {"strategy": strategy or ""}) as board:
-                with output:
-                    result = launch(inv, argv, options, training=training, output=output)
-                if board is not None and result.run_dir is not None:
-                    board.load_directory(result.run_dir)  # the whole curve, projected time included
-                if board is not None and result.exit_code != 0:
-                    board.failed(f"the launch ended with exit code {result.exit_code}")
-        except PreflightError as exc:
-            for problem in exc.problems:
-                errors.print(Text.assemble(("error: ", "bold red"), problem), soft_wrap=True)
-            errors.print("nothing was started; `meshtrain hosts check` shows every host's state")
-            if settings_file is not None and not resume:  # no run exists to continue
-                settings_file.unlink(missing_ok=True)
-            raise typer.Exit(2) from None
-        # Kept while a run may be resumed: until its run directory is back (its config.yaml
-        # then records the settings), and only if it wrote checkpoints.
-        if settings_file is not None and (result.run_dir is not None or not spec.checkpoint_every):
-            settings_file.unlink(missing_ok=True)
-        if plan is not None and result.run_dir is not None:
-            _record_plan(result.run_dir, plan)
-        logs = output.keep_logs(result.run_dir)
-        if logs:
-            console.print(logs, highlight=False, soft_wrap=True)
-        for failure in result.failures:
-            errors.print(Text.assemble(
-                ("failed: ", "bold red"),
-                f"rank {failure.rank} on {failure.host.name} ({failure.host.label}) {failure.reason}"),
-                soft_wrap=True)
-            if failure.tail:
-                errors.print(f"last lines of rank {failure.rank}:", style="bold")
-                for line in failure.tail[-10:]:
-                    errors.print(Text(f"  {line}"), soft_wrap=True)
-        for event in result.restarts:
-            shrunk = (f"; continued on {event['shrunk_to']} hosts without {event['dropped']} from step "
-                      f"{event['at_step']}") if "shrunk_to" in event else ""
-            console.print(f"restarted after rank {event['rank']} on {event['host']} {event['reason']}"
-                          + shrunk, highlight=False)
-        if result.exit_code == 1 and training and checkpoint_every:
-            errors.print("the checkpoints stay on every host; continue with: "
-                         + resume_command(sys.argv[1:], options.run_id), highlight=False, soft_wrap=True)
-        if result.copy_failed:
-            console.print(f"all {result.world_size} ranks finished in {result.seconds:.1f} s, but the run "
-                          "directory was not copied back (see above)", highlight=False)
-        if result.exit_code == 0:
-            where = f"; run directory: {result.run_dir}" if result.run_dir else ""
-            console.print(f"all {result.world_size} ranks finished in {result.seconds:.1f} s{where}",
-                          highlight=False)
-        raise typer.Exit(result.exit_code)
+        launch_hosts(inventory, command, dashboard, settings)
 
 
 def main() -> None:  # pragma: no cover - lets `python -m meshtrain.cli.launch` work alone

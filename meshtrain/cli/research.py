@@ -17,6 +17,8 @@ from rich.table import Table
 from meshtrain.cli.console import console, fail, fail_on
 from meshtrain.cli.flags import takes_settings
 from meshtrain.compare import CompareSpec, plan, run_comparison
+from meshtrain.config.settings import SettingError, check_flag
+from meshtrain.config.spec import RunSpec
 from meshtrain.plots import plot_runs
 from meshtrain.progress import human_bytes
 from meshtrain.runs import FinishedRun, RunError, list_runs, load_run
@@ -45,11 +47,13 @@ def compare(
       meshtrain compare --set diloco.H=50 --set sparta.p=0.001 --set val_interval=25
     """
     given = {k: v for k, v in settings.items() if v is not None and k != "set_"}
-    nodes = given.pop("nodes", CompareSpec.nodes)
-    spec = CompareSpec(strategies=[s.strip() for s in strategies.split(",") if s.strip()], nodes=nodes,
-                       overrides=list(settings["set_"]), target_loss=target_loss, **given)
-    if nodes < 1:
-        raise fail(f"--nodes must be >= 1, got {nodes}")
+    try:  # each by its setting's own rule, the error naming the flag
+        for key, value in given.items():
+            check_flag(RunSpec, key, value)
+    except SettingError as exc:
+        raise fail(str(exc)) from None
+    spec = CompareSpec(strategies=[s.strip() for s in strategies.split(",") if s.strip()], settings=given,
+                       overrides=list(settings["set_"]), target_loss=target_loss)
     try:
         planned = plan(spec)
     except ValueError as exc:

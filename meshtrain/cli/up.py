@@ -4,8 +4,9 @@ Six steps, each of them also a command of its own: find the machines (``hosts di
 get key logins working (the ``ssh-copy-id`` step shown, never a password asked for here),
 install meshtrain on them (``hosts setup``), measure the network (``hosts bench``), choose
 the strategy (``plan``) and write it into a profile, then train (``launch --dashboard``).
-The commands' own functions run each step, so ``up`` behaves exactly as they do; the new
-steps' logic lives in :mod:`meshtrain.guided`. ``--yes`` asks nothing: hosts that do not
+The functions the commands run (the library's, and the CLI's printing of them) run each
+step, so ``up`` behaves exactly as they do; the new steps' logic lives in
+:mod:`meshtrain.guided`. ``--yes`` asks nothing: hosts that do not
 let us in are left out, unknown host keys are refused unless ``--accept-new-host-keys``.
 
 Named ``up`` like ``docker compose up``: bring the whole thing up from what is described,
@@ -15,9 +16,7 @@ and running it again redoes only what changed (setup finds the hosts up to date)
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +28,10 @@ from rich.text import Text
 from meshtrain.cli.console import errors, fail, fail_on
 from meshtrain.cli.console import wide_console as console
 from meshtrain.cli.dashboard import require_extra
-from meshtrain.cli.hosts_setup import hosts_setup
-from meshtrain.cli.launch import hosts_bench
+from meshtrain.cli.hosts_setup import setup_hosts
+from meshtrain.cli.launch import bench_hosts, launch_hosts
 from meshtrain.cli.plan import plan_table
+from meshtrain.config.hosts import HostsBenchSettings
 from meshtrain.guided import (
     COPY_KEY,
     MAKE_KEY,
@@ -145,13 +145,13 @@ def up(
     _step(3, "install meshtrain on them (hosts setup)")
     if yes or _ask(f"Install this meshtrain and its pinned packages on the {len(chosen)} machines, in "
                    f"{workdir}/.venv (their pip needs a package index)?"):
-        _call(hosts_setup, inventory=inventory, base_python=base_python, pip_arg=pip_arg, wheel=wheel)
+        setup_hosts(inventory, base_python=base_python, pip_arg=pip_arg, wheel=wheel)
     else:
         console.print("skipped: the inventory's python must already have meshtrain "
                       f"(check with: meshtrain hosts check {inventory})", highlight=False)
 
     _step(4, "measure the network (hosts bench)")
-    _call(hosts_bench, inventory=inventory, out=cluster, name=name)
+    bench_hosts(inventory, HostsBenchSettings(out=str(cluster), name=name))
 
     _step(5, "choose the strategy (plan)")
     try:
@@ -171,7 +171,7 @@ def up(
         console.print(f"not started; start it any time with: {command}", highlight=False)
         return
     console.print(f"$ {command}", highlight=False)
-    _call(_launch_command(), inventory=inventory, profile=str(profile_out), dashboard=dashboard)
+    launch_hosts(inventory, None, dashboard, {"profile": str(profile_out)})
 
 
 def _check_input(name: str, profile: str, data: str | None, overrides: list[str], timeout: float,
@@ -291,31 +291,5 @@ def _show_fix(fix: KeyFix) -> None:
         console.print(Text.assemble("  run: ", (fix.command, "bold")), soft_wrap=True)
 
 
-def _call(command: Callable[..., Any], **given: Any) -> Any:
-    """Run a command's function in-process as its CLI would: every option not given takes
-    its declared default (so an option added to the command later needs no change here)."""
-    args: dict[str, Any] = {}
-    for name, parameter in inspect.signature(command).parameters.items():
-        if name in given:
-            args[name] = given.pop(name)
-        else:
-            default = parameter.default
-            args[name] = default.default if isinstance(default, typer.models.ParameterInfo) else default
-    if given:
-        raise TypeError(f"{command.__name__} takes no {', '.join(given)}")
-    return command(**args)
-
-
-_APP: typer.Typer | None = None
-
-
-def _launch_command() -> Callable[..., Any]:
-    """The ``launch`` command's function, as registered on the app."""
-    assert _APP is not None
-    return next(c.callback for c in _APP.registered_commands if c.name == "launch" and c.callback)
-
-
 def register(app: typer.Typer) -> None:
-    global _APP
-    _APP = app
     app.command("up")(up)

@@ -257,6 +257,18 @@ def check_flag(cls: type, name: str, value: Any) -> None:
                 typing.get_type_hints(cls)[name], field_.metadata)
 
 
+Options = typing.TypeVar("Options")
+
+
+def from_flags(cls: type[Options], given: dict[str, Any]) -> Options:
+    """A command's options (dataclass ``cls``) from the values its flags gave (None: not
+    given, the default), each checked by its own rule; a :class:`SettingError` names the flag."""
+    values = {k: v for k, v in given.items() if v is not None}
+    for name, value in values.items():
+        check_flag(cls, name, value)
+    return cls(**values)
+
+
 def check_value(label: str, value: Any, annotation: Any, meta: Any = None) -> None:
     """One value against its annotation (int, float, bool, str, dict, ``X | None``) and limits."""
     meta = meta or {}

@@ -377,7 +377,7 @@ class Validation(Callback):
         if self.evaluator is None:
             return {}
         n = len(self.batches)
-        announce = shown and bool(getattr(self.evaluator.model, "measures_wer", False))
+        announce = shown and self._measures_wer()
         with Status(enabled=announce).phase(f"measuring the untrained model's validation loss and "
                                             f"word error rate ({n} batch{'es' if n != 1 else ''})"):
             return self.evaluate_global(strategy)
@@ -386,8 +386,16 @@ class Validation(Callback):
         interval = run.job.config.val_interval
         last = step == run.max_steps - 1
         if interval and (step + 1) % interval == 0 and not last and self.batches:
-            run.history_val[step] = self._validate(run)
+            # A word error rate decodes every batch: the bar would stand still without a word.
+            n = len(self.batches)
+            with Status(enabled=self._measures_wer(), say=run.progress.note).phase(
+                    f"validating at step {step + 1}/{run.max_steps}: loss and word error rate "
+                    f"({n} batch{'es' if n != 1 else ''})"):
+                run.history_val[step] = self._validate(run)
             run.live.log(run.history_val[step], step + 1)
+
+    def _measures_wer(self) -> bool:
+        return self.evaluator is not None and bool(getattr(self.evaluator.model, "measures_wer", False))
 
     def _validate(self, run: NodeRun) -> dict[str, float]:
         global_params = run.strategy.global_parameters()

@@ -48,11 +48,16 @@ from meshtrain.engine.callbacks import (
 from meshtrain.engine.job import FitResult, NodeJob
 from meshtrain.engine.report import NodeReport, finish_run
 from meshtrain.faults import check_steps
-from meshtrain.progress import Progress
+from meshtrain.progress import Progress, Status
 from meshtrain.seeding import mix_seed
 
 __all__ = ["node_replica", "node_seed", "train_node"]
 _ProgressNumbers = ProgressNumbers  # its former name here (tests of its schedule use it)
+
+
+#: A launched rank's replica check is announced once it has taken this long (hashing
+#: a large model's weights); a small model's passes without a line.
+HASH_NOTICE_AFTER_S = 1.0
 
 
 def node_seed(seed: int, rank: int) -> int:
@@ -140,8 +145,10 @@ def _start_node(job: NodeJob, comm: Communicator, rng_guard: RngGuard | None,
     plan = cfg.fault_plan()
     check_steps(plan, max_steps)  # with epochs, the step count is known only now
     strategy = copy.deepcopy(job.strategy)
-    if verify_replicas:
-        _verify_replicas(model, comm)
+    if verify_replicas:  # a large model's hashing takes a while: say so when it does
+        with Status(enabled=cfg.progress and rank == 0).phase(
+                "checking that every host holds the same weights (hashing them)", after=HASH_NOTICE_AFTER_S):
+            _verify_replicas(model, comm)
     strategy.setup(model, comm, seed=cfg.seed, max_steps=max_steps, num_samples=len(batches.indices))
     # --balance: each node's share of the step's samples (engine/balance.py)
     balancer = balance.Balancer(comm, cfg.nodes, cfg.batch_size, measured=cfg.runtime == "launched",

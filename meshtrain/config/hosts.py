@@ -1,0 +1,109 @@
+"""The options of ``meshtrain hosts check``, ``hosts bench`` and ``hosts discover``,
+defined once like the training settings.
+
+Each field carries its help, limits and :class:`~meshtrain.config.settings.Flag`: the
+commands' options are generated from them (:func:`meshtrain.cli.flags.takes_options`) and
+:func:`~meshtrain.config.settings.from_flags` applies the limits. A rule that spans
+options (the compute probe's flags need ``--task``) is checked by the command.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshtrain.config.settings import Flag, setting
+
+CHECK, BENCH, DISCOVER = "hosts check", "hosts bench", "hosts discover"
+#: Help panels of ``hosts bench``.
+MEASURE, PROBE, CLUSTER_FILE = "What to measure", "Compute probe", "The cluster file"
+#: The one panel of a command with few options.
+OPTIONS = "Options"
+
+
+def _flag(names: tuple[str, ...], *commands: str, panel: str = OPTIONS, metavar: str | None = None) -> Flag:
+    return Flag(names, panel, commands, metavar=metavar)
+
+
+@dataclass
+class HostKeys:
+    """How a hosts command treats a host's SSH key (check and bench alike)."""
+
+    accept_new_host_keys: bool = setting(
+        False, "Trust hosts seen for the first time (records their keys).",
+        flag=_flag(("--accept-new-host-keys",), CHECK, BENCH))
+
+
+@dataclass
+class HostsCheckSettings(HostKeys):
+    """``meshtrain hosts check``."""
+
+    timeout: float = setting(10.0, "Seconds to wait for each host.", above=0,
+                             flag=_flag(("--timeout",), CHECK))
+
+
+@dataclass
+class HostsBenchSettings(HostKeys):
+    """``meshtrain hosts bench``: the all-reduce sizes, the compute probe, the file written."""
+
+    min_size: str = setting("4KB", "Smallest all-reduce buffer (4096, 64KB, 1MiB).",
+                            flag=_flag(("--min-size",), BENCH, panel=MEASURE))
+    max_size: str = setting("16MB", "Largest all-reduce buffer: big enough that bandwidth, not "
+                                    "latency, decides its time.",
+                            flag=_flag(("--max-size",), BENCH, panel=MEASURE))
+    points: int = setting(8, "Buffer sizes from --min-size to --max-size (log scale).",
+                          flag=_flag(("--points",), BENCH, panel=MEASURE))
+    repeats: int = setting(5, "Timed all-reduces per size (the median counts).", minimum=1,
+                           flag=_flag(("--repeats",), BENCH, panel=MEASURE))
+    shared_medium: bool = setting(
+        False, "The hosts share one medium (Wi-Fi): the model then divides its bandwidth among the "
+               "hosts talking at once.", flag=_flag(("--shared-medium",), BENCH, panel=MEASURE))
+    speed: float = setting(1.0, "The hosts' compute speed relative to one core of this machine "
+                                "(not measured).", above=0, flag=_flag(("--speed",), BENCH, panel=MEASURE))
+    task: str | None = setting(
+        None, "Compute probe: time a few steps of this task's model on every host; the slowest "
+              "host's step goes into the cluster file (what `launch --strategy auto` plans with).",
+        flag=_flag(("--task",), BENCH, panel=PROBE))
+    data: str | None = setting(None, "The probe task's data file (same path on every host).",
+                               flag=_flag(("--data",), BENCH, panel=PROBE))
+    batch_size: int | None = setting(None, "The probe's samples per step (default: the task's).",
+                                     minimum=1, flag=_flag(("--batch-size",), BENCH, panel=PROBE))
+    threads: int | None = setting(None, "The probe's torch threads (default: the inventory's, else "
+                                        "every core).", minimum=1,
+                                  flag=_flag(("--threads",), BENCH, panel=PROBE))
+    out: str | None = setting(None, "Cluster file to write (default: clusters/NAME.yaml).",
+                              flag=_flag(("--out",), BENCH, panel=CLUSTER_FILE))
+    name: str | None = setting(None, "The cluster's name (default: the inventory's file name).",
+                               flag=_flag(("--name",), BENCH, panel=CLUSTER_FILE))
+    description: str | None = setting(None, "What the cluster is, in words.",
+                                      flag=_flag(("--description",), BENCH, panel=CLUSTER_FILE))
+
+
+@dataclass
+class HostsDiscoverSettings:
+    """``meshtrain hosts discover``: what to listen for, what to check, what to write."""
+
+    # Its range (0 to 600 s) is checked by the command, with meshtrain up's own --timeout.
+    timeout: float = setting(3.0, "Seconds to listen for announcements.",
+                             flag=_flag(("--timeout",), DISCOVER))
+    write: str | None = setting(None, "Write a starter inventory here (hosts/NAME.yaml).",
+                                flag=_flag(("--write",), DISCOVER))
+    force: bool = setting(False, "Let --write replace an existing file.", flag=_flag(("--force",), DISCOVER))
+    check_keys: bool = setting(
+        False, "Try a public-key SSH login on every machine found (your agent or keys, your "
+               "known_hosts; never a password; unknown host keys refused).",
+        flag=_flag(("--check-keys",), DISCOVER))
+    accepted_only: bool = setting(
+        False, "With --check-keys: list and write only the machines that accepted the key.",
+        flag=_flag(("--accepted-only",), DISCOVER))
+    iface: str | None = setting(None, "Listen on this network interface only (en0, eth0).",
+                                flag=_flag(("--iface",), DISCOVER))
+    network: str | None = setting(None, "Keep only addresses in this range (192.168.1.0/24).",
+                                  flag=_flag(("--network",), DISCOVER))
+    user: str | None = setting(None, "Login name for the inventory and --check-keys (default: yours "
+                                     "here).", flag=_flag(("--user",), DISCOVER))
+    python: str | None = setting(None, "Interpreter path on the hosts for the inventory (default: this "
+                                       "one's path).", flag=_flag(("--python",), DISCOVER))
+    identity_file: str | None = setting(None, "Private key to use (default: ssh-agent and ~/.ssh/id_*).",
+                                        flag=_flag(("--identity-file",), DISCOVER))
+    known_hosts: str | None = setting(None, "known_hosts file (default ~/.ssh/known_hosts).",
+                                      flag=_flag(("--known-hosts",), DISCOVER))
