@@ -46,6 +46,7 @@ from meshtrain.devices import resolve_device
 from meshtrain.engine.callbacks import (
     NonFiniteLoss,
     ReplicaDrift,
+    _batch_len,
     _validation_batches,
     mean_loss,
     node_replica,
@@ -411,16 +412,6 @@ def _node_val_loss(model: nn.Module, holder: _StackedParameters, batches: list[A
     finally:
         model.train()
     return float((total / max(1, count)).mean())
-
-
-def _batch_len(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return len(batch)
-    if isinstance(batch, (tuple, list)) and batch:
-        return _batch_len(batch[0])
-    if isinstance(batch, dict) and batch:
-        return _batch_len(next(iter(batch.values())))
-    return 1
 
 
 def _check_rows(strategy: Strategy, step: int) -> None:
