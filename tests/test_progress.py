@@ -14,7 +14,7 @@ from helpers import MLP, regression_data
 from meshtrain import Trainer
 from meshtrain.comm.threads import ThreadCommunicator, ThreadHub
 from meshtrain.engine import loop
-from meshtrain.engine.loop import _ProgressNumbers
+from meshtrain.engine.callbacks import ProgressNumbers
 from meshtrain.progress import Progress, Status
 from meshtrain.strategies import DDP
 
@@ -32,7 +32,7 @@ def _printed_lines(steps: int, due: Callable[[int], bool]) -> list[str]:
 
 @pytest.mark.parametrize("steps", [1, 7, 10, 100, 199, 250, 1000])
 def test_a_launched_run_collects_progress_only_for_the_lines_it_prints(steps: int) -> None:
-    numbers = _ProgressNumbers(comm=None, startup_sent=0, steps=steps, lines_only=True)  # type: ignore[arg-type]
+    numbers = ProgressNumbers(comm=None, startup_sent=0, steps=steps, lines_only=True)  # type: ignore[arg-type]
     collected = [s for s in range(steps) if numbers.due(s)]
     # The same lines as collecting after every step, for at most eleven all-reduces a run
     # (not one per step: each is a round trip over a real link).

@@ -55,15 +55,12 @@ class StackedCommunicator(Communicator):
     ) -> None:
         """Reduce every stacked tensor over its node dimension, in place, into every row."""
         started = time.perf_counter()
-        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        tensors, numel = self._stacked(tensors)
         if not tensors:
             return
         members = self._everyone(group)
-        numel = 0
         with torch.no_grad():
             for t in tensors:
-                self._check_stacked(t)
-                numel += t[0].numel()
                 t.copy_(_reduce_rows(t, op).expand_as(t))
         if record:
             counts = _ring_bytes_by_position(numel, tensors[0].element_size(), len(members))
@@ -92,13 +89,10 @@ class StackedCommunicator(Communicator):
     ) -> None:
         """Copy row ``src`` of every stacked tensor into every other row."""
         started = time.perf_counter()
-        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        tensors, numel = self._stacked(tensors)
         members = self._everyone(group)
-        numel = 0
         with torch.no_grad():
             for t in tensors:
-                self._check_stacked(t)
-                numel += t[0].numel()
                 t.copy_(t[src : src + 1].expand_as(t))
         if record and tensors:
             nbytes = numel * tensors[0].element_size()
@@ -114,6 +108,14 @@ class StackedCommunicator(Communicator):
             raise ValueError("the vmap runtime reduces over every node at once; a collective "
                              f"over group {sorted(group)} cannot run in it")
         return list(range(self.world_size))
+
+    def _stacked(self, tensors: torch.Tensor | Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+        """The tensors of a collective, each checked to be stacked over the nodes, and how
+        many elements one node's rows of them hold."""
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        for t in tensors:
+            self._check_stacked(t)
+        return tensors, sum(t[0].numel() for t in tensors)
 
     def _check_stacked(self, tensor: torch.Tensor) -> None:
         if tensor.dim() == 0 or tensor.shape[0] != self.world_size:

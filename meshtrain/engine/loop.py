@@ -34,7 +34,6 @@ from meshtrain.engine.callbacks import (
     Faults,
     NodeRun,
     NonFiniteGuard,
-    ProgressNumbers,
     ProgressReport,
     RngGuard,
     StatusReport,
@@ -52,7 +51,6 @@ from meshtrain.progress import Progress, Status
 from meshtrain.seeding import mix_seed
 
 __all__ = ["node_replica", "node_seed", "train_node"]
-_ProgressNumbers = ProgressNumbers  # its former name here (tests of its schedule use it)
 
 
 #: A launched rank's replica check is announced once it has taken this long (hashing
