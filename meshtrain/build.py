@@ -78,13 +78,14 @@ def resolve_run(flags: dict[str, Any], overrides: list[str], launched: bool) -> 
                                   "parameters itself; drop it, or name a strategy")
     profile_name = flags.pop("profile", None)
     profile = load_profile(profile_name) if profile_name else {}
-    chosen = flags.get("strategy") or profile.get("strategy")
+    chosen = _not_auto(flags.get("strategy") or profile.get("strategy"))
     set_layer = parse_set(overrides, chosen or RunSpec.strategy)  # bare names (H=50) are its
     task = get_task(set_layer.get("task") or flags.get("task") or profile.get("task") or RunSpec.task)
     strategy_name = chosen or task.defaults.get("strategy") or RunSpec.strategy
     if strategy_name != (chosen or RunSpec.strategy):  # the task's strategy: H=50 means its H
         set_layer = parse_set(overrides, strategy_name)
     strategy_name = set_layer.get("strategy") or strategy_name
+    _not_auto(strategy_name)
     strategy_class(strategy_name)
     spec = resolve_spec([
         (f"task {task.name!r} defaults: ", task_suggestions(task, strategy_name)),
@@ -98,6 +99,15 @@ def resolve_run(flags: dict[str, Any], overrides: list[str], launched: bool) -> 
     if auto:
         spec.strategy, spec.strategy_options = AUTO, {}
     return spec, task
+
+
+def _not_auto(strategy: str | None) -> str | None:
+    """``strategy``, unless it is auto from a profile or ``--set``: only the flag asks the
+    planner, which plans before the layers are resolved."""
+    if strategy == AUTO:
+        raise ConfigError("strategy auto is planned from the --strategy flag: give --strategy auto "
+                          "on the command line rather than in a profile or --set")
+    return strategy
 
 
 def _resolve_settings_file(path: str, flags: dict[str, Any], overrides: list[str],

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from meshtrain.build import resolve_run, task_suggestions
@@ -47,3 +49,11 @@ def test_strategy_defaults_by_task_still_apply() -> None:
 def test_a_bare_parameter_of_another_strategy_is_bad_input() -> None:
     with pytest.raises(ConfigError, match="not a setting or a parameter of strategy 'ddp'"):
         resolve_run({"task": "whisper", "strategy": "ddp"}, ["H=5"], launched=False)
+
+
+def test_strategy_auto_outside_the_flag_is_one_clear_line(tmp_path: Path) -> None:
+    profile = tmp_path / "auto.yaml"
+    profile.write_text("strategy: auto\n")
+    for flags, overrides in (({}, ["strategy=auto"]), ({"profile": str(profile)}, [])):
+        with pytest.raises(ConfigError, match="strategy auto is planned from the --strategy flag"):
+            resolve_run(flags, overrides, launched=False)

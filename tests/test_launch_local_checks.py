@@ -52,6 +52,7 @@ def two_ranks(world: SshWorld, tmp_path: Path) -> Path:
         (["--strategy", "auto", "--set", "cluster={noprobe}"],
          "{noprobe}: it has no compute probe, this run is task digits, batch 32, threads all"),
         (["--strategy", "auto", "--set", "H=5"], "--set H: --strategy auto chooses the strategy"),
+        (["--set", "strategy=auto"], "strategy auto is planned from the --strategy flag"),
     ],
 )
 def test_bad_launch_input_stops_before_any_host_is_contacted(
