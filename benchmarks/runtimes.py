@@ -113,7 +113,8 @@ def _plain_loop(data: TensorDataset, strategy: str, steps: int, H: int) -> float
     return time.perf_counter() - start
 
 
-def meshtrain_fit(data: TensorDataset, strategy: str, runtime: str, steps: int) -> float:
+def meshtrain_fit(data: TensorDataset, strategy: str, runtime: str, steps: int,
+                  concurrent_nodes: int | None = None) -> float:
     torch.manual_seed(0)
     model = MLP()
     strat = DDP() if strategy == "ddp" else DiLoCo(
@@ -121,7 +122,8 @@ def meshtrain_fit(data: TensorDataset, strategy: str, runtime: str, steps: int) 
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
         Trainer(model, data).fit(strategy=strat, nodes=NODES, max_steps=steps, batch_size=BATCH,
-                                 runtime=runtime, out_dir=out, progress=False)
+                                 runtime=runtime, out_dir=out, progress=False,
+                                 concurrent_nodes=concurrent_nodes)
     return time.perf_counter() - start
 
 
@@ -137,13 +139,14 @@ def _gpt_strategy(name: str) -> Strategy:
 
 
 def _fit_cpu(model: nn.Module, data: CharWindows, strategy: str, nodes: int, steps: int,
-             batch: int) -> tuple[float, float]:
+             batch: int, concurrent_nodes: int | None = None) -> tuple[float, float]:
     """(CPU seconds of this process for one threads-runtime fit, the nodes' measured compute
     per node-step from its summary)."""
     with tempfile.TemporaryDirectory() as out:
         cpu = time.process_time()
         result = Trainer(model, data).fit(strategy=_gpt_strategy(strategy), nodes=nodes, max_steps=steps,
-                                          batch_size=batch, runtime="threads", out_dir=out, progress=False)
+                                          batch_size=batch, runtime="threads", out_dir=out, progress=False,
+                                          concurrent_nodes=concurrent_nodes)
         return time.process_time() - cpu, result.summary["projected"]["step_seconds"]
 
 
@@ -178,7 +181,7 @@ def _tensors_in(value: object) -> list[torch.Tensor]:
     return []
 
 
-def scale(nodes: int, steps: int, batch: int) -> None:
+def scale(nodes: int, steps: int, batch: int, concurrent_nodes: int | None = None) -> None:
     """``nodes`` simulated nodes of the gpt task's model in the threads runtime.
 
     Overhead per node-step: the process's CPU time for a fit of ``steps`` steps minus one of
@@ -195,7 +198,8 @@ def scale(nodes: int, steps: int, batch: int) -> None:
     sample = tuple(torch.stack(t) for t in zip(*(data[i] for i in range(batch)), strict=True))
     parameters = sum(p.numel() for p in model.parameters())
     table = Table(title=f"{nodes} simulated nodes in the threads runtime: gpt model ({parameters:,} "
-                        f"parameters), batch {batch} per node, {steps} steps (load average "
+                        f"parameters), batch {batch} per node, {steps} steps, "
+                        f"{concurrent_nodes or 'auto'} computing at once (load average "
                         f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     for col in ("strategy", "compute per node-step", "overhead per node-step", "overhead / compute",
                 "node state (model + optimizer)", "peak RSS growth per node"):
@@ -203,9 +207,9 @@ def scale(nodes: int, steps: int, batch: int) -> None:
     _fit_cpu(model, data, "diloco", 2, 2, batch)  # warm-up: lazy imports (pyplot) and first-use costs
     rss_before = _max_rss_bytes()
     for strategy in ("ddp", "diloco"):
-        short, _ = _fit_cpu(model, data, strategy, nodes, max(1, steps // 5), batch)
+        short, _ = _fit_cpu(model, data, strategy, nodes, max(1, steps // 5), batch, concurrent_nodes)
         print(f"{strategy}: {steps // 5} steps done", flush=True)
-        full, compute = _fit_cpu(model, data, strategy, nodes, steps, batch)
+        full, compute = _fit_cpu(model, data, strategy, nodes, steps, batch, concurrent_nodes)
         print(f"{strategy}: {steps} steps done", flush=True)
         per_node_step = (full - short) / (nodes * (steps - max(1, steps // 5)))
         overhead = per_node_step - compute
@@ -234,21 +238,30 @@ def main() -> None:
     parser.add_argument("--scale-only", action="store_true", help="only the --scale table")
     parser.add_argument("--scale-steps", type=int, default=25)
     parser.add_argument("--scale-batch", type=int, default=8)
+    parser.add_argument("--concurrent-nodes", default="auto", metavar="LIST",
+                        help="threads runtime rows: comma-separated concurrent_nodes values "
+                             "(auto: the runtime's default, cores / threads), e.g. 1,auto")
+    parser.add_argument("--no-processes", action="store_true", help="skip the processes runtime")
     args = parser.parse_args()
+    at_once = [None if v == "auto" else int(v) for v in args.concurrent_nodes.split(",")]
     if args.scale_only:
-        scale(args.scale or 64, args.scale_steps, args.scale_batch)
+        for concurrent in at_once:
+            scale(args.scale or 64, args.scale_steps, args.scale_batch, concurrent)
         return
     data = make_data()
     kinds: dict[str, Callable[[str], float]] = {
-        "plain": lambda strategy: plain_loop(data, strategy, args.steps),
-        "threads": lambda strategy: meshtrain_fit(data, strategy, "threads", args.steps),
-        "processes": lambda strategy: meshtrain_fit(data, strategy, "processes", args.steps),
-    }
+        "plain": lambda strategy: plain_loop(data, strategy, args.steps)}
+    for value in args.concurrent_nodes.split(","):
+        at_once = None if value == "auto" else int(value)
+        name = "threads" if at_once is None else f"threads, {at_once} at once"
+        kinds[name] = lambda strategy, c=at_once: meshtrain_fit(data, strategy, "threads", args.steps, c)
+    if not args.no_processes:
+        kinds["processes"] = lambda strategy: meshtrain_fit(data, strategy, "processes", args.steps)
     # Warm-up, not timed: first-use costs (lazy imports such as pyplot, the fork server's
     # start) would otherwise land in whichever sample comes first.
     print("warm-up", flush=True)
     plain_loop(data, "ddp", 5)
-    for runtime in ("threads", "processes"):
+    for runtime in ("threads",) if args.no_processes else ("threads", "processes"):
         meshtrain_fit(data, "ddp", runtime, 5)
     load_before = os.getloadavg()[0]
     wall: dict[tuple[str, str], float] = {}
@@ -271,21 +284,33 @@ def main() -> None:
                         f"{args.repeats} interleaved; 1 torch thread per replica or node; load average "
                         f"{load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     table.add_column("strategy")
-    for col in ("plain loop, 4 replicas", "threads", "processes", "threads / plain", "processes / plain",
-                "CPU s: plain", "CPU s: threads", "threads / plain (CPU)"):
-        table.add_column(col, justify="right")
+    others = [kind for kind in kinds if kind != "plain"]
+    table.add_column("plain loop, 4 replicas", justify="right")
+    for kind in others:
+        table.add_column(kind, justify="right")
+        table.add_column(f"{kind} / plain", justify="right")
+    table.add_column("CPU s: plain", justify="right")
+    for kind in others:
+        if kind.startswith("threads"):  # node processes' CPU is not this process's
+            table.add_column(f"CPU: {kind} / plain", justify="right")
     for strategy in ("ddp", "diloco"):
-        plain, threads, procs = (wall[strategy, kind] for kind in kinds)
-        cpu_plain, cpu_threads = cpu[strategy, "plain"], cpu[strategy, "threads"]
-        table.add_row(strategy, f"{plain:.2f} s", f"{threads:.2f} s", f"{procs:.2f} s",
-                      f"{threads / plain:.2f}x", f"{procs / plain:.2f}x", f"{cpu_plain:.2f}",
-                      f"{cpu_threads:.2f}", f"{cpu_threads / cpu_plain:.2f}x")
-    Console(width=200).print(table)
+        plain = wall[strategy, "plain"]
+        row = [strategy, f"{plain:.2f} s"]
+        for kind in others:
+            row += [f"{wall[strategy, kind]:.2f} s", f"{wall[strategy, kind] / plain:.2f}x"]
+        row.append(f"{cpu[strategy, 'plain']:.2f}")
+        for kind in others:
+            if kind.startswith("threads"):
+                row.append(f"{cpu[strategy, kind] / cpu[strategy, 'plain']:.2f}x "
+                           f"({cpu[strategy, kind]:.2f} s)")
+        table.add_row(*row)
+    Console(width=240).print(table)
     # On a loaded machine the scheduler gives 4 node threads more of the cores than one
     # plain thread, so wall ratios flatter the threads runtime; CPU seconds do not.
     print("CPU s: CPU time of this process (every thread); node processes are not counted.")
     if args.scale:
-        scale(args.scale, args.scale_steps, args.scale_batch)
+        for concurrent in at_once:
+            scale(args.scale, args.scale_steps, args.scale_batch, concurrent)
 
 
 if __name__ == "__main__":

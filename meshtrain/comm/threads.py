@@ -8,6 +8,12 @@ the result is the same bit for bit), as the nodes of a real ring would. If any n
 fails, :meth:`ThreadHub.abort` wakes every waiter with :class:`NodeAborted`, so one
 failure never hangs the rest; a node that waits longer than ``timeout_s`` for its peers
 raises :class:`TimeoutError`.
+
+Run slots: a hub made with ``slots=k`` lets at most k node threads compute at a time. A
+node holds a slot while it runs and gives it up whenever it waits for its peers. torch
+releases Python's interpreter lock around every operation and takes it back after; with
+more runnable threads than cores, or operations of microseconds, those hand-offs cost as
+much as the arithmetic. Slots are handed on in the order nodes asked for them.
 """
 
 from __future__ import annotations
@@ -41,18 +47,62 @@ class _Round:
 class ThreadHub:
     """Shared meeting point of the threads of one simulated cluster."""
 
-    def __init__(self, world_size: int, timeout_s: float | None = None) -> None:
+    def __init__(self, world_size: int, timeout_s: float | None = None,
+                 slots: int | None = None) -> None:
         self.world_size = world_size
         self.timeout_s = timeout_s
-        self._cv = threading.Condition()
+        lock = threading.RLock()
+        self._cv = threading.Condition(lock)
         self._rounds: dict[tuple[tuple[int, ...], int], _Round] = {}
         self._error: BaseException | None = None
+        # Run slots (None: every node runs whenever it can). A second condition on the same
+        # lock, so a freed slot wakes one waiting node, not every node waiting in a round.
+        self._slots = slots
+        self._free_slots = slots or 0
+        self._slot_freed = threading.Condition(lock)
+        self._holding: set[int] = set()
 
     def abort(self, error: BaseException) -> None:
         with self._cv:
             if self._error is None:
                 self._error = error
             self._cv.notify_all()
+            self._slot_freed.notify_all()
+
+    def take_slot(self, rank: int) -> None:
+        """Wait for a run slot for node ``rank`` (no-op without slots)."""
+        if self._slots is None:
+            return
+        with self._cv:
+            self._take_slot(rank)
+
+    def give_slot(self, rank: int) -> None:
+        """Give node ``rank``'s run slot to the next node waiting for one (if it holds one)."""
+        with self._cv:
+            self._give_slot(rank)
+
+    def _take_slot(self, rank: int) -> None:
+        if self._slots is None or rank in self._holding:
+            return
+        self._wait_until(lambda: self._free_slots > 0, lambda: set(self._holding),
+                         self._slot_freed, waiting_for="a run slot, held by nodes")
+        self._free_slots -= 1
+        self._holding.add(rank)
+
+    def _give_slot(self, rank: int) -> None:
+        if rank in self._holding:
+            self._holding.discard(rank)
+            self._free_slots += 1
+            self._slot_freed.notify()
+
+    def _await(self, rank: int, ready: Callable[[], bool], missing: Callable[[], set[int]]) -> None:
+        """Wait (holding ``self._cv``) until ``ready()``, giving this node's run slot to
+        another node meanwhile and taking one back before returning."""
+        if ready():
+            return
+        self._give_slot(rank)
+        self._wait_until(ready, missing, self._cv)
+        self._take_slot(rank)
 
     def exchange(
         self,
@@ -82,7 +132,7 @@ class ThreadHub:
                 self._cv.notify_all()
             return result
         with self._cv:
-            self._wait_until(lambda: rnd.done, lambda: set(members) - set(rnd.payloads))
+            self._await(rank, lambda: rnd.done, lambda: set(members) - set(rnd.payloads))
             return rnd.result
 
     def all_reduce(
@@ -102,7 +152,7 @@ class ThreadHub:
             if len(rnd.payloads) == g:
                 del self._rounds[key]
                 self._cv.notify_all()
-            self._wait_until(lambda: len(rnd.payloads) == g, lambda: set(members) - set(rnd.payloads))
+            self._await(rank, lambda: len(rnd.payloads) == g, lambda: set(members) - set(rnd.payloads))
         position = members.index(rank)
         sizes = ring_chunk_sizes(flat.numel(), g)
         try:
@@ -117,21 +167,21 @@ class ThreadHub:
             if len(rnd.reduced) == g:
                 rnd.done = True
                 self._cv.notify_all()
-            self._wait_until(lambda: rnd.done, lambda: set(members) - rnd.reduced)
+            self._await(rank, lambda: rnd.done, lambda: set(members) - rnd.reduced)
         return rnd.result
 
-    def _wait_until(self, ready: Callable[[], bool], missing: Callable[[], set[int]]) -> None:
-        """Wait (holding ``self._cv``) until ``ready()``; raise on a failed peer, or on a
-        timeout naming the ``missing()`` members."""
+    def _wait_until(self, ready: Callable[[], bool], missing: Callable[[], set[int]],
+                    condition: threading.Condition, waiting_for: str = "nodes") -> None:
+        """Wait on ``condition`` (holding ``self._cv``) until ``ready()``; raise on a failed
+        peer, or on a timeout naming the ``missing()`` members (or ``waiting_for``)."""
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         while not ready():
             self._check()
             if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"collective waited more than {self.timeout_s:g} s for nodes {sorted(missing())}"
-                )
+                raise TimeoutError(f"collective waited more than {self.timeout_s:g} s for "
+                                   f"{waiting_for} {sorted(missing())}")
             wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
-            self._cv.wait(timeout=wait)
+            condition.wait(timeout=wait)
 
     def check(self) -> None:
         """Raise :class:`NodeAborted` if a node of this cluster has failed."""

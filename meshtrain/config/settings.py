@@ -121,6 +121,13 @@ class TrainConfig:
                                      ("launch", "Torch intra-op threads of every rank (overrides the "
                                                 "inventory's 'threads'; default: every core of each "
                                                 "host)."),)))
+    concurrent_nodes: int | None = setting(None, "Threads runtime: how many nodes compute at "
+                                                  "once (default: the cores this process may use "
+                                                  "divided by threads). Each node's Python waits "
+                                                  "its turn instead of contending for the "
+                                                  "interpreter lock; 1 runs the nodes one after "
+                                                  "another, as a plain loop would.", minimum=1,
+                                           flag=Flag(("--concurrent-nodes",), CLUSTER))
     shuffle: bool = setting(True, "Reshuffle each node's shard every epoch (seeded).")
     val_interval: int | None = setting(None, "Evaluate the global model every N steps.", minimum=1,
                                      flag=Flag(("--val-interval",), OUTPUT, BOTH))
@@ -201,6 +208,9 @@ class TrainConfig:
         if self.microbatch_size is not None and self.microbatch_size > self.batch_size:
             raise SettingError(f"microbatch_size ({self.microbatch_size}) must not exceed "
                                f"batch_size ({self.batch_size})")
+        if self.concurrent_nodes is not None and self.runtime != "threads":
+            raise SettingError(f"concurrent_nodes applies to the threads runtime only, not to "
+                               f"runtime {self.runtime!r}")
         if self.run_id is not None:
             check_run_id(self.run_id)
         get_cluster(self.cluster)

@@ -1,6 +1,9 @@
 """All nodes in this process, one thread each: one torch import, one copy of the data.
 
-torch releases the GIL inside its kernels, so node threads overlap their compute.
+torch releases the GIL inside its kernels, so node threads overlap their compute, up to
+the run's ``concurrent_nodes`` at a time (default: the cores this process may use divided by
+``threads``): more runnable node threads than that only trade the interpreter lock back and
+forth (see :class:`~meshtrain.comm.threads.ThreadHub`'s run slots).
 Kernels run with the run's ``threads`` setting (1 by default: no oversubscription, and
 results that match the processes runtime, or launched ranks, at the same count bit for
 bit). Each node keeps its own random stream: forward passes take turns on torch's global
@@ -10,6 +13,7 @@ generator, holding that node's state.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 import traceback
@@ -78,7 +82,7 @@ def run_threads(job: NodeJob) -> FitResult:
     inside torch when the interpreter exits aborts the process.
     """
     n = job.config.nodes
-    hub = ThreadHub(n, timeout_s=job.config.timeout_s)
+    hub = ThreadHub(n, timeout_s=job.config.timeout_s, slots=concurrent_nodes(job))
     results: dict[int, FitResult] = {}
     errors: dict[int, tuple[BaseException, str]] = {}
     # Every node gets its own random stream, whether or not the model's randomness is
@@ -88,11 +92,14 @@ def run_threads(job: NodeJob) -> FitResult:
     def node_main(rank: int) -> None:
         comm = ThreadCommunicator(hub, rank)
         try:
+            hub.take_slot(rank)
             guard = shared.guard_for(node_seed(job.config.seed, rank), rank)
             results[rank] = train_node(job, comm, rng_guard=guard)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller below
             errors[rank] = (exc, traceback.format_exc())
             hub.abort(exc)
+        finally:
+            hub.give_slot(rank)
 
     threads_before = torch.get_num_threads()
     torch.set_num_threads(job.config.threads or 1)
@@ -123,6 +130,15 @@ def run_threads(job: NodeJob) -> FitResult:
         exc, text = (real or errors)[rank]
         raise NodeFailed(rank, f"{type(exc).__name__}: {exc}", text) from exc
     return results[0]
+
+
+def concurrent_nodes(job: NodeJob) -> int:
+    """How many node threads compute at once: the run's setting, else the cores this
+    process may use divided by each node's intra-op threads."""
+    if job.config.concurrent_nodes is not None:
+        return job.config.concurrent_nodes
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // (job.config.threads or 1))
 
 
 def _join_all(threads: list[threading.Thread]) -> None:

@@ -1,0 +1,122 @@
+"""The threads runtime's run slots: at most ``concurrent_nodes`` nodes compute at once, and
+how many do never changes a result."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from helpers import MLP, regression_data
+from torch import nn
+
+from meshtrain import Trainer
+from meshtrain.comm import ThreadCommunicator, ThreadHub
+from meshtrain.config.settings import SettingError
+from meshtrain.strategies import DDP, FedAvg
+
+
+class CountingMLP(MLP):
+    """An MLP whose backward pass records how many node threads were inside one at once
+    (forward passes take turns on the random generator anyway)."""
+
+    inside = 0
+    most = 0
+    lock = threading.Lock()
+
+    def forward(self, batch):  # type: ignore[override]
+        loss = super().forward(batch)
+        loss.register_hook(self._count)
+        return loss
+
+    @staticmethod
+    def _count(grad: torch.Tensor) -> torch.Tensor:
+        cls = CountingMLP
+        with cls.lock:
+            cls.inside += 1
+            cls.most = max(cls.most, cls.inside)
+        try:
+            # Long enough that unslotted nodes run into each other's backward pass.
+            time.sleep(0.01)
+            return grad
+        finally:
+            with cls.lock:
+                cls.inside -= 1
+
+
+def _fit(model: nn.Module, tmp_path, concurrent, strategy=None):
+    return Trainer(model, regression_data(97)).fit(
+        strategy or DDP("sgd", 0.05), nodes=4, max_steps=6, batch_size=4, runtime="threads",
+        out_dir=tmp_path, progress=False, concurrent_nodes=concurrent)
+
+
+@pytest.mark.parametrize("concurrent", [1, 2, 4])
+def test_no_more_nodes_compute_at_once_than_the_setting(tmp_path, concurrent):
+    CountingMLP.most = 0
+    _fit(CountingMLP(), tmp_path, concurrent)
+    assert 1 <= CountingMLP.most <= concurrent
+
+
+@pytest.mark.parametrize("make", [lambda: DDP("sgd", 0.05),
+                                  lambda: FedAvg(H=2, island_size=2, lr=0.05)],
+                         ids=["ddp", "fedavg-islands"])
+def test_results_do_not_depend_on_how_many_nodes_compute_at_once(tmp_path, make):
+    states = [_fit(MLP(dropout=0.3), tmp_path / str(c), c, make()).model.state_dict()
+              for c in (1, 3, 4)]
+    for other in states[1:]:
+        for key in states[0]:
+            assert torch.equal(states[0][key], other[key]), key
+
+
+def test_concurrent_nodes_is_refused_outside_the_threads_runtime(tmp_path):
+    with pytest.raises(SettingError, match="concurrent_nodes applies to the threads runtime only"):
+        Trainer(MLP(), regression_data(16)).fit(DDP(), nodes=2, max_steps=1, batch_size=4,
+                                                runtime="processes", out_dir=tmp_path,
+                                                concurrent_nodes=1, progress=False)
+
+
+def test_a_node_waiting_for_a_slot_times_out_naming_the_holder():
+    hub = ThreadHub(2, timeout_s=0.2, slots=1)
+    hub.take_slot(0)
+    with pytest.raises(TimeoutError, match=r"a run slot, held by nodes \[0\]"):
+        hub.take_slot(1)
+
+
+def test_a_failed_node_wakes_a_node_waiting_for_a_slot():
+    hub = ThreadHub(2, slots=1)
+    hub.take_slot(0)
+    errors: list[BaseException] = []
+
+    def wait_for_slot() -> None:
+        try:
+            hub.take_slot(1)
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait_for_slot)
+    waiter.start()
+    hub.abort(RuntimeError("node 0 broke"))
+    waiter.join(timeout=5)
+    assert not waiter.is_alive() and "node 0 broke" in str(errors[0])
+
+
+def test_a_node_gives_its_slot_up_while_it_waits_for_its_peers():
+    """With one slot, node 1 can only reach the all-reduce if node 0 gave the slot up."""
+    hub = ThreadHub(2, timeout_s=10, slots=1)
+    out: dict[int, torch.Tensor] = {}
+
+    def node(rank: int) -> None:
+        hub.take_slot(rank)
+        try:
+            out[rank] = ThreadCommunicator(hub, rank)._ring_all_reduce(
+                torch.full((4,), float(rank + 1)), "sum", [0, 1])
+        finally:
+            hub.give_slot(rank)
+
+    threads = [threading.Thread(target=node, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert torch.equal(out[0], torch.full((4,), 3.0)) and torch.equal(out[1], out[0])
