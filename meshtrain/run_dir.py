@@ -167,8 +167,11 @@ class RunDirectory:
         if val:
             ax1.plot([v[0] for v in val], [v[2] for v in val], "o-", label="val (global model)")
             ax2.plot([v[1] for v in val], [v[2] for v in val], "o-")
-        ax1.set(xlabel="step", ylabel="loss", title=title)
-        ax2.set(xlabel="MB sent per node", ylabel="loss", title="loss against communication")
+        ax1.set(xlabel="step", ylabel="loss")
+        ax2.set(xlabel="MB sent per node", ylabel="loss")
+        # A fixed title height: placing it automatically measures every tick label again.
+        ax1.set_title(title, y=1.01)
+        ax2.set_title("loss against communication", y=1.01)
         ax1.legend()
         # Fixed margins: tight_layout measures every tick label, ~40 ms of a short run's fit.
         fig.subplots_adjust(left=0.08, right=0.98, bottom=0.13, top=0.91, wspace=0.25)
