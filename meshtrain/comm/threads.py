@@ -140,30 +140,41 @@ class ThreadHub:
     ) -> torch.Tensor:
         """Deposit ``flat``; once every member has, reduce this member's ring chunk of the
         result; return the whole result when every chunk is written (one tensor, shared by
-        the members: read it, never write it)."""
+        the members: read it, never write it).
+
+        With fewer run slots than members the chunks could not be reduced in parallel
+        anyway: the last member to arrive reduces them all (the same sums, in the same
+        order), sparing every other member a second wait for a slot."""
         members = key[0]
         g = len(members)
+        alone = self._slots is not None and self._slots < g
         with self._cv:
             self._check()
             rnd = self._rounds.setdefault(key, _Round(expected=g))
             if rnd.result is None:
                 rnd.result = torch.empty_like(flat)
             rnd.payloads[rank] = flat
-            if len(rnd.payloads) == g:
+            last = len(rnd.payloads) == g
+            if last:
                 del self._rounds[key]
                 self._cv.notify_all()
+            if alone and not last:
+                self._await(rank, lambda: rnd.done, lambda: set(members) - set(rnd.payloads))
+                return rnd.result
             self._await(rank, lambda: len(rnd.payloads) == g, lambda: set(members) - set(rnd.payloads))
-        position = members.index(rank)
         sizes = ring_chunk_sizes(flat.numel(), g)
+        mine = range(g) if alone else [members.index(rank)]
         try:
             # Outside the lock: the members reduce their chunks in parallel.
-            ring_reduce_chunk_(rnd.result.narrow(0, sum(sizes[:position]), sizes[position]),
-                               [rnd.payloads[m] for m in members], position, op)
+            payloads = [rnd.payloads[m] for m in members]
+            for position in mine:
+                ring_reduce_chunk_(rnd.result.narrow(0, sum(sizes[:position]), sizes[position]),
+                                   payloads, position, op)
         except BaseException as exc:
             self.abort(exc)
             raise
         with self._cv:
-            rnd.reduced.add(rank)
+            rnd.reduced.update(members if alone else [rank])
             if len(rnd.reduced) == g:
                 rnd.done = True
                 self._cv.notify_all()
