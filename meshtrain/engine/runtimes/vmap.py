@@ -108,7 +108,7 @@ def _trial_problem(model: nn.Module, train_data: Any, collate_fn: Any, device_na
     one = to_device(fetch(data, [0], collate_fn), device)
     try:
         batch = _stack_batches([one, one])
-        with NodeRandomness([0, 1]):
+        with NodeRandomness([0, 1], device):
             losses = _loss_function(replica, 0)(stacked, batch)
         losses.sum().backward()
     except Exception as exc:  # noqa: BLE001 - any failure is a reason to refuse
@@ -195,12 +195,14 @@ class NodeRandomness(TorchDispatchMode):
     seeded as the threads runtime seeds node ``i`` (:func:`node_seed`): the same op on the
     same shape from the same state, so the masks are the threads runtime's, bit for bit.
     Any other random op is refused (:class:`RandomnessUnsupported`). torch's global
-    generator is never touched. :attr:`drew` tells whether anything was drawn.
+    generator is never touched. :attr:`drew` tells whether anything was drawn. The
+    generators live on the computation's ``device`` (a CUDA draw needs a CUDA generator;
+    there each node's masks are its own and reproducible, but not the CPU's).
     """
 
-    def __init__(self, seeds: list[int]) -> None:
+    def __init__(self, seeds: list[int], device: torch.device | str = "cpu") -> None:
         super().__init__()
-        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        self.generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
         self.drew = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
@@ -251,7 +253,8 @@ def _train(job: NodeJob) -> FitResult:
     # Every node's random stream, as in the threads runtime. The first step shows whether
     # the model draws at all; a model that does not then runs without the mode (and a
     # draw after all would fail loudly, never come from a shared stream).
-    randomness: NodeRandomness | None = NodeRandomness([node_seed(cfg.seed, r) for r in range(nodes)])
+    randomness: NodeRandomness | None = NodeRandomness([node_seed(cfg.seed, r) for r in range(nodes)],
+                                                       device)
     node_losses = _loss_function(model, 0)
     val_batches = _validation_batches(job, 0, device)
     evaluator = node_replica(model) if val_batches else None
