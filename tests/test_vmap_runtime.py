@@ -269,3 +269,41 @@ def test_gpt_attention_dropout_draws_each_nodes_own_stream(tmp_path: Path) -> No
     no_dropout = fit("vmap", dropout=0.0)  # the masks mattered: far outside the tolerance
     assert not torch.allclose(no_dropout.model.blocks[0].attn.in_proj_weight,
                               vmapped.model.blocks[0].attn.in_proj_weight, atol=100 * ATOL)
+
+
+def test_nodes_computed_in_chunks_equal_the_threads_runtime(tmp_path: Path, monkeypatch) -> None:
+    """On CPU a model with large activations is computed a few nodes at a time: each chunk's
+    gradients land in its own rows, each node's dropout still comes from its own stream,
+    microbatches still accumulate (3 nodes in chunks of 2: an uneven last chunk)."""
+    from meshtrain.engine.runtimes import vmap as vmap_runtime
+
+    monkeypatch.setattr(vmap_runtime, "_nodes_per_chunk", lambda *args: 2)
+
+    def fit(runtime: str):
+        torch.manual_seed(0)
+        return Trainer(FunctionalDropoutMLP(), regression_data(96)).fit(
+            DDP(optim="sgd", lr=0.05), nodes=3, max_steps=4, batch_size=4, microbatch_size=2,
+            runtime=runtime, out_dir=tmp_path / runtime, progress=False)
+
+    threads, vmapped = fit("threads"), fit("vmap")
+    for a, b in zip(threads.model.parameters(), vmapped.model.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=ATOL)
+    for row_t, row_v in zip(threads.history, vmapped.history, strict=True):
+        assert row_v["train_loss"] == pytest.approx(row_t["train_loss"], rel=LOSS_RTOL)
+
+
+def test_chunks_keep_the_largest_activation_under_the_budget() -> None:
+    """The gpt task's model at batch 32 saves a 64 x 512 float tensor per sample (4 MiB a
+    node): 4 nodes fit the 16 MiB budget; at batch 8, or for the digits MLP, all 16 do;
+    a GPU computes all nodes at once."""
+    from meshtrain.engine.runtimes.vmap import CHUNK_ACTIVATION_BYTES, _nodes_per_chunk
+    from meshtrain.tasks.gpt import CharGPT, CharWindows
+
+    assert CHUNK_ACTIVATION_BYTES == 16 * 2**20
+    streams = [(CharWindows(torch.randint(0, 65, (200,)), 64), None)] * 16
+    gpt = CharGPT(65, 64, 2, 4, 128, 0.0)
+    assert _nodes_per_chunk(gpt, streams, None, torch.device("cpu"), 32) == 4
+    assert _nodes_per_chunk(gpt, streams, None, torch.device("cpu"), 8) == 16
+    assert _nodes_per_chunk(gpt, streams, None, torch.device("cuda"), 32) == 16
+    mlp_streams = [(regression_data(8), None)] * 16
+    assert _nodes_per_chunk(MLP(), mlp_streams, None, torch.device("cpu"), 32) == 16
