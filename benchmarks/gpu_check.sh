@@ -2,7 +2,8 @@
 # The vmap runtime on a CUDA GPU, checked in under 5 minutes, from the repository root:
 #
 #     OUT=/some/folder bash benchmarks/gpu_check.sh                 # on the GPU machine
-#     OUT=$(mktemp -d) bash benchmarks/gpu_check.sh --device cpu    # the same steps on CPU (a dry run)
+#     OUT=$(mktemp -d) GPT_STEPS=2 DIGITS_STEPS=10 REPEATS=1 bash benchmarks/gpu_check.sh --device cpu
+#                                                                    # the same steps on CPU (a dry run)
 #
 # Needs python3 with torch (CUDA) and meshtrain's core dependencies importable; installs
 # nothing and needs no network: meshtrain runs from this checkout through PYTHONPATH.
@@ -15,7 +16,8 @@
 #                 the digits MLP, DDP and DiLoCo(H=20), a table at the end
 #   tests.txt     (c) tests/test_vmap_runtime.py's tests that take a device, on this device
 #   summary.txt   each step's exit status and seconds
-# Each step has its own time limit, so one that hangs leaves the others their time.
+# Each step has its own time limit, so one that hangs leaves the others their time; all of
+# them together are at most 5 minutes 50 s (30 + 2 x 45 + 110 + 45 + 75).
 # GPT_STEPS, DIGITS_STEPS and REPEATS (default 20, 100, 2) size the benchmark (smaller for a dry run).
 set -u
 DEVICE=cuda
@@ -44,7 +46,7 @@ if ! "$PY" -c "import torch" 2> "$OUT/env.txt"; then
     exit 1
 fi
 
-step env 60 "$OUT/env.txt" "$PY" - "$DEVICE" <<'EOF'
+step env 30 "$OUT/env.txt" "$PY" - "$DEVICE" <<'EOF'
 import importlib, platform, sys
 import torch
 device = sys.argv[1]
@@ -78,13 +80,13 @@ SIM_ARGS=(--task gpt --data "$WORK/text.txt" --strategy diloco --nodes 4 --steps
           --device "$DEVICE" --no-progress --out "$WORK/runs")
 if "$PY" -c "import paramiko" 2> /dev/null; then
     for runtime in threads vmap; do
-        step "simulate-$runtime" 90 "$OUT/simulate.txt" "$PY" -m meshtrain simulate "${SIM_ARGS[@]}" --runtime "$runtime"
+        step "simulate-$runtime" 45 "$OUT/simulate.txt" "$PY" -m meshtrain simulate "${SIM_ARGS[@]}" --runtime "$runtime"
     done
 else
     echo "paramiko does not import, and the meshtrain CLI imports it at start: the same run goes through the library" \
         | tee -a "$OUT/simulate.txt" "$SUMMARY"
     for runtime in threads vmap; do
-        step "simulate-$runtime (library)" 90 "$OUT/simulate.txt" "$PY" - "$WORK/text.txt" "$DEVICE" "$runtime" "$WORK/runs" <<'EOF'
+        step "simulate-$runtime (library)" 45 "$OUT/simulate.txt" "$PY" - "$WORK/text.txt" "$DEVICE" "$runtime" "$WORK/runs" <<'EOF'
 import sys
 from meshtrain import Trainer
 from meshtrain.strategies import DiLoCo
@@ -103,13 +105,13 @@ EOF
 fi
 
 # (b) the benchmark: gpt first (the workload that matters on a GPU), then the digits MLP
-step "bench-gpt" 150 "$OUT/bench.txt" "$PY" benchmarks/vmap.py --device "$DEVICE" --workloads gpt \
+step "bench-gpt" 110 "$OUT/bench.txt" "$PY" benchmarks/vmap.py --device "$DEVICE" --workloads gpt \
     --steps "${GPT_STEPS:-20}" --repeats "${REPEATS:-2}"
-step "bench-digits" 60 "$OUT/bench.txt" "$PY" benchmarks/vmap.py --device "$DEVICE" \
+step "bench-digits" 45 "$OUT/bench.txt" "$PY" benchmarks/vmap.py --device "$DEVICE" \
     --workloads "digits MLP" --steps "${DIGITS_STEPS:-100}" --repeats "${REPEATS:-2}"
 
 # (c) the vmap tests that take a device, on this one (on cpu: the cpu cases)
-step "tests" 100 "$OUT/tests.txt" "$PY" -m pytest -q -p no:cacheprovider -n 0 \
+step "tests" 75 "$OUT/tests.txt" "$PY" -m pytest -q -p no:cacheprovider -n 0 \
     tests/test_vmap_runtime.py -k "$DEVICE"
 
 rm -rf "$WORK"
