@@ -395,7 +395,7 @@ def _nodes_per_chunk(model: nn.Module, streams: list[tuple[Any, NodeBatches]], c
                      device: torch.device, batch_size: int) -> int:
     """How many nodes one vectorised computation holds: all of them on a GPU; on CPU as many
     as keep the largest tensor saved for backward under :data:`CHUNK_ACTIVATION_BYTES`,
-    measured on two nodes of one sample (so the whole of a small model's nodes)."""
+    measured on two nodes of one sample (a small model's nodes all fit one computation)."""
     nodes = len(streams)
     if device.type != "cpu":
         return nodes
