@@ -10,6 +10,10 @@ table shows medians, and the final losses of the two runtimes side by side.
 
     python benchmarks/vmap.py                       # 16 nodes, a line per run, then a table
     python benchmarks/vmap.py --nodes 8 --steps 20  # quicker
+    python benchmarks/vmap.py --device cuda --steps 20 --repeats 2   # both runtimes on a GPU
+
+On ``--device cuda`` each time ends after ``torch.cuda.synchronize()``; the CPU columns then
+say what the host spent driving the GPU.
 """
 
 from __future__ import annotations
@@ -50,14 +54,19 @@ STRATEGIES: dict[str, Callable[[], Strategy]] = {"ddp": DDP, "diloco": lambda: D
 
 
 def timed_fit(workload: str, strategy: str, runtime: str, nodes: int, steps: int,
-              threads: int) -> tuple[float, float, float]:
+              threads: int, device: str = "cpu") -> tuple[float, float, float]:
     """(wall seconds, CPU seconds of this process, final train loss) of one ``fit``."""
     model, data = WORKLOADS[workload]()
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
     cpu, start = time.process_time(), time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
         result = Trainer(model, data).fit(STRATEGIES[strategy](), nodes=nodes, max_steps=steps,
                                           batch_size=32, runtime=runtime, threads=threads,
-                                          out_dir=out, progress=False)
+                                          device=device, out_dir=out, progress=False)
+        if cuda:
+            torch.cuda.synchronize()
     return time.perf_counter() - start, time.process_time() - cpu, result.summary["final_train_loss"]
 
 
@@ -68,16 +77,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="samples of each cell (median)")
     parser.add_argument("--vmap-threads", type=int, default=1, help="torch threads of the vmap run")
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: where both runtimes compute")
     args = parser.parse_args()
     load_before = os.getloadavg()[0]
     rows: list[list[Any]] = []
     for workload in args.workloads:
-        for strategy in STRATEGIES:
+        for strategy in args.strategies:
             samples: dict[str, list[tuple[float, float, float]]] = {"threads": [], "vmap": []}
             for _ in range(args.repeats):
                 for runtime, threads in (("threads", 1), ("vmap", args.vmap_threads)):
                     samples[runtime].append(timed_fit(workload, strategy, runtime, args.nodes,
-                                                      args.steps, threads))
+                                                      args.steps, threads, args.device))
                     wall, cpu, loss = samples[runtime][-1]
                     print(f"{workload} {strategy} {runtime}: {wall:.2f} s (CPU {cpu:.2f} s), "
                           f"final loss {loss:.6f}", flush=True)
@@ -87,7 +98,8 @@ def main() -> None:
                          f"{wall['threads'] / wall['vmap']:.1f}x", f"{cpu['threads']:.2f}",
                          f"{cpu['vmap']:.2f}", f"{cpu['threads'] / cpu['vmap']:.1f}x",
                          f"{samples['threads'][-1][2]:.6f}", f"{samples['vmap'][-1][2]:.6f}"])
-    table = Table(title=f"{args.nodes} nodes, batch 32 per node, {args.steps} steps, median of "
+    where = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
+    table = Table(title=f"{where}: {args.nodes} nodes, batch 32 per node, {args.steps} steps, median of "
                         f"{args.repeats} interleaved runs; vmap on {args.vmap_threads} torch thread(s); "
                         f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f} on "
                         f"{os.cpu_count()} cores")

@@ -35,7 +35,7 @@ def sample(model: CharGPT, vocab: list[str], prompt: str, length: int, seed: int
         x = ids[:, -model.block_size:]
         h = model.tokens(x) + model.positions(torch.arange(x.shape[1]))
         for block in model.blocks:
-            h = block(h, model.mask[: x.shape[1], : x.shape[1]])
+            h = block(h)
         logits = model.head(model.norm(h))[:, -1]
         nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)
         ids = torch.cat([ids, nxt], dim=1)

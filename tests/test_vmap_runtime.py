@@ -30,6 +30,10 @@ from meshtrain.strategies import DDP, SPARTA, DeMo, DiLoCo, FedAvg, SPARTADiLoCo
 
 ATOL = 2e-5  # weights; see the module docstring
 LOSS_RTOL = 1e-5  # per-step mean losses
+# Both runtimes on one device; cuda runs where torch sees a GPU (benchmarks/gpu_check.sh).
+# CUDA matmuls stay float32 (torch leaves TF32 off for them), so the tolerance is the same.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                 reason="no CUDA GPU"))]
 
 
 def _fit(strategy: Strategy, runtime: str, tmp_path: Path, name: str, **settings):
@@ -50,17 +54,18 @@ STRATEGIES = {
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", list(STRATEGIES))
-def test_vmap_equals_threads_within_float_tolerance(name: str, tmp_path: Path) -> None:
-    threads = _fit(STRATEGIES[name](), "threads", tmp_path, "threads", val_interval=5)
-    vmapped = _fit(STRATEGIES[name](), "vmap", tmp_path, "vmap", val_interval=5)
+def test_vmap_equals_threads_within_float_tolerance(name: str, device: str, tmp_path: Path) -> None:
+    threads = _fit(STRATEGIES[name](), "threads", tmp_path, "threads", val_interval=5, device=device)
+    vmapped = _fit(STRATEGIES[name](), "vmap", tmp_path, "vmap", val_interval=5, device=device)
     for (key, a), b in zip(threads.model.state_dict().items(), vmapped.model.state_dict().values(),
                            strict=True):
         assert torch.allclose(a, b, rtol=0, atol=ATOL), f"{key}: {(a - b).abs().max():.3g}"
     # Training really moved the weights: the comparison is not between two initial models.
     torch.manual_seed(0)
-    assert max((p - q).abs().max() for p, q in zip(MLP().parameters(), vmapped.model.parameters(),
-                                                    strict=True)) > 100 * ATOL
+    assert max((p - q.cpu()).abs().max() for p, q in zip(MLP().parameters(), vmapped.model.parameters(),
+                                                          strict=True)) > 100 * ATOL
     for row_t, row_v in zip(threads.history, vmapped.history, strict=True):
         assert row_v["train_loss"] == pytest.approx(row_t["train_loss"], rel=LOSS_RTOL)
         for key in ("val_loss", "node_val_loss"):
@@ -226,7 +231,8 @@ def test_cli_runs_vmap_from_a_profile_and_refuses_with_exit_2(tmp_path: Path) ->
     assert not (tmp_path / "runs2").exists()
 
 
-def test_a_small_gpt_equals_threads(tmp_path: Path) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_small_gpt_equals_threads(device: str, tmp_path: Path) -> None:
     """The gpt task's model (embeddings, tied head, causal attention, layer norm) under vmap."""
     from meshtrain.tasks.gpt import CharGPT, CharWindows
 
@@ -236,9 +242,68 @@ def test_a_small_gpt_equals_threads(tmp_path: Path) -> None:
         torch.manual_seed(0)
         return Trainer(CharGPT(11, 8, 1, 2, 16, 0.0), CharWindows(ids, 8)).fit(
             DiLoCo(H=2, lr=1e-3), nodes=3, max_steps=4, batch_size=4, runtime=runtime,
-            out_dir=tmp_path / runtime, progress=False)
+            device=device, out_dir=tmp_path / runtime, progress=False)
 
     threads, vmapped = fit("threads"), fit("vmap")
     for a, b in zip(threads.model.parameters(), vmapped.model.parameters(), strict=True):
         assert torch.allclose(a, b, rtol=0, atol=ATOL)
     assert vmapped.summary["bytes_sent_per_node"] == threads.summary["bytes_sent_per_node"]
+
+
+def test_gpt_attention_dropout_draws_each_nodes_own_stream(tmp_path: Path) -> None:
+    """The gpt model's attention and MLP dropout (F.dropout) under vmap take each node's masks
+    from its own stream, as the threads runtime draws them: equal within float tolerance."""
+    from meshtrain.tasks.gpt import CharGPT, CharWindows
+
+    ids = torch.randint(0, 11, (600,), generator=torch.Generator().manual_seed(1))
+
+    def fit(runtime: str, dropout: float = 0.2):
+        torch.manual_seed(0)
+        return Trainer(CharGPT(11, 8, 1, 2, 16, dropout), CharWindows(ids, 8)).fit(
+            DDP(lr=1e-2), nodes=3, max_steps=4, batch_size=4, runtime=runtime,
+            out_dir=tmp_path / f"{runtime}{dropout}", progress=False)
+
+    threads, vmapped = fit("threads"), fit("vmap")
+    for a, b in zip(threads.model.parameters(), vmapped.model.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=ATOL)
+    no_dropout = fit("vmap", dropout=0.0)  # the masks mattered: far outside the tolerance
+    assert not torch.allclose(no_dropout.model.blocks[0].attn.in_proj_weight,
+                              vmapped.model.blocks[0].attn.in_proj_weight, atol=100 * ATOL)
+
+
+def test_nodes_computed_in_chunks_equal_the_threads_runtime(tmp_path: Path, monkeypatch) -> None:
+    """On CPU a model with large activations is computed a few nodes at a time: each chunk's
+    gradients land in its own rows, each node's dropout still comes from its own stream,
+    microbatches still accumulate (3 nodes in chunks of 2: an uneven last chunk)."""
+    from meshtrain.engine.runtimes import vmap as vmap_runtime
+
+    monkeypatch.setattr(vmap_runtime, "_nodes_per_chunk", lambda *args: 2)
+
+    def fit(runtime: str):
+        torch.manual_seed(0)
+        return Trainer(FunctionalDropoutMLP(), regression_data(96)).fit(
+            DDP(optim="sgd", lr=0.05), nodes=3, max_steps=4, batch_size=4, microbatch_size=2,
+            runtime=runtime, out_dir=tmp_path / runtime, progress=False)
+
+    threads, vmapped = fit("threads"), fit("vmap")
+    for a, b in zip(threads.model.parameters(), vmapped.model.parameters(), strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=ATOL)
+    for row_t, row_v in zip(threads.history, vmapped.history, strict=True):
+        assert row_v["train_loss"] == pytest.approx(row_t["train_loss"], rel=LOSS_RTOL)
+
+
+def test_chunks_keep_the_largest_activation_under_the_budget() -> None:
+    """The gpt task's model at batch 32 saves a 64 x 512 float tensor per sample (4 MiB a
+    node): 4 nodes fit the 16 MiB budget; at batch 8, or for the digits MLP, all 16 do;
+    a GPU computes all nodes at once."""
+    from meshtrain.engine.runtimes.vmap import CHUNK_ACTIVATION_BYTES, _nodes_per_chunk
+    from meshtrain.tasks.gpt import CharGPT, CharWindows
+
+    assert CHUNK_ACTIVATION_BYTES == 16 * 2**20
+    streams = [(CharWindows(torch.randint(0, 65, (200,)), 64), None)] * 16
+    gpt = CharGPT(65, 64, 2, 4, 128, 0.0)
+    assert _nodes_per_chunk(gpt, streams, None, torch.device("cpu"), 32) == 4
+    assert _nodes_per_chunk(gpt, streams, None, torch.device("cpu"), 8) == 16
+    assert _nodes_per_chunk(gpt, streams, None, torch.device("cuda"), 32) == 16
+    mlp_streams = [(regression_data(8), None)] * 16
+    assert _nodes_per_chunk(MLP(), mlp_streams, None, torch.device("cpu"), 32) == 16

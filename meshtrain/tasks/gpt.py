@@ -32,18 +32,57 @@ class CharWindows(Dataset):
         return chunk[:-1], chunk[1:]
 
 
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: one projection to q, k and v, scaled dot-product
+    attention, an output projection.
+
+    Written out rather than ``nn.MultiheadAttention``, which projects a transposed,
+    non-contiguous input: under ``torch.func.vmap`` (the vmap runtime) that matmul copied
+    every node's projection weight once per position. Here the projection reads the
+    contiguous ``(batch, time, dim)`` input. The parameters, their names, order and
+    initialisation are ``nn.MultiheadAttention``'s (same random draws, same state-dict keys).
+    Attention dropout goes through ``F.dropout``, so each node's own random stream draws it
+    in every runtime (sdpa's fused kernels draw their masks their own way).
+    """
+
+    def __init__(self, dim: int, heads: int, dropout: float) -> None:
+        super().__init__()
+        self.heads = heads
+        self.dropout = dropout
+        self.in_proj_weight = nn.Parameter(torch.empty(3 * dim, dim))
+        self.in_proj_bias = nn.Parameter(torch.empty(3 * dim))
+        self.out_proj = nn.Linear(dim, dim)
+        # nn.MultiheadAttention's initialisation, draw for draw (out_proj's above, then these).
+        nn.init.xavier_uniform_(self.in_proj_weight)
+        nn.init.zeros_(self.in_proj_bias)
+        nn.init.zeros_(self.out_proj.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, time, dim = x.shape
+        qkv = nn.functional.linear(x, self.in_proj_weight, self.in_proj_bias)
+        # (batch, time, 3, heads, head_dim) -> three (batch, heads, time, head_dim)
+        q, k, v = qkv.view(batch, time, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
+        if self.dropout and self.training:
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+            causal = torch.ones(time, time, dtype=torch.bool, device=x.device).tril()
+            weights = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+            attended = nn.functional.dropout(weights, p=self.dropout, training=True) @ v
+        else:
+            attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out_proj(attended.transpose(1, 2).reshape(batch, time, dim))
+
+
 class Block(nn.Module):
     def __init__(self, dim: int, heads: int, dropout: float) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(dim)
-        self.attn = nn.MultiheadAttention(dim, heads, dropout=dropout, batch_first=True)
+        self.attn = CausalSelfAttention(dim, heads, dropout)
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim),
                                  nn.Dropout(dropout))
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        h = self.norm1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x))
         return x + self.mlp(self.norm2(x))
 
 
@@ -60,8 +99,6 @@ class CharGPT(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size, bias=False)
         self.head.weight = self.tokens.weight  # weight tying, as in GPT-2
-        mask = torch.triu(torch.full((block_size, block_size), float("-inf")), diagonal=1)
-        self.register_buffer("mask", mask, persistent=False)
         self.checkpointing = False
         for p in self.parameters():
             if p.dim() >= 2:
@@ -78,9 +115,9 @@ class CharGPT(nn.Module):
         recompute = self.checkpointing and self.training and torch.is_grad_enabled()
         for block in self.blocks:
             if recompute:  # keep only each block's input; its inside is recomputed in backward
-                h = checkpoint(block, h, self.mask[:t, :t], use_reentrant=False)
+                h = checkpoint(block, h, use_reentrant=False)
             else:
-                h = block(h, self.mask[:t, :t])
+                h = block(h)
         logits = self.head(self.norm(h))
         return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 

@@ -108,7 +108,7 @@ def _trial_problem(model: nn.Module, train_data: Any, collate_fn: Any, device_na
     one = to_device(fetch(data, [0], collate_fn), device)
     try:
         batch = _stack_batches([one, one])
-        with NodeRandomness([0, 1]):
+        with NodeRandomness([0, 1], device):
             losses = _loss_function(replica, 0)(stacked, batch)
         losses.sum().backward()
     except Exception as exc:  # noqa: BLE001 - any failure is a reason to refuse
@@ -195,12 +195,16 @@ class NodeRandomness(TorchDispatchMode):
     seeded as the threads runtime seeds node ``i`` (:func:`node_seed`): the same op on the
     same shape from the same state, so the masks are the threads runtime's, bit for bit.
     Any other random op is refused (:class:`RandomnessUnsupported`). torch's global
-    generator is never touched. :attr:`drew` tells whether anything was drawn.
+    generator is never touched. :attr:`drew` tells whether anything was drawn. The
+    generators live on the computation's ``device`` (a CUDA draw needs a CUDA generator;
+    there each node's masks are its own and reproducible, but not the CPU's). When the
+    nodes are computed a chunk at a time, :attr:`active` holds the chunk's generators.
     """
 
-    def __init__(self, seeds: list[int]) -> None:
+    def __init__(self, seeds: list[int], device: torch.device | str = "cpu") -> None:
         super().__init__()
-        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        self.generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
+        self.active = self.generators
         self.drew = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
@@ -209,12 +213,12 @@ class NodeRandomness(TorchDispatchMode):
         if torch.Tag.nondeterministic_seeded not in func.tags:
             return func(*args, **kwargs)
         self.drew = True
-        nodes = len(self.generators)
+        nodes = len(self.active)
         if func is torch.ops.aten.bernoulli.p and kwargs.get("generator") is None \
                 and args[0].dim() > 0 and args[0].shape[0] == nodes:
             p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
             out = torch.empty_like(args[0])
-            for row, generator in zip(out, self.generators, strict=True):
+            for row, generator in zip(out, self.active, strict=True):
                 row.bernoulli_(p, generator=generator)
             return out
         raise RandomnessUnsupported(f"{func} draws random numbers that the vmap runtime cannot "
@@ -251,8 +255,10 @@ def _train(job: NodeJob) -> FitResult:
     # Every node's random stream, as in the threads runtime. The first step shows whether
     # the model draws at all; a model that does not then runs without the mode (and a
     # draw after all would fail loudly, never come from a shared stream).
-    randomness: NodeRandomness | None = NodeRandomness([node_seed(cfg.seed, r) for r in range(nodes)])
+    randomness: NodeRandomness | None = NodeRandomness([node_seed(cfg.seed, r) for r in range(nodes)],
+                                                       device)
     node_losses = _loss_function(model, 0)
+    chunk = _nodes_per_chunk(model, streams, job.collate_fn, device, cfg.microbatch_size or cfg.batch_size)
     val_batches = _validation_batches(job, 0, device)
     evaluator = node_replica(model) if val_batches else None
 
@@ -274,7 +280,7 @@ def _train(job: NodeJob) -> FitResult:
         for step in range(max_steps):
             comm.step = step
             indices = [batches.next_indices() for _, batches in streams]
-            step_losses = _forward_backward(job, streams, indices, device, node_losses, randomness, holder)
+            step_losses = _forward_backward(job, streams, indices, node_losses, randomness, holder, chunk)
             if randomness is not None and not randomness.drew:
                 randomness, node_losses = None, _loss_function(model, 0, "error")
             values = step_losses.tolist()
@@ -348,23 +354,89 @@ def _node_streams(job: NodeJob) -> list[tuple[Any, NodeBatches]]:
 
 
 def _forward_backward(job: NodeJob, streams: list[tuple[Any, NodeBatches]], indices: list[list[int]],
-                      device: torch.device, node_losses: Callable[..., torch.Tensor],
-                      randomness: NodeRandomness | None, holder: _StackedParameters) -> torch.Tensor:
-    """Every node's forward and backward on its own batch (in microbatches); every node's loss."""
-    step_losses = torch.zeros(len(streams), dtype=torch.float64)
+                      node_losses: Callable[..., torch.Tensor], randomness: NodeRandomness | None,
+                      holder: _StackedParameters, chunk: int) -> torch.Tensor:
+    """Every node's forward and backward on its own batch (in microbatches, and ``chunk``
+    nodes at a time, on the parameters' device); every node's loss."""
+    nodes, device = len(streams), holder.stacked[0].device
+    step_losses = torch.zeros(nodes, dtype=torch.float64)
     pieces = [list(split_microbatches(ix, job.config.microbatch_size)) for ix in indices]
     for micro in zip(*pieces, strict=True):
         batch = to_device(_node_batches(streams, micro, job.collate_fn), device)
         weight = len(micro[0]) / len(indices[0])
-        if randomness is not None:
-            with randomness:
-                loss = node_losses(holder.by_name(), batch)
-        else:
-            loss = node_losses(holder.by_name(), batch)
-        # Node i's loss depends on row i only: the sum's gradient is every node's own.
-        (loss.sum() * weight).backward()
-        step_losses += loss.detach().double().cpu() * weight
+        for start in range(0, nodes, chunk):
+            stop = min(nodes, start + chunk)
+            if chunk == nodes:  # one computation: the gradients land in the stacked tensors
+                params, rows = holder.by_name(), batch
+            else:  # this chunk's rows as leaves of their own, their gradients copied in below
+                params = {n: t.detach()[start:stop].requires_grad_(True) for n, t in holder.by_name().items()}
+                rows = _rows(batch, start, stop)
+            if randomness is not None:
+                randomness.active = randomness.generators[start:stop]
+                with randomness:
+                    loss = node_losses(params, rows)
+            else:
+                loss = node_losses(params, rows)
+            # Node i's loss depends on row i only: the sum's gradient is every node's own.
+            (loss.sum() * weight).backward()
+            if chunk != nodes:
+                _add_rows_grad(holder, params, start, stop)
+            step_losses[start:stop] += loss.detach().double().cpu() * weight
     return step_losses
+
+
+#: The vmap runtime on CPU computes the nodes in chunks whose largest activation stays under
+#: this: glibc's malloc serves a block over 32 MiB from fresh pages every time (a page fault
+#: per 4 KiB: 16 nodes of the gpt task took 300,000 faults and 1.6x the CPU per step).
+CHUNK_ACTIVATION_BYTES = 16 * 2**20
+
+
+def _nodes_per_chunk(model: nn.Module, streams: list[tuple[Any, NodeBatches]], collate_fn: Any,
+                     device: torch.device, batch_size: int) -> int:
+    """How many nodes one vectorised computation holds: all of them on a GPU; on CPU as many
+    as keep the largest tensor saved for backward under :data:`CHUNK_ACTIVATION_BYTES`,
+    measured on two nodes of one sample (a small model's nodes all fit one computation)."""
+    nodes = len(streams)
+    if device.type != "cpu":
+        return nodes
+    largest = 0
+    params = {n: p.detach().unsqueeze(0).expand(2, *p.shape).clone().requires_grad_(True)
+              for n, p in model.named_parameters() if p.requires_grad}
+    weights = {t.untyped_storage().data_ptr()
+               for t in [*params.values(), *model.parameters(), *model.buffers()]}
+
+    def note(t: torch.Tensor) -> torch.Tensor:  # activations only: weights do not grow with the batch
+        nonlocal largest
+        if t.untyped_storage().data_ptr() not in weights:
+            largest = max(largest, t.numel() * t.element_size())
+        return t
+
+    one = to_device(fetch(streams[0][0], [0], collate_fn), device)
+    with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t), NodeRandomness([0, 1], device):
+        _loss_function(model, 0)(params, _stack_batches([one, one]))
+    per_node = largest / 2 * batch_size
+    return max(1, min(nodes, int(CHUNK_ACTIVATION_BYTES // max(1.0, per_node))))
+
+
+def _rows(batch: Any, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` (nodes) of every tensor of a stacked batch."""
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop]
+    if isinstance(batch, dict):
+        return {k: _rows(v, start, stop) for k, v in batch.items()}
+    return type(batch)(_rows(v, start, stop) for v in batch)
+
+
+def _add_rows_grad(holder: _StackedParameters, chunk_params: dict[str, torch.Tensor], start: int,
+                   stop: int) -> None:
+    """Add a chunk's gradients into rows ``start:stop`` of the stacked gradients (a parameter
+    no node used keeps ``grad = None``, as in one computation)."""
+    for stacked, part in zip(holder.stacked, chunk_params.values(), strict=True):
+        if part.grad is None:
+            continue
+        if stacked.grad is None:
+            stacked.grad = torch.zeros_like(stacked)
+        stacked.grad[start:stop] += part.grad
 
 
 def _bound_strategy(job: NodeJob, holder: _StackedParameters, comm: StackedCommunicator,
