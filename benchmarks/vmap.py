@@ -80,6 +80,11 @@ def main() -> None:
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     parser.add_argument("--device", default="cpu", help="cpu or cuda: where both runtimes compute")
     args = parser.parse_args()
+    # Warm-up, not timed: first-use costs (a CUDA context, kernels loaded, lazy imports)
+    # would otherwise land in whichever sample comes first.
+    for workload in args.workloads:
+        for runtime, threads in (("threads", 1), ("vmap", args.vmap_threads)):
+            timed_fit(workload, args.strategies[0], runtime, args.nodes, 2, threads, args.device)
     load_before = os.getloadavg()[0]
     rows: list[list[Any]] = []
     for workload in args.workloads:
