@@ -18,13 +18,23 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 WARM = 5
 
 
+def preempted() -> int:
+    """How often this thread was taken off its core while it could run (Linux; 0 elsewhere)."""
+    try:
+        with open(f"/proc/self/task/{threading.get_native_id()}/status") as f:
+            return next(int(x.split()[1]) for x in f if x.startswith("nonvoluntary_ctxt_switches"))
+    except (OSError, StopIteration):
+        return 0
+
+
 def train(steps: int) -> None:
-    """Child: train and print '<wall seconds> <thread CPU seconds>' of the steps after WARM."""
+    """Child: print '<wall seconds> <thread CPU seconds> <preemptions>' of the steps after WARM."""
     import torch
 
     from meshtrain.tasks.gpt import CharGPT
@@ -36,23 +46,24 @@ def train(steps: int) -> None:
     batch = (torch.randint(0, 65, (32, 64)), torch.randint(0, 65, (32, 64)))
     for step in range(steps):
         if step == WARM:
-            wall, cpu = time.perf_counter(), time.thread_time()
+            wall, cpu, switches = time.perf_counter(), time.thread_time(), preempted()
         optimizer.zero_grad()
         model(batch).backward()
         optimizer.step()
-    print(f"{time.perf_counter() - wall} {time.thread_time() - cpu}", flush=True)
+    print(f"{time.perf_counter() - wall} {time.thread_time() - cpu} {preempted() - switches}", flush=True)
 
 
-def run(cores: list[int], steps: int) -> tuple[float, float]:
-    """Start one child per core at once; the core-0 child's (wall, CPU) seconds."""
+def run(cores: list[int], steps: int) -> tuple[float, float, int]:
+    """Start one child per core at once; the core-0 child's wall and CPU seconds and
+    preemptions."""
     children = [subprocess.Popen(["taskset", "-c", str(c), sys.executable, __file__, "--child",
                                   "--steps", str(steps)], stdout=subprocess.PIPE, text=True)
                 for c in cores]
     outputs = [p.communicate()[0] for p in children]
     if any(p.returncode for p in children):
         sys.exit("a child failed")
-    wall, cpu = map(float, outputs[0].split())
-    return wall, cpu
+    wall, cpu, switches = outputs[0].split()
+    return float(wall), float(cpu), int(switches)
 
 
 def main() -> None:
@@ -64,23 +75,23 @@ def main() -> None:
     if args.child:
         train(args.steps)
         return
-    results: dict[str, list[tuple[float, float]]] = {"alone": [], "pair": []}
+    results: dict[str, list[tuple[float, float, int]]] = {"alone": [], "pair": []}
     loads = []
     for r in range(args.repeats):
         for name, cores in (("alone", [0]), ("pair", [0, 1])):
             loads.append(os.getloadavg()[0])
             results[name].append(run(cores, args.steps))
-            wall, cpu = results[name][-1]
-            print(f"run {r + 1} {name}: wall {wall:.2f} s, CPU {cpu:.2f} s (load {loads[-1]:.1f})",
-                  flush=True)
+            wall, cpu, switches = results[name][-1]
+            print(f"run {r + 1} {name}: wall {wall:.2f} s, CPU {cpu:.2f} s, preempted {switches} times "
+                  f"(load {loads[-1]:.1f})", flush=True)
     print(f"\n{args.steps - WARM} steps of the gpt model, core-0 process, medians of {args.repeats}; "
           f"load average {min(loads):.1f}-{max(loads):.1f}")
-    print(f"{'':8}{'wall s':>10}{'CPU s':>10}")
+    print(f"{'':8}{'wall s':>10}{'CPU s':>10}{'preempted':>11}")
     for name, values in results.items():
-        print(f"{name:8}{statistics.median(w for w, _ in values):10.2f}"
-              f"{statistics.median(c for _, c in values):10.2f}")
-    alone = statistics.median(c for _, c in results["alone"])
-    pair = statistics.median(c for _, c in results["pair"])
+        wall, cpu, switches = (statistics.median(v[i] for v in values) for i in range(3))
+        print(f"{name:8}{wall:10.2f}{cpu:10.2f}{switches:11.0f}")
+    alone = statistics.median(v[1] for v in results["alone"])
+    pair = statistics.median(v[1] for v in results["pair"])
     print(f"pair / alone CPU: {pair / alone:.3f}x")
 
 
