@@ -21,6 +21,7 @@ token bucket (``tbf``) to 1 Gbit/s or 100 Mbit/s. For every link:
 
     python benchmarks/scaling.py                          # 2 hosts, 3 repeats, all links
     python benchmarks/scaling.py --links 1gbit --repeats 5 --strategies ddp
+    python benchmarks/scaling.py --profile-cpu --links unshaped,1gbit --repeats 2  # CPU per process/thread
 
 Needs root (namespaces, tc), sshd and iproute2. The load average (1 minute) is printed
 with every run: on a loaded machine the other processes share the hosts' cores.
