@@ -138,7 +138,6 @@ class CpuSampler:
         return kind
 
     def _sample(self) -> None:
-        now = time.monotonic()
         parents: dict[int, int] = {}
         stats: dict[int, tuple[str, int, float]] = {}
         for name in os.listdir("/proc"):
@@ -147,14 +146,19 @@ class CpuSampler:
                 if got is not None:
                     stats[int(name)] = got
                     parents[int(name)] = got[1]
-        for pid, (_, _, total) in stats.items():
+        for pid in stats:
             kind = self._kind(pid, parents)
             if kind is None:
                 continue
+            # Read again with its time: the scan above may have begun before the pid was a root.
+            got = _stat_times(f"/proc/{pid}/stat")
+            if got is None:
+                continue
+            now = time.monotonic()
             whole = self.processes.setdefault(pid, _Series(kind, "(process)"))
             whole.kind = kind
             whole.times.append(now)
-            whole.cpu.append(total)
+            whole.cpu.append(got[2])
             try:
                 tids = os.listdir(f"/proc/{pid}/task")
             except OSError:
@@ -166,7 +170,7 @@ class CpuSampler:
                 label = "main" if tid == pid else got[0]
                 s = self.series.setdefault((pid, tid), _Series(kind, label))
                 s.kind, s.thread = kind, label
-                s.times.append(now)
+                s.times.append(time.monotonic())
                 s.cpu.append(got[2])
 
     def window(self, start: float, end: float) -> dict[tuple[str, str], float]:
