@@ -6,7 +6,8 @@ one. This runs the ranks' compute alone: the gpt task's model (413,312 parameter
 process pinned to core 0, either alone ("alone") or beside an identical process pinned to
 core 1 ("pair"), alternating, ``--repeats`` times each. It prints the medians of the core-0
 process's wall and CPU (thread) seconds for the steps after the first 5. No SSH, no
-launcher, no communication: a difference is the two cores sharing the machine.
+launcher, no communication: a difference is the two cores sharing the machine (and, on a
+loaded machine, how the other processes then preempt the pair).
 
     python benchmarks/core_interference.py --repeats 5
 """
