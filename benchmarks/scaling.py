@@ -21,6 +21,7 @@ token bucket (``tbf``) to 1 Gbit/s or 100 Mbit/s. For every link:
 
     python benchmarks/scaling.py                          # 2 hosts, 3 repeats, all links
     python benchmarks/scaling.py --links 1gbit --repeats 5 --strategies ddp
+    python benchmarks/scaling.py --profile-cpu --links unshaped,1gbit --repeats 2  # CPU per process/thread
 
 Needs root (namespaces, tc), sshd and iproute2. The load average (1 minute) is printed
 with every run: on a loaded machine the other processes share the hosts' cores.
@@ -38,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,6 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import pytest  # noqa: E402
 import yaml  # noqa: E402  (ssh_fixtures skips through pytest where it cannot run)
 from ssh_fixtures import PYTHON, Namespaces, SshWorld, make_namespaces, new_world, start_sshd  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_sampler import THREAD_NAMER, CpuSampler  # noqa: E402
 
 #: tc token-bucket settings per link: rate, and a bucket of about 4 ms at that rate (a
 #: smaller one starves TCP on a veth; a larger one lets bursts run above the rate).
@@ -99,6 +104,8 @@ class Run:
     projected_wait: float = 0.0  # the modelled wait for the slowest host (the probe's spread)
     waiting: float = 0.0  # of measured_comm: rank 0 inside all-reduces before the last rank came
     moving: float = 0.0  # of measured_comm: from the last rank's arrival to rank 0's exit
+    # rank 0's monotonic times: entering its first recorded all-reduce after WARM, leaving its last
+    window: tuple[float, float] = (0.0, 0.0)
 
 
 @dataclass
@@ -133,15 +140,23 @@ def shape(ns: Namespaces, link: str) -> None:
                            check=True, capture_output=True, timeout=20)
 
 
-def inventory(world: SshWorld, folder: Path, hosts: int, name: str) -> Path:
+def inventory(world: SshWorld, folder: Path, hosts: int, name: str, *, name_threads: bool = False) -> Path:
     entries = [{"name": f"box{i}", "host": s.address, "workdir": str(folder / f"box{i}")}
                for i, s in enumerate(world.servers[:hosts])]
     tracer = folder / "tracer"
     tracer.mkdir(exist_ok=True)
-    (tracer / "sitecustomize.py").write_text(TRACER)
+    (tracer / "sitecustomize.py").write_text(TRACER + (THREAD_NAMER if name_threads else ""))
     env = {"PYTHONPATH": str(tracer), "MESHTRAIN_TRACE_DIR": str(folder / "traces")}
     return world.inventory(folder / f"{name}.yaml", entries, iface="eth0", env=env,
                            rendezvous={"port": 29500, "timeout": 120})
+
+
+def training_window(traces: Path) -> tuple[float, float]:
+    """(entered, left) of rank 0's first recorded all-reduce at a step >= WARM and its
+    last one: the training loop after warm-up, on the clock every namespace shares."""
+    found = list(traces.glob("rank0-*.json"))
+    events = [e for e in json.loads(found[0].read_text()) if e[0] >= WARM] if found else []
+    return (events[0][1], events[-1][2]) if len(events) > 1 else (0.0, 0.0)
 
 
 def split_waiting(traces: Path) -> tuple[float, float]:
@@ -160,18 +175,26 @@ def split_waiting(traces: Path) -> tuple[float, float]:
     return waiting, moving
 
 
-def meshtrain(world: SshWorld, *args: str, cwd: Path,
-              timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(world.command(PYTHON, "-m", "meshtrain", *args), cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
-    if done.returncode != 0:
-        sys.exit(f"meshtrain {' '.join(args[:2])} failed ({done.returncode}):\n"
-                 f"{done.stdout[-3000:]}{done.stderr[-3000:]}")
-    return done
+def meshtrain(world: SshWorld, *args: str, cwd: Path, timeout: float = 600,
+              sampler: CpuSampler | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the CLI where the launcher belongs; with ``sampler``, its CPU is sampled too
+    (the launcher's pid joins the sampler's roots as "launcher")."""
+    env = dict(os.environ)
+    if sampler is not None:  # the launcher's threads name themselves (cpu_sampler.THREAD_NAMER)
+        env["PYTHONPATH"] = str(cwd / "tracer")
+    with subprocess.Popen(world.command(PYTHON, "-m", "meshtrain", *args), cwd=cwd, text=True, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE) as process:
+        if sampler is not None:  # `ip netns exec` execs the command: the pid stays the launcher's
+            sampler.roots[process.pid] = "launcher"
+        stdout, stderr = process.communicate(timeout=timeout)
+    if process.returncode != 0:
+        sys.exit(f"meshtrain {' '.join(args[:2])} failed ({process.returncode}):\n"
+                 f"{stdout[-3000:]}{stderr[-3000:]}")
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def launch(world: SshWorld, folder: Path, inv: Path, strategy: str, steps: int, data: Path,
-           cluster: Path, run_id: str) -> Run:
+           cluster: Path | None, run_id: str, sampler: CpuSampler | None = None) -> Run:
     options = ["--set", "H=20"] if strategy == "diloco" else []
     load = os.getloadavg()[0]
     traces = folder / "traces"
@@ -180,20 +203,22 @@ def launch(world: SshWorld, folder: Path, inv: Path, strategy: str, steps: int, 
     meshtrain(world, "launch", str(inv), "--out", str(folder / "runs"), "--run-id", run_id,
               "--task", "gpt", "--data", str(data), "--strategy", strategy, "--steps", str(steps),
               "--batch-size", "32", "--threads", "1", "--val-interval", str(steps), "--no-ship",
-              "--set", f"cluster={cluster}", *options, cwd=folder)
+              *(["--set", f"cluster={cluster}"] if cluster is not None else []), *options, cwd=folder,
+              sampler=sampler)
     run = folder / "runs" / run_id
     summary = json.loads((run / "summary.json").read_text())
     with open(run / "metrics.csv") as f:
         seconds = [float(row["seconds"]) for row in csv.DictReader(f) if row["seconds"]]  # not step 0
-    projected = summary["projected"]
+    projected = summary.get("projected") or {}
     waiting, moving = split_waiting(traces)
     return Run(waiting=waiting, moving=moving, hosts=summary["nodes"],
                projected_wait=projected.get("sync_wait_seconds", 0.0),
                step_seconds=(seconds[-1] - seconds[WARM - 1]) / (steps - WARM),
                measured_comm=projected.get("measured_communication_seconds", float("nan")),
-               projected_comm=projected["communication_seconds"],
-               projected_total=projected["total_seconds"], compute_per_step=projected["step_seconds"],
-               load=load)
+               projected_comm=projected.get("communication_seconds", float("nan")),
+               projected_total=projected.get("total_seconds", float("nan")),
+               compute_per_step=projected.get("step_seconds", float("nan")),
+               load=load, window=training_window(traces))
 
 
 def median(values: list[float]) -> float:
@@ -208,6 +233,10 @@ def main() -> None:
     parser.add_argument("--links", default="unshaped,1gbit,100mbit",
                         help=f"comma-separated, of: {', '.join(LINKS)}")
     parser.add_argument("--strategies", default="ddp,diloco")
+    parser.add_argument("--profile-cpu", action="store_true",
+                        help="instead of the speedup table: CPU seconds per process and thread (the "
+                             "launcher, each host's sshd, each rank split by thread) during the "
+                             "K-host runs' training loop, medians of --repeats runs")
     args = parser.parse_args()
     links = args.links.split(",")
     unknown = [x for x in links if x not in LINKS]
@@ -234,6 +263,12 @@ def main() -> None:
                 world.trust(server)
             data = folder / "text.txt"
             write_text_data(data)
+            if args.profile_cpu:
+                invs = [inventory(world, folder, k, name, name_threads=True)
+                        for k, name in ((1, "one"), (args.hosts, "many"))]
+                profile_cpu(world, folder, invs, links, args.strategies.split(","), args.steps, args.repeats,
+                            data, ns)
+                return
             one, many = inventory(world, folder, 1, "one"), inventory(world, folder, args.hosts, "many")
             for link in links:
                 shape(ns, link)
@@ -265,6 +300,74 @@ def main() -> None:
             for server in world.servers:
                 server.stop()
             ns.delete()
+
+
+def profile_cpu(world: SshWorld, folder: Path, invs: list[Path], links: list[str], strategies: list[str],
+                steps: int, repeats: int, data: Path, ns: Namespaces) -> None:
+    """Launch on 1 and on K hosts, alternating, ``repeats`` times per link and strategy with
+    the CPU sampled; print, per process kind and thread, the median CPU seconds inside the
+    training window (rank 0's first recorded all-reduce after WARM to its last) and over
+    the whole launch."""
+    for link in links:
+        shape(ns, link)
+        for strategy in strategies:
+            inside: dict[str, dict[tuple[str, str], list[float]]] = {inv.stem: {} for inv in invs}
+            whole: dict[str, dict[tuple[str, str], list[float]]] = {inv.stem: {} for inv in invs}
+            windows: dict[str, list[float]] = {inv.stem: [] for inv in invs}
+            walls: dict[str, list[float]] = {inv.stem: [] for inv in invs}
+            loads: list[float] = []
+            own: list[float] = []
+            for r in range(repeats):
+                for inv in invs:
+                    sampler = CpuSampler({s.pid: f"host{i}" for i, s in enumerate(world.servers)}).start()
+                    started = time.monotonic()
+                    try:
+                        run = launch(world, folder, inv, strategy, steps, data, None,
+                                     f"cpu-{link}-{strategy}-{inv.stem}-{r}", sampler=sampler)
+                    finally:
+                        sampler.stop()
+                    ended = time.monotonic()
+                    start, end = run.window
+                    if end <= start:
+                        sys.exit("no training window: rank 0's all-reduce trace is missing")
+                    spans = ((inside[inv.stem], (start, end)), (whole[inv.stem], (started, ended)))
+                    for table, (a, b) in spans:
+                        for key, seconds in sampler.window(a, b).items():
+                            table.setdefault(key, [0.0] * r).append(seconds)
+                        for values in table.values():
+                            values.extend([0.0] * (r + 1 - len(values)))
+                    windows[inv.stem].append(end - start)
+                    walls[inv.stem].append(ended - started)
+                    loads.append(run.load)
+                    own.append(sampler.own_cpu)
+                    print(f"[{link}] {strategy} {run.hosts} host(s) run {r + 1}: training window "
+                          f"{end - start:.2f} s, launch {ended - started:.2f} s (load {run.load:.1f})",
+                          flush=True)
+            for inv in invs:
+                print_cpu_table(f"{link} {strategy} {inv.stem}", inside[inv.stem], whole[inv.stem],
+                                median(windows[inv.stem]), median(walls[inv.stem]), repeats)
+            print(f"sampler's own CPU (unpinned, like the launcher): {median(own):.2f} s per launch; "
+                  f"load {min(loads):.1f}-{max(loads):.1f}; now {os.getloadavg()[0]:.1f}", flush=True)
+
+
+def print_cpu_table(title: str, inside: dict[tuple[str, str], list[float]],
+                    whole: dict[tuple[str, str], list[float]], window: float, wall: float, runs: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{title}: CPU seconds (medians) in the training window ({window:.2f} s) and "
+                        f"over the whole launch ({wall:.2f} s)")
+    for column in ("process", "thread", "training window", "share of a core", "whole launch"):
+        table.add_column(column, justify="left" if column in ("process", "thread") else "right")
+    for kind, thread in sorted(whole, key=lambda k: (k[0], -median(whole[k]))):
+        w, a = median(inside.get((kind, thread), [0.0])), median(whole[(kind, thread)])
+        if a >= 0.01 or w >= 0.01:
+            table.add_row(kind, thread, f"{w:.2f}", f"{w / window:.1%}", f"{a:.2f}")
+    for kind in sorted({k for k, _ in whole}):
+        w = median([sum(v[i] for (k, _), v in inside.items() if k == kind) for i in range(runs)])
+        a = median([sum(v[i] for (k, _), v in whole.items() if k == kind) for i in range(runs)])
+        table.add_row(f"[bold]{kind}[/]", "[bold]all[/]", f"{w:.2f}", f"{w / window:.1%}", f"{a:.2f}")
+    Console(width=200).print(table)
 
 
 def print_table(cells: list[Cell], hosts: int, steps: int, probes: dict[str, float]) -> None:

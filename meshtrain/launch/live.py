@@ -57,7 +57,10 @@ from meshtrain.progress import human_bytes
 STATE_STYLES = {STARTING: "dim", TRAINING: "green", FINISHING: "cyan", DONE: "bold green",
                 FAILED: "bold red", LOST: "bold red", STOPPED_STATE: "yellow"}
 LOG_LINES = 200  # log lines the live view keeps; it shows as many as the terminal fits
-REFRESH_PER_SECOND = 4
+#: Redraws per second. Each redraw renders the whole panel and the visible log lines
+#: (~6 ms of CPU on a 160x50 terminal); at 4 a second the live view took 2.5% of a core
+#: on the launching machine, often one of the hosts (benchmarks/live_view_cpu.py).
+REFRESH_PER_SECOND = 2
 
 
 class ClusterView:
@@ -152,7 +155,8 @@ class LiveOutput(RankOutput):
 
     def __init__(self, names: list[str], stream: TextIO | None = None,
                  force_terminal: bool | None = None, log_dir: Path | None = None,
-                 title: str | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 title: str | None = None, clock: Callable[[], float] = time.monotonic,
+                 refresh_per_second: float = REFRESH_PER_SECOND) -> None:
         super().__init__(names, stream, force_terminal, log_dir)
         self.view = ClusterView(names)
         self.title = title
@@ -160,7 +164,7 @@ class LiveOutput(RankOutput):
         self.log: deque[Text] = deque(maxlen=LOG_LINES)
         self._sources: dict[int, BeatSource] = {}
         self.live = Live(console=self.console, get_renderable=self.renderable,
-                         refresh_per_second=REFRESH_PER_SECOND, transient=False)
+                         refresh_per_second=refresh_per_second, transient=False)
 
     def __enter__(self) -> LiveOutput:
         self.live.start()
