@@ -269,6 +269,25 @@ class Communicator(ABC):
             for t, n in zip(gathered, sizes, strict=True)
         ]
 
+    #: True where :meth:`all_reduce_bucket` may run on a second thread while the node's
+    #: own thread computes (the backward pass; see :mod:`meshtrain.comm.buckets`).
+    reduces_in_background = False
+
+    def all_reduce_bucket(self, flat: torch.Tensor, op: ReduceOp, members: list[int], step: int, *,
+                          record: bool = True) -> torch.Tensor:
+        """All-reduce one flat bucket already cut and filled, from a background thread:
+        the reduced bucket (``flat`` itself where the backend reduces in place). Its bytes
+        are recorded as :meth:`all_reduce` records them; its time is not (the node's thread
+        keeps the clock, by the time it waits for the bucket)."""
+        reduced = flat
+        if len(members) > 1:
+            reduced = self._ring_all_reduce(flat.to(self.staging_device(flat)), op, members)
+        if record:
+            sent, received = ring_all_reduce_bytes(flat.numel(), flat.element_size(),
+                                                   members.index(self.rank), len(members))
+            self.log.add(CommRecord(step, "all_reduce", sent, received, len(members)))
+        return reduced
+
     def staging_device(self, tensor: torch.Tensor) -> torch.device:
         """Where a tensor must be for this backend to move it (CPU unless overridden)."""
         return tensor.device

@@ -89,7 +89,10 @@ def train_node(job: NodeJob, comm: Communicator, *, rng_guard: RngGuard | None =
                 return FitResult(model=run.model, history=[], run_dir=None, summary={})
             loss = 0.0
             indices = run.batches.next_indices()
-            for micro in split_microbatches(indices, cfg.microbatch_size):
+            micros = list(split_microbatches(indices, cfg.microbatch_size))
+            if _sole_backward(run, micros):  # DDP: gradients on the wire during backward
+                strategy.before_sole_backward(step)
+            for micro in micros:
                 batch = to_device(fetch(run.train_set, micro, job.collate_fn), run.device)
                 loss += _forward_backward(run, batch, weight=len(micro) / len(indices))
             if run.scaler is not None:  # fp16: the gradients back to their true size
@@ -110,6 +113,15 @@ def train_node(job: NodeJob, comm: Communicator, *, rng_guard: RngGuard | None =
     # After finish every node holds the global model: node val loss equals the global one.
     final = validation.evaluate_global(strategy)
     return _report(run, final)
+
+
+def _sole_backward(run: NodeRun, micros: list[Any]) -> bool:
+    """Whether this step's backward pass is its only one and the strategy's step follows it
+    with the gradients as they are: no microbatches still to add, no fp16 unscaling, no
+    non-finite vote (a collective) and no recomputation (whose hooks may fire twice)."""
+    cfg = run.job.config
+    return len(micros) == 1 and run.scaler is None and not cfg.skip_nonfinite \
+        and not cfg.gradient_checkpointing
 
 
 def _forward_backward(run: NodeRun, batch: Any, *, weight: float) -> float:
