@@ -20,6 +20,7 @@ waited for every bucket: two threads never use the group at once.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import queue
 import threading
@@ -84,6 +85,7 @@ class GradientBuckets:
         self.layout = bucket_layout([p.numel() // (nodes or 1) * p.element_size() for p in self.params], cap)
         self._bucket_of = {i: b for b, indices in enumerate(self.layout) for i in indices}
         self._flight: _Flight | None = None
+        self._sole_backward = False  # this step's buckets but the last may hide behind backward
         self._jobs: queue.SimpleQueue[Callable[[], None]] | None = None
         if comm.reduces_in_background:
             for i, p in enumerate(self.params):
@@ -94,7 +96,10 @@ class GradientBuckets:
         """The coming backward pass produces this step's final gradients and
         :meth:`all_reduce_` (with the same ``op`` and ``scale``) follows it with no
         collective in between: send each bucket as soon as its gradients are ready.
-        Does nothing where the communicator cannot reduce in the background."""
+        Where the communicator cannot reduce in the background, the buckets wait for
+        :meth:`all_reduce_`, but their records still say which ones a launched run
+        overlaps (the projection hides them behind the backward pass)."""
+        self._sole_backward = True
         members = self.comm.members(group)
         if not self.comm.reduces_in_background or len(members) < 2:
             return
@@ -110,6 +115,7 @@ class GradientBuckets:
         ``along`` rides in the last bucket. With ``scale``, ``tensors`` (not ``along``)
         are multiplied by it before they are reduced."""
         flight, self._flight = self._flight, None
+        sole_backward, self._sole_backward = self._sole_backward, False
         if flight is not None:
             asked = (op, scale, self.comm.members(group), record)
             if asked != (flight.op, flight.scale, flight.members, True):
@@ -119,9 +125,14 @@ class GradientBuckets:
         if scale is not None:
             for t in tensors:
                 t.mul_(scale)
+        last = len(self.layout) - 1
         for b, indices in enumerate(self.layout):
-            riding = along if b == len(self.layout) - 1 else ()
+            riding = along if b == last else ()
             self.comm.all_reduce([*(tensors[i] for i in indices), *riding], op=op, group=group, record=record)
+            if record and sole_backward and b < last and self.comm.log.records:
+                # As the overlapped path records it (the last bucket leaves after backward).
+                log = self.comm.log
+                log.records[-1] = dataclasses.replace(log.records[-1], during_backward=True)
 
     # ------------------------------------------------------------ overlapped path
     def _gradient_ready(self, index: int, param: torch.Tensor) -> None:
@@ -174,8 +185,9 @@ class GradientBuckets:
                 flat = _flatten([*tensors, *along])
                 if flight.scale is not None:  # the same product, element by element, as t.mul_(scale)
                     flat[: sum(t.numel() for t in tensors)].mul_(flight.scale)
-                flight.reduced[bucket] = self.comm.all_reduce_bucket(flat, flight.op, flight.members,
-                                                                     flight.step)
+                early = bucket < len(self.layout) - 1  # left while the backward pass ran
+                flight.reduced[bucket] = self.comm.all_reduce_bucket(
+                    flat, flight.op, flight.members, flight.step, during_backward=early)
         except BaseException as exc:  # handed to the node's thread, which raises it
             flight.error = exc
         finally:

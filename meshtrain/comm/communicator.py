@@ -45,6 +45,9 @@ class CommRecord:
     bytes_sent: int
     bytes_received: int
     group_size: int
+    #: A gradient bucket the launched runtime sends while the backward pass runs (a step
+    #: whose backward pass is its only one): its time can hide behind that pass.
+    during_backward: bool = False
 
 
 @dataclass
@@ -274,7 +277,7 @@ class Communicator(ABC):
     reduces_in_background = False
 
     def all_reduce_bucket(self, flat: torch.Tensor, op: ReduceOp, members: list[int], step: int, *,
-                          record: bool = True) -> torch.Tensor:
+                          record: bool = True, during_backward: bool = False) -> torch.Tensor:
         """All-reduce one flat bucket already cut and filled, from a background thread:
         the reduced bucket (``flat`` itself where the backend reduces in place). Its bytes
         are recorded as :meth:`all_reduce` records them; its time is not (the node's thread
@@ -285,7 +288,7 @@ class Communicator(ABC):
         if record:
             sent, received = ring_all_reduce_bytes(flat.numel(), flat.element_size(),
                                                    members.index(self.rank), len(members))
-            self.log.add(CommRecord(step, "all_reduce", sent, received, len(members)))
+            self.log.add(CommRecord(step, "all_reduce", sent, received, len(members), during_backward))
         return reduced
 
     def staging_device(self, tensor: torch.Tensor) -> torch.device:

@@ -23,6 +23,7 @@ from torch import nn
 from meshtrain import checkpoint
 from meshtrain.comm import Communicator
 from meshtrain.comm.communicator import CommLog, CommRecord
+from meshtrain.config.settings import TrainConfig
 from meshtrain.data import NodeBatches, fetch, resolve_dataset, split_microbatches, to_device
 from meshtrain.devices import resolve_device
 from meshtrain.engine import balance, loggers, memory
@@ -50,7 +51,7 @@ from meshtrain.faults import check_steps
 from meshtrain.progress import Progress, Status
 from meshtrain.seeding import mix_seed
 
-__all__ = ["node_replica", "node_seed", "train_node"]
+__all__ = ["node_replica", "node_seed", "sole_backward", "train_node"]
 
 
 #: A launched rank's replica check is announced once it has taken this long (hashing
@@ -90,7 +91,7 @@ def train_node(job: NodeJob, comm: Communicator, *, rng_guard: RngGuard | None =
             loss = 0.0
             indices = run.batches.next_indices()
             micros = list(split_microbatches(indices, cfg.microbatch_size))
-            if _sole_backward(run, micros):  # DDP: gradients on the wire during backward
+            if sole_backward(cfg, len(micros)):  # DDP: gradients on the wire during backward
                 strategy.before_sole_backward(step)
             for micro in micros:
                 batch = to_device(fetch(run.train_set, micro, job.collate_fn), run.device)
@@ -115,12 +116,11 @@ def train_node(job: NodeJob, comm: Communicator, *, rng_guard: RngGuard | None =
     return _report(run, final)
 
 
-def _sole_backward(run: NodeRun, micros: list[Any]) -> bool:
-    """Whether this step's backward pass is its only one and the strategy's step follows it
+def sole_backward(cfg: TrainConfig, microbatches: int) -> bool:
+    """Whether a step's backward pass is its only one and the strategy's step follows it
     with the gradients as they are: no microbatches still to add, no fp16 unscaling, no
     non-finite vote (a collective) and no recomputation (whose hooks may fire twice)."""
-    cfg = run.job.config
-    return len(micros) == 1 and run.scaler is None and not cfg.skip_nonfinite \
+    return microbatches == 1 and cfg.precision != "fp16" and not cfg.skip_nonfinite \
         and not cfg.gradient_checkpointing
 
 
