@@ -41,13 +41,15 @@ class EchoCommunicator(Communicator):
         raise NotImplementedError
 
 
-def _gradients(model: nn.Module, overlap: bool) -> tuple[list[torch.Tensor], EchoCommunicator, int]:
+def _gradients(model: nn.Module, background: bool) -> tuple[list[torch.Tensor], EchoCommunicator, int]:
+    """One step's gradients through the buckets: sent during backward (``background``) or
+    after it, as the threads runtime does."""
     comm = EchoCommunicator()
+    comm.reduces_in_background = background
     params = list(model.parameters())
     buckets = GradientBuckets(comm, params)
     model.zero_grad(set_to_none=True)
-    if overlap:
-        buckets.start_during_backward(0, op="sum", scale=3.0)
+    buckets.start_during_backward(0, op="sum", scale=3.0)
     model((torch.ones(4, 6), torch.zeros(4, 2))).backward()
     posted = buckets._flight.posted if buckets._flight is not None else 0
     flags = torch.ones(len(params))
@@ -71,15 +73,17 @@ class Regression(nn.Module):
 
 def test_overlapped_buckets_leave_during_backward_and_equal_the_buckets_after_it():
     wrapped = Regression()
-    after, comm_after, _ = _gradients(wrapped, overlap=False)
-    during, comm_during, posted = _gradients(wrapped, overlap=True)
+    after, comm_after, _ = _gradients(wrapped, background=False)
+    during, comm_during, posted = _gradients(wrapped, background=True)
     layout = bucket_layout([p.numel() * 4 for p in wrapped.parameters()])
     assert len(layout) == 3
     # Every bucket but the last (it carries the flags) was handed over inside backward.
     assert posted == len(layout) - 1
     assert all(torch.equal(a, b) for a, b in zip(after, during, strict=True))
     assert comm_during.reduced_sizes == comm_after.reduced_sizes
-    assert comm_during.log.records == comm_after.log.records  # the same bytes, bucket by bucket
+    # The same bytes, bucket by bucket, and both say which buckets a launched run overlaps.
+    assert comm_during.log.records == comm_after.log.records
+    assert [r.during_backward for r in comm_after.log.records] == [True, True, False]
     params = list(wrapped.parameters())  # and one flag per parameter
     assert sum(comm_during.reduced_sizes) == sum(p.numel() for p in params) + len(params)
 
