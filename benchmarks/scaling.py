@@ -81,6 +81,23 @@ if folder and os.environ.get("RANK"):
                 events.append((self.step, entered, time.monotonic()))
 
     torch_dist.TorchDistCommunicator.all_reduce = all_reduce
+    try:  # DDP's gradient buckets: one event per step, the wait after the backward pass
+        from meshtrain.comm import buckets
+    except ImportError:  # older meshtrain: DDP's one all-reduce is traced above
+        buckets = None
+    if buckets is not None:
+        real_buckets = buckets.GradientBuckets.all_reduce_
+
+        def all_reduce_(self, *args, **kwargs):
+            entered, before = time.monotonic(), len(events)
+            try:
+                return real_buckets(self, *args, **kwargs)
+            finally:
+                del events[before:]  # its buckets' own all-reduces (no overlap) count once
+                if self.comm.step >= 0:
+                    events.append((self.comm.step, entered, time.monotonic()))
+
+        buckets.GradientBuckets.all_reduce_ = all_reduce_
 
     def save():
         path = os.path.join(folder, "rank%s-%d.json" % (os.environ["RANK"], os.getpid()))

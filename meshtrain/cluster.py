@@ -9,8 +9,10 @@ cluster with link bandwidth B (bytes/s) and latency alpha (s) a ring collective 
 
 On a shared medium (Wi-Fi) the g nodes talking at once share B. Compute per step is
 what one node needed here (or ``step_seconds`` if you know your machines' figure),
-scaled by the cluster's relative speed. Communication is not overlapped with compute (the
-runtimes do not overlap them). A cluster whose compute probe measured how much a step
+scaled by the cluster's relative speed. Communication adds to compute, except DDP's
+gradient buckets that leave while the backward pass runs (records ``during_backward``):
+those hide behind the backward pass, taken as :data:`BACKWARD_SHARE` of a step's compute
+(:func:`communication_by_step`). A cluster whose compute probe measured how much a step
 varies (``step_jitter``) also costs every sync the wait for the slowest host.
 
 Besides the named clusters, ``get_cluster`` takes the path of a cluster file (YAML with
@@ -175,6 +177,41 @@ def collective_seconds(record: CommRecord, cluster: Cluster) -> float:
     return hops * cluster.latency + moved / bandwidth
 
 
+#: The backward pass's share of a step's compute: twice the forward pass's work, the
+#: optimizer's small beside both.
+BACKWARD_SHARE = 2 / 3
+
+
+def communication_by_step(records: Iterable[CommRecord], cluster: Cluster,
+                          backward_seconds: float) -> dict[int, float]:
+    """The seconds each step's collectives add to its compute on ``cluster``.
+
+    A step's buckets sent during a backward pass of ``backward_seconds`` go one after the
+    other, each once the backward pass has produced its gradients (taken to come at an even
+    pace over the step's bytes, the first bucket's first) and the one before it is through;
+    only what runs past the end of the backward pass adds. Every other collective adds all
+    of its time.
+    """
+    by_step: dict[int, list[CommRecord]] = {}
+    for r in records:
+        if r.step >= 0:
+            by_step.setdefault(r.step, []).append(r)
+    seconds = {}
+    for step, rs in by_step.items():
+        total_bytes = sum(r.bytes_sent for r in rs) or 1
+        ready = done = 0.0  # bytes whose gradients are ready; when the link is free
+        added = 0.0
+        for r in rs:
+            cost = collective_seconds(r, cluster)
+            if r.during_backward:
+                ready += r.bytes_sent
+                done = max(done, backward_seconds * ready / total_bytes) + cost
+            else:
+                added += cost
+        seconds[step] = added + max(0.0, done - backward_seconds)
+    return seconds
+
+
 @functools.cache
 def expected_slowest(hosts: int) -> float:
     """How far, in standard deviations, the slowest of ``hosts`` equally noisy hosts lags
@@ -225,10 +262,13 @@ def project(
 ) -> dict[str, float | str]:
     """Projected seconds of compute, communication and their sum for a whole run; on a
     cluster whose compute probe measured its spread (``step_jitter``), also the waiting for
-    the slowest host at every sync (``sync_wait_seconds``, in the total). Compute and
-    communication are not overlapped: the runtimes do not overlap them."""
+    the slowest host at every sync (``sync_wait_seconds``, in the total).
+    ``communication_seconds`` is what communication adds to compute; ``overlapped_seconds``
+    what hides behind backward passes (:func:`communication_by_step`)."""
     records = list(records)
-    comm = sum(collective_seconds(r, cluster) for r in records if r.step >= 0)
+    backward = BACKWARD_SHARE * step_seconds / cluster.speed
+    comm = sum(communication_by_step(records, cluster, backward).values())
+    every = sum(collective_seconds(r, cluster) for r in records if r.step >= 0)
     compute = steps * step_seconds / cluster.speed
     out: dict[str, float | str] = {
         "cluster": cluster.name,
@@ -236,6 +276,8 @@ def project(
         "communication_seconds": comm,
         "total_seconds": compute + comm,
     }
+    if any(r.during_backward for r in records):
+        out["overlapped_seconds"] = every - comm
     if cluster.step_jitter is not None:
         wait = sum(sync_waits(records, cluster).values())
         out["sync_wait_seconds"] = wait

@@ -3,8 +3,9 @@
 Given what one optimizer step costs on one host (compute seconds, trainable bytes) and a
 cluster (bandwidth, latency; a named one or a ``hosts bench`` file), every candidate's
 communication per step comes from the same alpha-beta model as the run projection
-(:func:`meshtrain.cluster.collective_seconds`, no overlap of compute and communication,
-as the runtimes do it):
+(:func:`meshtrain.cluster.collective_seconds`), with no overlap of compute and
+communication (a launched DDP run hides part of its all-reduce behind the backward pass,
+which the run projection models and the planner does not yet: its DDP is pessimistic):
 
     DDP            one all-reduce of the gradients every step
     DiLoCo(H)      one all-reduce of the outer gradient every H steps

@@ -294,3 +294,21 @@ class FunctionalDropoutMLP(MLP):
         x, y = batch[0], batch[1]
         hidden = nn.functional.dropout(self.act(self.fc1(x)), p=0.3, training=self.training)
         return ((self.fc2(hidden) - y) ** 2).mean()
+
+
+class WideMLP(MLP):
+    """About 1 MB of parameters: several of DDP's gradient buckets (comm/buckets.py), one
+    of them holding a layer no node ever uses (no gradient anywhere)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.fc1 = nn.Linear(IN_FEATURES, 256)
+        self.wide = nn.Linear(256, 512)  # 512 KiB: a bucket of its own
+        self.unused = nn.Linear(4, 4)
+        self.narrow = nn.Linear(512, 256)  # 512 KiB
+        self.fc2 = nn.Linear(256, OUT_FEATURES)
+
+    def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        x, y = batch[0], batch[1]
+        out = self.fc2(self.act(self.narrow(self.act(self.wide(self.act(self.fc1(x)))))))
+        return ((out - y) ** 2).mean()

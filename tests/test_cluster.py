@@ -16,6 +16,7 @@ from meshtrain.cluster import (
     CLUSTERS,
     Cluster,
     collective_seconds,
+    communication_by_step,
     expected_slowest,
     get_cluster,
     project,
@@ -54,6 +55,23 @@ def test_project_adds_compute_and_ignores_startup_traffic() -> None:
     assert out["compute_seconds"] == pytest.approx(5.0)
     assert out["communication_seconds"] == pytest.approx(2 * 1e-3 + 1.0)
     assert out["total_seconds"] == pytest.approx(out["compute_seconds"] + out["communication_seconds"])
+
+
+def test_ddp_buckets_sent_during_backward_hide_behind_it() -> None:
+    # Two buckets leave during the backward pass, 1 s each on the link; the last after it.
+    early = [CommRecord(0, "all_reduce", 10**6, 10**6, 2, during_backward=True)] * 2
+    records = [*early, CommRecord(0, "all_reduce", 10**6, 10**6, 2)]
+    link = Cluster("l", "a link", bandwidth=1e6, latency=0.0)
+    # A 3 s backward: ready at 1 s and 2 s (an even pace over the step's bytes), through at
+    # 2 s and 3 s: hidden; the last bucket adds its 1 s.
+    assert communication_by_step(records, link, backward_seconds=3.0) == {0: pytest.approx(1.0)}
+    # 1.5 s: ready at 0.5 and 1.0 s, through at 1.5 and 2.5 s: 1 s runs past the backward pass.
+    assert communication_by_step(records, link, backward_seconds=1.5) == {0: pytest.approx(2.0)}
+    assert communication_by_step(records, link, backward_seconds=0.0) == {0: pytest.approx(3.0)}
+    out = project(records, link, steps=1, step_seconds=4.5)  # a backward pass of 2/3 of it: 3 s
+    assert out["communication_seconds"] == pytest.approx(1.0)
+    assert out["overlapped_seconds"] == pytest.approx(2.0)
+    assert out["total_seconds"] == pytest.approx(5.5)
 
 
 def test_a_noisy_host_costs_every_sync_a_wait_for_the_slowest() -> None:

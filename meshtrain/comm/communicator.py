@@ -45,6 +45,9 @@ class CommRecord:
     bytes_sent: int
     bytes_received: int
     group_size: int
+    #: A gradient bucket the launched runtime sends while the backward pass runs (a step
+    #: whose backward pass is its only one): its time can hide behind that pass.
+    during_backward: bool = False
 
 
 @dataclass
@@ -268,6 +271,25 @@ class Communicator(ABC):
             json.loads(bytes(t[: int(n)].tolist()).decode())
             for t, n in zip(gathered, sizes, strict=True)
         ]
+
+    #: True where :meth:`all_reduce_bucket` may run on a second thread while the node's
+    #: own thread computes (the backward pass; see :mod:`meshtrain.comm.buckets`).
+    reduces_in_background = False
+
+    def all_reduce_bucket(self, flat: torch.Tensor, op: ReduceOp, members: list[int], step: int, *,
+                          record: bool = True, during_backward: bool = False) -> torch.Tensor:
+        """All-reduce one flat bucket already cut and filled, from a background thread:
+        the reduced bucket (``flat`` itself where the backend reduces in place). Its bytes
+        are recorded as :meth:`all_reduce` records them; its time is not (the node's thread
+        keeps the clock, by the time it waits for the bucket)."""
+        reduced = flat
+        if len(members) > 1:
+            reduced = self._ring_all_reduce(flat.to(self.staging_device(flat)), op, members)
+        if record:
+            sent, received = ring_all_reduce_bytes(flat.numel(), flat.element_size(),
+                                                   members.index(self.rank), len(members))
+            self.log.add(CommRecord(step, "all_reduce", sent, received, len(members), during_backward))
+        return reduced
 
     def staging_device(self, tensor: torch.Tensor) -> torch.device:
         """Where a tensor must be for this backend to move it (CPU unless overridden)."""

@@ -32,6 +32,9 @@ class TorchDistCommunicator(Communicator):
         self.backend = dist.get_backend()
         self._sends: list[Any] = []  # requests posted and not yet waited for
         self._receives: list[Any] = []
+        # gloo's point-to-point calls may come from any thread; the node's own thread
+        # posts nothing while a bucket is in flight (GradientBuckets waits for it first).
+        self.reduces_in_background = self.backend == "gloo"
 
     def staging_device(self, tensor: torch.Tensor) -> torch.device:
         # gloo moves CPU tensors only: MPS (and CUDA under gloo) go through one CPU buffer.

@@ -23,6 +23,7 @@ from torch import nn
 from meshtrain import checkpoint
 from meshtrain.comm import Communicator
 from meshtrain.comm.communicator import CommLog, CommRecord
+from meshtrain.config.settings import TrainConfig
 from meshtrain.data import NodeBatches, fetch, resolve_dataset, split_microbatches, to_device
 from meshtrain.devices import resolve_device
 from meshtrain.engine import balance, loggers, memory
@@ -50,7 +51,7 @@ from meshtrain.faults import check_steps
 from meshtrain.progress import Progress, Status
 from meshtrain.seeding import mix_seed
 
-__all__ = ["node_replica", "node_seed", "train_node"]
+__all__ = ["node_replica", "node_seed", "sole_backward", "train_node"]
 
 
 #: A launched rank's replica check is announced once it has taken this long (hashing
@@ -89,7 +90,10 @@ def train_node(job: NodeJob, comm: Communicator, *, rng_guard: RngGuard | None =
                 return FitResult(model=run.model, history=[], run_dir=None, summary={})
             loss = 0.0
             indices = run.batches.next_indices()
-            for micro in split_microbatches(indices, cfg.microbatch_size):
+            micros = list(split_microbatches(indices, cfg.microbatch_size))
+            if sole_backward(cfg, len(micros)):  # DDP: gradients on the wire during backward
+                strategy.before_sole_backward(step)
+            for micro in micros:
                 batch = to_device(fetch(run.train_set, micro, job.collate_fn), run.device)
                 loss += _forward_backward(run, batch, weight=len(micro) / len(indices))
             if run.scaler is not None:  # fp16: the gradients back to their true size
@@ -110,6 +114,14 @@ def train_node(job: NodeJob, comm: Communicator, *, rng_guard: RngGuard | None =
     # After finish every node holds the global model: node val loss equals the global one.
     final = validation.evaluate_global(strategy)
     return _report(run, final)
+
+
+def sole_backward(cfg: TrainConfig, microbatches: int) -> bool:
+    """Whether a step's backward pass is its only one and the strategy's step follows it
+    with the gradients as they are: no microbatches still to add, no fp16 unscaling, no
+    non-finite vote (a collective) and no recomputation (whose hooks may fire twice)."""
+    return microbatches == 1 and cfg.precision != "fp16" and not cfg.skip_nonfinite \
+        and not cfg.gradient_checkpointing
 
 
 def _forward_backward(run: NodeRun, batch: Any, *, weight: float) -> float:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from meshtrain import observers
-from meshtrain.cluster import Cluster, collective_seconds, get_cluster, project, sync_waits
+from meshtrain.cluster import BACKWARD_SHARE, Cluster, communication_by_step, get_cluster, project, sync_waits
 from meshtrain.comm import Communicator
 from meshtrain.comm.communicator import CommRecord
 from meshtrain.engine import loggers
@@ -213,9 +213,10 @@ def add_projected_seconds(history: list[dict[str, Any]], records: list[CommRecor
     (rank 0's collectives of each step plus its compute, times the step's straggler
     ``slowdowns``); the last row equals its total."""
     comm_seconds = [0.0] * len(history)
-    for r in records:
-        if r.step >= 0:  # a collective after the last step (the final sync) counts in the last step
-            comm_seconds[min(r.step, len(history) - 1)] += collective_seconds(r, cluster)
+    backward = BACKWARD_SHARE * step_seconds / cluster.speed  # what DDP's buckets may hide behind
+    for step, seconds in communication_by_step(records, cluster, backward).items():
+        # a collective after the last step (the final sync) counts in the last step
+        comm_seconds[min(step, len(history) - 1)] += seconds
     for step, wait in sync_waits(records, cluster).items():  # 0 unless the cluster has a jitter
         comm_seconds[min(step, len(history) - 1)] += wait
     total = 0.0

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from meshtrain.comm import Communicator
+from meshtrain.comm.buckets import GradientBuckets
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -64,6 +65,10 @@ class CommunicationModule:
 
     def setup(self, strategy: Strategy) -> None:
         self.strategy = strategy
+
+    def before_sole_backward(self, step: int) -> None:
+        """Runs before the backward pass when it is the step's only one and the step
+        follows it directly (see :meth:`Strategy.before_sole_backward`)."""
 
     def before_optimizer_step(self, step: int) -> None:
         """Runs after backward, before the local optimizer step (gradients are set)."""
@@ -213,6 +218,14 @@ class Strategy:
             p.grad = None
         self.after_optimizer_step(step)
 
+    def before_sole_backward(self, step: int) -> None:
+        """Called by the loop before a step's backward pass when it is the step's only one
+        and nothing changes the gradients between it and :meth:`step` (no microbatches,
+        fp16 unscaling, non-finite skipping or recomputation): a module may then start
+        communicating gradients while the backward pass runs."""
+        for module in self.modules:
+            module.before_sole_backward(step)
+
     def before_optimizer_step(self, step: int) -> None:
         for module in self.modules:
             module.before_optimizer_step(step)
@@ -255,7 +268,8 @@ class Strategy:
     # ------------------------------------------------------------- averaging
     @torch.no_grad()
     def mean_over_nodes_(self, tensors: Sequence[torch.Tensor], *, group: list[int] | None = None,
-                         record: bool = True, along: Sequence[torch.Tensor] = ()) -> None:
+                         record: bool = True, along: Sequence[torch.Tensor] = (),
+                         buckets: GradientBuckets | None = None) -> None:
         """Replace ``tensors`` in place by their mean over ``group`` (None: every alive node).
 
         Without :attr:`sample_weight` it is the plain mean: one all-reduce (mean) of
@@ -265,16 +279,27 @@ class Strategy:
         ``[w_i x_i ..., *along, w_i]`` (sum), then a division by the summed weight. ``along``
         rides in the same bucket (DDP's has-gradient flags): averaged in the plain case,
         summed in the weighted one; either keeps 0 exactly where every node sent 0.
+
+        With ``buckets`` (one tensor per parameter: DDP's gradients) the all-reduce is
+        that of :class:`~meshtrain.comm.buckets.GradientBuckets`, ``along`` and the
+        weight riding in its last bucket.
         """
         weight = self.sample_weight
         if weight is None:
-            self.comm.all_reduce([*tensors, *along], op="mean", group=group, record=record)
+            if buckets is not None:
+                buckets.all_reduce_(tensors, op="mean", along=along, group=group, record=record)
+            else:
+                self.comm.all_reduce([*tensors, *along], op="mean", group=group, record=record)
             return
         like = tensors[0] if tensors else torch.zeros(())
         total = torch.tensor([float(weight)], dtype=like.dtype, device=like.device)
-        for t in tensors:
-            t.mul_(weight)
-        self.comm.all_reduce([*tensors, *along, total], op="sum", group=group, record=record)
+        if buckets is not None:  # it multiplies each tensor by the weight as it fills a bucket
+            buckets.all_reduce_(tensors, op="sum", scale=weight, along=[*along, total], group=group,
+                                record=record)
+        else:
+            for t in tensors:
+                t.mul_(weight)
+            self.comm.all_reduce([*tensors, *along, total], op="sum", group=group, record=record)
         for t in tensors:
             t.div_(total)
 

@@ -52,7 +52,7 @@ from meshtrain.engine.callbacks import (
     node_replica,
 )
 from meshtrain.engine.job import FitResult, NodeJob
-from meshtrain.engine.loop import node_seed
+from meshtrain.engine.loop import node_seed, sole_backward
 from meshtrain.engine.report import NodeReport, add_projected_seconds, history_rows, run_summary, write_run
 from meshtrain.errors import InputError
 from meshtrain.progress import Progress
@@ -280,6 +280,8 @@ def _train(job: NodeJob) -> FitResult:
         for step in range(max_steps):
             comm.step = step
             indices = [batches.next_indices() for _, batches in streams]
+            if sole_backward(cfg, len(list(split_microbatches(indices[0], cfg.microbatch_size)))):
+                strategy.before_sole_backward(step)  # records what a launched run overlaps
             step_losses = _forward_backward(job, streams, indices, node_losses, randomness, holder, chunk)
             if randomness is not None and not randomness.drew:
                 randomness, node_losses = None, _loss_function(model, 0, "error")
