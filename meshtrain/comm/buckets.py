@@ -126,13 +126,14 @@ class GradientBuckets:
             for t in tensors:
                 t.mul_(scale)
         last = len(self.layout) - 1
-        for b, indices in enumerate(self.layout):
-            riding = along if b == last else ()
-            self.comm.all_reduce([*(tensors[i] for i in indices), *riding], op=op, group=group, record=record)
-            if record and sole_backward and b < last and self.comm.log.records:
-                # As the overlapped path records it (the last bucket leaves after backward).
-                log = self.comm.log
-                log.records[-1] = dataclasses.replace(log.records[-1], during_backward=True)
+        buckets = [[*(tensors[i] for i in indices), *(along if b == last else ())]
+                   for b, indices in enumerate(self.layout)]
+        self.comm.all_reduce_buckets(buckets, op=op, group=group, record=record)
+        if record and sole_backward:
+            # As the overlapped path records it (the last bucket leaves after backward).
+            records = self.comm.log.records
+            for r in range(len(records) - len(buckets), len(records) - 1):
+                records[r] = dataclasses.replace(records[r], during_backward=True)
 
     # ------------------------------------------------------------ overlapped path
     def _gradient_ready(self, index: int, param: torch.Tensor) -> None:

@@ -158,6 +158,10 @@ class Communicator(ABC):
     names a departed rank included, so strategies average over the survivors unchanged.
     """
 
+    #: Whether :meth:`all_reduce_buckets` reduces several buckets in one meeting of the
+    #: members (:meth:`_ring_all_reduce_many`) rather than one all-reduce each.
+    meets_once_for_buckets = False
+
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -209,6 +213,37 @@ class Communicator(ABC):
                 flat.numel(), flat.element_size(), members.index(self.rank), len(members)
             )
             self._record("all_reduce", sent, received, len(members), started)
+
+    @_clocked
+    def all_reduce_buckets(
+        self,
+        buckets: Sequence[Sequence[torch.Tensor]],
+        op: ReduceOp = "mean",
+        group: Group | None = None,
+        *,
+        record: bool = True,
+    ) -> None:
+        """Reduce each bucket of tensors in place over ``group``: the same result, bit for
+        bit, and the same records (one per bucket) as one :meth:`all_reduce` per bucket, in
+        order; a backend that can (:attr:`meets_once_for_buckets`) serves them all in one
+        meeting of the members."""
+        if not self.meets_once_for_buckets:
+            for bucket in buckets:
+                self.all_reduce(bucket, op, group, record=record)
+            return
+        started = time.perf_counter()
+        members = self.members(group)
+        flats = [_flatten(bucket) for bucket in buckets]
+        if len(members) > 1:
+            staged = [flat.to(self.staging_device(flat)) for flat in flats]
+            for reduced, bucket in zip(self._ring_all_reduce_many(staged, op, members), buckets, strict=True):
+                _unflatten_into(reduced, bucket)
+        if record:
+            for flat in flats:
+                sent, received = ring_all_reduce_bytes(
+                    flat.numel(), flat.element_size(), members.index(self.rank), len(members))
+                self.log.add(CommRecord(self.step, "all_reduce", sent, received, len(members)))
+            self.log.seconds += time.perf_counter() - started
 
     @_clocked
     def all_gather(
@@ -307,6 +342,12 @@ class Communicator(ABC):
     def _ring_all_reduce(self, flat: torch.Tensor, op: ReduceOp, members: list[int]) -> torch.Tensor:
         """Return the reduction of ``flat`` over members (same order as :func:`ring_reduce`);
         a backend may reduce into ``flat`` itself and return it."""
+
+    def _ring_all_reduce_many(self, flats: list[torch.Tensor], op: ReduceOp,
+                              members: list[int]) -> list[torch.Tensor]:
+        """Each of ``flats`` reduced as by :meth:`_ring_all_reduce`, in one meeting (for a
+        backend with :attr:`meets_once_for_buckets`)."""
+        raise NotImplementedError
 
     @abstractmethod
     def _all_gather(self, flat: torch.Tensor, members: list[int]) -> list[torch.Tensor]: ...

@@ -136,11 +136,11 @@ class ThreadHub:
             return rnd.result
 
     def all_reduce(
-        self, key: tuple[tuple[int, ...], int], rank: int, flat: torch.Tensor, op: ReduceOp
-    ) -> torch.Tensor:
-        """Deposit ``flat``; once every member has, reduce this member's ring chunk of the
-        result; return the whole result when every chunk is written (one tensor, shared by
-        the members: read it, never write it).
+        self, key: tuple[tuple[int, ...], int], rank: int, flats: list[torch.Tensor], op: ReduceOp
+    ) -> list[torch.Tensor]:
+        """Deposit ``flats`` (one or more buckets, each reduced as its own ring); once every
+        member has, reduce this member's ring chunk of each result; return the results when
+        every chunk is written (tensors shared by the members: read them, never write them).
 
         With fewer run slots than members the chunks could not be reduced in parallel
         anyway: the last member to arrive reduces them all (the same sums, in the same
@@ -152,24 +152,25 @@ class ThreadHub:
             self._check()
             rnd = self._rounds.setdefault(key, _Round(expected=g))
             if rnd.result is None:
-                rnd.result = torch.empty_like(flat)
-            rnd.payloads[rank] = flat
+                rnd.result = [torch.empty_like(flat) for flat in flats]
+            rnd.payloads[rank] = flats
             last = len(rnd.payloads) == g
             if last:
                 del self._rounds[key]
                 self._cv.notify_all()
             if alone and not last:
                 self._await(rank, lambda: rnd.done, lambda: set(members) - set(rnd.payloads))
-                return rnd.result
+                return list(rnd.result)
             self._await(rank, lambda: len(rnd.payloads) == g, lambda: set(members) - set(rnd.payloads))
-        sizes = ring_chunk_sizes(flat.numel(), g)
         mine = range(g) if alone else [members.index(rank)]
         try:
             # Outside the lock: the members reduce their chunks in parallel.
-            payloads = [rnd.payloads[m] for m in members]
-            for position in mine:
-                ring_reduce_chunk_(rnd.result.narrow(0, sum(sizes[:position]), sizes[position]),
-                                   payloads, position, op)
+            for b, result in enumerate(rnd.result):
+                sizes = ring_chunk_sizes(result.numel(), g)
+                payloads = [rnd.payloads[m][b] for m in members]
+                for position in mine:
+                    ring_reduce_chunk_(result.narrow(0, sum(sizes[:position]), sizes[position]),
+                                       payloads, position, op)
         except BaseException as exc:
             self.abort(exc)
             raise
@@ -179,7 +180,7 @@ class ThreadHub:
                 rnd.done = True
                 self._cv.notify_all()
             self._await(rank, lambda: rnd.done, lambda: set(members) - rnd.reduced)
-        return rnd.result
+        return list(rnd.result)
 
     def _wait_until(self, ready: Callable[[], bool], missing: Callable[[], set[int]],
                     condition: threading.Condition, waiting_for: str = "nodes") -> None:
@@ -207,6 +208,8 @@ class ThreadHub:
 class ThreadCommunicator(Communicator):
     """A node's view of a :class:`ThreadHub`."""
 
+    meets_once_for_buckets = True
+
     def __init__(self, hub: ThreadHub, rank: int) -> None:
         super().__init__(rank, hub.world_size)
         self.hub = hub
@@ -219,7 +222,12 @@ class ThreadCommunicator(Communicator):
         return group, seq
 
     def _ring_all_reduce(self, flat: torch.Tensor, op: ReduceOp, members: list[int]) -> torch.Tensor:
-        return self.hub.all_reduce(self._key(members), self.rank, flat, op)
+        return self.hub.all_reduce(self._key(members), self.rank, [flat], op)[0]
+
+    def _ring_all_reduce_many(self, flats: list[torch.Tensor], op: ReduceOp,
+                              members: list[int]) -> list[torch.Tensor]:
+        # One meeting for every bucket: the nodes wait for each other once, not per bucket.
+        return self.hub.all_reduce(self._key(members), self.rank, flats, op)
 
     def _all_gather(self, flat: torch.Tensor, members: list[int]) -> list[torch.Tensor]:
         # The depositor may change its tensor once it returns: the result holds copies.
