@@ -16,9 +16,9 @@ from meshtrain.comm import NodeAborted, ThreadCommunicator, ThreadHub, ring_all_
 from meshtrain.engine.runtimes.processes import free_loopback_port
 
 
-def on_threads(world: int, fn, timeout: float = 30.0) -> list:
+def on_threads(world: int, fn, timeout: float = 30.0, slots: int | None = None) -> list:
     """Run ``fn(comm)`` on every node of a fresh hub, one thread each; results by rank."""
-    hub = ThreadHub(world)
+    hub = ThreadHub(world, slots=slots)
     results: list = [None] * world
     errors: list = [None] * world
 
@@ -131,13 +131,13 @@ def test_each_member_reduces_its_own_ring_chunk(monkeypatch):
 
     world, xs = 5, inputs(5, 1003)  # 1003 does not split evenly: chunks of 201 and 200
     reduced_by: dict[str, list[int]] = {}
-    real = threads_backend.ring_reduce_chunk_
+    real = threads_backend.ring_reduce_position_
 
-    def recording(out, chunks, c, op):
+    def recording(outs, chunks, c, op):
         reduced_by.setdefault(threading.current_thread().name, []).append(c)
-        real(out, chunks, c, op)
+        real(outs, chunks, c, op)
 
-    monkeypatch.setattr(threads_backend, "ring_reduce_chunk_", recording)
+    monkeypatch.setattr(threads_backend, "ring_reduce_position_", recording)
 
     def fn(comm):
         threading.current_thread().name = f"node-{comm.rank}"
@@ -147,6 +147,37 @@ def test_each_member_reduces_its_own_ring_chunk(monkeypatch):
     assert reduced_by == {f"node-{r}": [r] for r in range(world)}
     for r in range(world):
         assert torch.equal(out[r], ring_reduce(xs, "mean"))
+
+
+@pytest.mark.parametrize("slots", [None, 2], ids=["every-node-at-once", "2-run-slots"])
+@pytest.mark.parametrize("op", ["sum", "mean", "max"])
+def test_buckets_in_one_meeting_equal_one_all_reduce_each(op, slots):
+    """all_reduce_buckets on threads (one meeting, every bucket's chunk c summed in one list
+    operation) gives each bucket's own ring reduction, bit for bit, and one record each."""
+    world, sizes = 5, (1003, 7, 250)  # uneven chunks, and a bucket smaller than the ring
+    xs = [[torch.randn(n, generator=torch.Generator().manual_seed(100 * r + n)) for n in sizes]
+          for r in range(world)]
+
+    def fn(comm):
+        if slots is not None:
+            comm.hub.take_slot(comm.rank)
+        try:
+            rounds = []
+            for scale in (1.0, -3.0):  # a second round reuses the buffers and their cut
+                buckets = [[x.clone() * scale] for x in xs[comm.rank]]
+                comm.all_reduce_buckets(buckets, op=op)
+                rounds.append([b[0] for b in buckets])
+            return rounds, comm.log.records
+        finally:
+            comm.hub.give_slot(comm.rank)
+
+    for rank, (rounds, records) in enumerate(on_threads(world, fn, slots=slots)):
+        for scale, reduced in zip((1.0, -3.0), rounds, strict=True):
+            for b in range(len(sizes)):
+                expected = ring_reduce([x[b] * scale for x in xs], op)
+                assert torch.equal(reduced[b], expected), (rank, scale, b)
+        assert [r.bytes_sent for r in records] == [
+            ring_all_reduce_bytes(n, 4, rank, world)[0] for n in sizes] * 2
 
 
 def test_two_disjoint_groups_reduce_concurrently():

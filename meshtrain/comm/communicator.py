@@ -116,6 +116,25 @@ def ring_reduce_chunk_(out: torch.Tensor, chunks_by_position: Sequence[torch.Ten
         out.div_(g)
 
 
+def ring_reduce_position_(outs: Sequence[torch.Tensor], chunks: Sequence[Sequence[torch.Tensor]],
+                          c: int, op: ReduceOp) -> None:
+    """:func:`ring_reduce_chunk_` for several buffers at once: ``outs[b]`` gets chunk ``c``
+    of buffer ``b``'s ring reduction, where ``chunks[j][b]`` is member ``j``'s chunk ``c``
+    of buffer ``b``. The same additions in the same order, one list operation per ring
+    step for all buffers (many small buckets cost no more Python calls than one)."""
+    g = len(chunks)
+    torch._foreach_copy_(list(outs), list(chunks[c]))
+    for k in range(1, g):
+        others = chunks[(c + k) % g]
+        if op == "max":
+            for acc, other in zip(outs, others, strict=True):
+                torch.maximum(acc, other, out=acc)
+        else:
+            torch._foreach_add_(list(outs), list(others))
+    if op == "mean":
+        torch._foreach_div_(list(outs), g)
+
+
 def _combine_(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
     if op == "max":
         torch.maximum(acc, other, out=acc)
@@ -233,7 +252,7 @@ class Communicator(ABC):
             return
         started = time.perf_counter()
         members = self.members(group)
-        flats = [_flatten(bucket) for bucket in buckets]
+        flats = self._flatten_buckets(buckets)
         if len(members) > 1:
             staged = [flat.to(self.staging_device(flat)) for flat in flats]
             for reduced, bucket in zip(self._ring_all_reduce_many(staged, op, members), buckets, strict=True):
@@ -342,6 +361,10 @@ class Communicator(ABC):
     def _ring_all_reduce(self, flat: torch.Tensor, op: ReduceOp, members: list[int]) -> torch.Tensor:
         """Return the reduction of ``flat`` over members (same order as :func:`ring_reduce`);
         a backend may reduce into ``flat`` itself and return it."""
+
+    def _flatten_buckets(self, buckets: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+        """Each bucket's tensors as one flat buffer the backend may reduce in place."""
+        return [_flatten(bucket) for bucket in buckets]
 
     def _ring_all_reduce_many(self, flats: list[torch.Tensor], op: ReduceOp,
                               members: list[int]) -> list[torch.Tensor]:

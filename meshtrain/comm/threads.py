@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +30,7 @@ from meshtrain.comm.communicator import (
     Communicator,
     NodeAborted,
     ReduceOp,
-    ring_chunk_sizes,
-    ring_reduce_chunk_,
+    ring_reduce_position_,
 )
 
 
@@ -42,6 +41,22 @@ class _Round:
     result: Any = None
     done: bool = False
     reduced: set[int] = field(default_factory=set)  # members whose chunk is written (all-reduce)
+    cut: _Cut | None = None  # all-reduce: the group's results cut into ring chunks
+    pieces: dict[int, list[tuple[torch.Tensor, ...]]] = field(default_factory=dict)  # rank -> [b][c]
+
+
+@dataclass
+class _Cut:
+    """One group's all-reduce of buffers of given sizes, cut into ring chunks: the results
+    (reused round after round: every member has read a round's result before any deposits
+    for the next) and each member's buffers, cut once while the member deposits the same
+    buffers (:meth:`ThreadCommunicator._flatten_buckets` keeps them). Cutting a buffer into
+    64 views costs as much as adding it up, so it is done once, not every step."""
+
+    results: list[torch.Tensor]
+    result_pieces: list[tuple[torch.Tensor, ...]]
+    # rank -> (the buffers' addresses, their pieces: pieces[b][c] is chunk c of buffer b)
+    pieces: dict[int, tuple[list[int], list[tuple[torch.Tensor, ...]]]] = field(default_factory=dict)
 
 
 class ThreadHub:
@@ -61,6 +76,7 @@ class ThreadHub:
         self._free_slots = slots or 0
         self._slot_freed = threading.Condition(lock)
         self._holding: set[int] = set()
+        self._cuts: dict[tuple[Any, ...], _Cut] = {}
 
     def abort(self, error: BaseException) -> None:
         with self._cv:
@@ -136,7 +152,8 @@ class ThreadHub:
             return rnd.result
 
     def all_reduce(
-        self, key: tuple[tuple[int, ...], int], rank: int, flats: list[torch.Tensor], op: ReduceOp
+        self, key: tuple[tuple[int, ...], int], rank: int, flats: list[torch.Tensor], op: ReduceOp,
+        *, kept: bool = False,
     ) -> list[torch.Tensor]:
         """Deposit ``flats`` (one or more buckets, each reduced as its own ring); once every
         member has, reduce this member's ring chunk of each result; return the results when
@@ -144,15 +161,27 @@ class ThreadHub:
 
         With fewer run slots than members the chunks could not be reduced in parallel
         anyway: the last member to arrive reduces them all (the same sums, in the same
-        order), sparing every other member a second wait for a slot."""
+        order), sparing every other member a second wait for a slot.
+
+        ``kept``: the member deposits these same buffers round after round, so their cut
+        into chunks is kept for the next round (otherwise they are cut anew)."""
         members = key[0]
         g = len(members)
         alone = self._slots is not None and self._slots < g
         with self._cv:
             self._check()
             rnd = self._rounds.setdefault(key, _Round(expected=g))
-            if rnd.result is None:
-                rnd.result = [torch.empty_like(flat) for flat in flats]
+            if rnd.cut is None:
+                rnd.cut = self._cut_for(members, flats)
+                rnd.result = rnd.cut.results
+            addresses = [flat.data_ptr() for flat in flats]
+            known = rnd.cut.pieces.get(rank) if kept else None
+            if known is not None and known[0] == addresses:
+                rnd.pieces[rank] = known[1]
+            else:
+                rnd.pieces[rank] = [flat.tensor_split(g) for flat in flats]
+                if kept:
+                    rnd.cut.pieces[rank] = (addresses, rnd.pieces[rank])
             rnd.payloads[rank] = flats
             last = len(rnd.payloads) == g
             if last:
@@ -165,12 +194,12 @@ class ThreadHub:
         mine = range(g) if alone else [members.index(rank)]
         try:
             # Outside the lock: the members reduce their chunks in parallel.
-            for b, result in enumerate(rnd.result):
-                sizes = ring_chunk_sizes(result.numel(), g)
-                payloads = [rnd.payloads[m][b] for m in members]
-                for position in mine:
-                    ring_reduce_chunk_(result.narrow(0, sum(sizes[:position]), sizes[position]),
-                                       payloads, position, op)
+            cut, buffers = rnd.cut, range(len(rnd.result))
+            assert cut is not None
+            pieces = [rnd.pieces[m] for m in members]
+            for c in mine:
+                ring_reduce_position_([cut.result_pieces[b][c] for b in buffers],
+                                      [[member[b][c] for b in buffers] for member in pieces], c, op)
         except BaseException as exc:
             self.abort(exc)
             raise
@@ -181,6 +210,15 @@ class ThreadHub:
                 self._cv.notify_all()
             self._await(rank, lambda: rnd.done, lambda: set(members) - rnd.reduced)
         return list(rnd.result)
+
+    def _cut_for(self, members: tuple[int, ...], flats: list[torch.Tensor]) -> _Cut:
+        """The cut of ``members``' all-reduce of buffers shaped like ``flats`` (holding the lock)."""
+        signature = (members, tuple((f.numel(), f.dtype, f.device) for f in flats))
+        cut = self._cuts.get(signature)
+        if cut is None:
+            results = [torch.empty_like(flat) for flat in flats]
+            cut = self._cuts[signature] = _Cut(results, [r.tensor_split(len(members)) for r in results])
+        return cut
 
     def _wait_until(self, ready: Callable[[], bool], missing: Callable[[], set[int]],
                     condition: threading.Condition, waiting_for: str = "nodes") -> None:
@@ -214,6 +252,7 @@ class ThreadCommunicator(Communicator):
         super().__init__(rank, hub.world_size)
         self.hub = hub
         self._sequence: dict[tuple[int, ...], int] = {}
+        self._bucket_buffers: dict[tuple[Any, ...], list[torch.Tensor]] = {}
 
     def _key(self, members: list[int]) -> tuple[tuple[int, ...], int]:
         group = tuple(members)
@@ -227,7 +266,19 @@ class ThreadCommunicator(Communicator):
     def _ring_all_reduce_many(self, flats: list[torch.Tensor], op: ReduceOp,
                               members: list[int]) -> list[torch.Tensor]:
         # One meeting for every bucket: the nodes wait for each other once, not per bucket.
-        return self.hub.all_reduce(self._key(members), self.rank, flats, op)
+        return self.hub.all_reduce(self._key(members), self.rank, flats, op, kept=True)
+
+    def _flatten_buckets(self, buckets: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+        # Into the same buffers every step, so the hub cuts them into ring chunks only once.
+        signature = tuple(tuple((t.numel(), t.dtype, t.device) for t in bucket) for bucket in buckets)
+        buffers = self._bucket_buffers.get(signature)
+        if buffers is None:
+            buffers = self._bucket_buffers[signature] = [
+                torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
+                for bucket in buckets]
+        for buffer, bucket in zip(buffers, buckets, strict=True):
+            torch.cat([t.detach().reshape(-1) for t in bucket], out=buffer)
+        return buffers
 
     def _all_gather(self, flat: torch.Tensor, members: list[int]) -> list[torch.Tensor]:
         # The depositor may change its tensor once it returns: the result holds copies.
