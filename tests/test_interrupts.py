@@ -110,3 +110,31 @@ def test_node_failed_keeps_the_nodes_whole_traceback(tmp_path: Path) -> None:
         assert "boom on rank 1" in error.traceback
         log = next((tmp_path / runtime).glob("*.error.log")).read_text()
         assert "in forward" in log
+
+
+def test_ctrl_c_while_node_threads_start_stops_those_already_started(tmp_path: Path, monkeypatch) -> None:
+    """A Ctrl-C that lands while fit is still starting node threads (start() waits for each
+    new thread, long on a loaded machine) stops the ones already running before it leaves."""
+    import threading
+
+    import pytest
+    from helpers import MLP, regression_data
+
+    from meshtrain import Trainer
+    from meshtrain.strategies import DiLoCo
+
+    real_start = threading.Thread.start
+    started: list[threading.Thread] = []
+
+    def start(self: threading.Thread) -> None:
+        if self.name.startswith("meshtrain-node-") and started:
+            raise KeyboardInterrupt  # as if Ctrl-C arrived while the second node starts
+        real_start(self)
+        if self.name.startswith("meshtrain-node-"):
+            started.append(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(MLP(), regression_data(64)).fit(DiLoCo(H=10_000), nodes=2, max_steps=100_000,
+                                                batch_size=4, out_dir=tmp_path, progress=False)
+    assert len(started) == 1 and not started[0].is_alive()

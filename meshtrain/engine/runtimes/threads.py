@@ -108,15 +108,18 @@ def run_threads(job: NodeJob) -> FitResult:
         for r in range(n)
     ]
     try:
-        for t in threads:
-            t.start()
         try:
+            # Inside the try: under load start() waits a while for each new thread, and a
+            # Ctrl-C then must stop the nodes already started too (a thread still inside
+            # torch when the interpreter exits aborts the process).
+            for t in threads:
+                t.start()
             for t in threads:
                 while t.is_alive() and not errors:
                     t.join(timeout=0.1)
         except BaseException as interrupt:  # Ctrl-C: stop every node before leaving
             hub.abort(interrupt)
-            _join_all(threads)
+            _join_all([t for t in threads if t.ident is not None])
             raise
         if errors:
             # The others stop at their next collective or step; one stuck outside torch

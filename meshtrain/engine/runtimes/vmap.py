@@ -285,10 +285,7 @@ def _train(job: NodeJob) -> FitResult:
             step_losses = _forward_backward(job, streams, indices, node_losses, randomness, holder, chunk)
             if randomness is not None and not randomness.drew:
                 randomness, node_losses = None, _loss_function(model, 0, "error")
-            values = step_losses.tolist()
-            bad = next((r for r, v in enumerate(values) if not math.isfinite(v)), None)
-            if bad is not None:
-                raise NonFiniteLoss(f"loss is {values[bad]} at step {step + 1} on node {bad}")
+            values = _finite_losses(step_losses, step)
             strategy.step(step)
             if cfg.check_sync:
                 _check_rows(strategy, step)
@@ -317,6 +314,15 @@ def _train(job: NodeJob) -> FitResult:
                for r in range(nodes)]
     return _finish(job, strategy, model, comm, reports, history_val, initial, final, loop_seconds,
                    max_steps, progress)
+
+
+def _finite_losses(step_losses: torch.Tensor, step: int) -> list[float]:
+    """Every node's loss of ``step``; a NaN or infinite one stops the run, naming the node."""
+    values: list[float] = step_losses.tolist()
+    bad = next((r for r, v in enumerate(values) if not math.isfinite(v)), None)
+    if bad is not None:
+        raise NonFiniteLoss(f"loss is {values[bad]} at step {step + 1} on node {bad}")
+    return values
 
 
 def _finish(job: NodeJob, strategy: Strategy, model: nn.Module, comm: StackedCommunicator,
