@@ -177,9 +177,6 @@ class Communicator(ABC):
     names a departed rank included, so strategies average over the survivors unchanged.
     """
 
-    #: Whether :meth:`all_reduce_buckets` reduces several buckets in one meeting of the
-    #: members (:meth:`_ring_all_reduce_many`) rather than one all-reduce each.
-    meets_once_for_buckets = False
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
@@ -228,10 +225,8 @@ class Communicator(ABC):
             elif reduced is not flat:  # a backend may reduce in place
                 flat.copy_(reduced)
         if record:
-            sent, received = ring_all_reduce_bytes(
-                flat.numel(), flat.element_size(), members.index(self.rank), len(members)
-            )
-            self._record("all_reduce", sent, received, len(members), started)
+            self.log.add(self._all_reduce_record(flat, members, self.step))
+            self.log.seconds += time.perf_counter() - started
 
     @_clocked
     def all_reduce_buckets(
@@ -242,27 +237,11 @@ class Communicator(ABC):
         *,
         record: bool = True,
     ) -> None:
-        """Reduce each bucket of tensors in place over ``group``: the same result, bit for
-        bit, and the same records (one per bucket) as one :meth:`all_reduce` per bucket, in
-        order; a backend that can (:attr:`meets_once_for_buckets`) serves them all in one
-        meeting of the members."""
-        if not self.meets_once_for_buckets:
-            for bucket in buckets:
-                self.all_reduce(bucket, op, group, record=record)
-            return
-        started = time.perf_counter()
-        members = self.members(group)
-        flats = self._flatten_buckets(buckets)
-        if len(members) > 1:
-            staged = [flat.to(self.staging_device(flat)) for flat in flats]
-            for reduced, bucket in zip(self._ring_all_reduce_many(staged, op, members), buckets, strict=True):
-                _unflatten_into(reduced, bucket)
-        if record:
-            for flat in flats:
-                sent, received = ring_all_reduce_bytes(
-                    flat.numel(), flat.element_size(), members.index(self.rank), len(members))
-                self.log.add(CommRecord(self.step, "all_reduce", sent, received, len(members)))
-            self.log.seconds += time.perf_counter() - started
+        """Reduce each bucket of tensors in place over ``group``, one :meth:`all_reduce`
+        per bucket, in order (a backend may serve them in one meeting of the members, with
+        the same result bit for bit and the same records)."""
+        for bucket in buckets:
+            self.all_reduce(bucket, op, group, record=record)
 
     @_clocked
     def all_gather(
@@ -340,9 +319,7 @@ class Communicator(ABC):
         if len(members) > 1:
             reduced = self._ring_all_reduce(flat.to(self.staging_device(flat)), op, members)
         if record:
-            sent, received = ring_all_reduce_bytes(flat.numel(), flat.element_size(),
-                                                   members.index(self.rank), len(members))
-            self.log.add(CommRecord(step, "all_reduce", sent, received, len(members), during_backward))
+            self.log.add(self._all_reduce_record(flat, members, step, during_backward))
         return reduced
 
     def staging_device(self, tensor: torch.Tensor) -> torch.device:
@@ -362,15 +339,12 @@ class Communicator(ABC):
         """Return the reduction of ``flat`` over members (same order as :func:`ring_reduce`);
         a backend may reduce into ``flat`` itself and return it."""
 
-    def _flatten_buckets(self, buckets: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
-        """Each bucket's tensors as one flat buffer the backend may reduce in place."""
-        return [_flatten(bucket) for bucket in buckets]
-
-    def _ring_all_reduce_many(self, flats: list[torch.Tensor], op: ReduceOp,
-                              members: list[int]) -> list[torch.Tensor]:
-        """Each of ``flats`` reduced as by :meth:`_ring_all_reduce`, in one meeting (for a
-        backend with :attr:`meets_once_for_buckets`)."""
-        raise NotImplementedError
+    def _all_reduce_record(self, flat: torch.Tensor, members: list[int], step: int,
+                           during_backward: bool = False) -> CommRecord:
+        """What this node sends and receives in a ring all-reduce of ``flat``."""
+        sent, received = ring_all_reduce_bytes(flat.numel(), flat.element_size(),
+                                               members.index(self.rank), len(members))
+        return CommRecord(step, "all_reduce", sent, received, len(members), during_backward)
 
     @abstractmethod
     def _all_gather(self, flat: torch.Tensor, members: list[int]) -> list[torch.Tensor]: ...

@@ -28,8 +28,11 @@ import torch
 
 from meshtrain.comm.communicator import (
     Communicator,
+    Group,
     NodeAborted,
     ReduceOp,
+    _clocked,
+    _unflatten_into,
     ring_reduce_position_,
 )
 
@@ -50,7 +53,7 @@ class _Cut:
     """One group's all-reduce of buffers of given sizes, cut into ring chunks: the results
     (reused round after round: every member has read a round's result before any deposits
     for the next) and each member's buffers, cut once while the member deposits the same
-    buffers (:meth:`ThreadCommunicator._flatten_buckets` keeps them). Cutting a buffer into
+    buffers (:meth:`ThreadCommunicator.all_reduce_buckets` keeps them). Cutting a buffer into
     64 views costs as much as adding it up, so it is done once, not every step."""
 
     results: list[torch.Tensor]
@@ -246,8 +249,6 @@ class ThreadHub:
 class ThreadCommunicator(Communicator):
     """A node's view of a :class:`ThreadHub`."""
 
-    meets_once_for_buckets = True
-
     def __init__(self, hub: ThreadHub, rank: int) -> None:
         super().__init__(rank, hub.world_size)
         self.hub = hub
@@ -263,13 +264,25 @@ class ThreadCommunicator(Communicator):
     def _ring_all_reduce(self, flat: torch.Tensor, op: ReduceOp, members: list[int]) -> torch.Tensor:
         return self.hub.all_reduce(self._key(members), self.rank, [flat], op)[0]
 
-    def _ring_all_reduce_many(self, flats: list[torch.Tensor], op: ReduceOp,
-                              members: list[int]) -> list[torch.Tensor]:
-        # One meeting for every bucket: the nodes wait for each other once, not per bucket.
-        return self.hub.all_reduce(self._key(members), self.rank, flats, op, kept=True)
+    @_clocked
+    def all_reduce_buckets(self, buckets: Sequence[Sequence[torch.Tensor]], op: ReduceOp = "mean",
+                           group: Group | None = None, *, record: bool = True) -> None:
+        # One meeting for every bucket (the nodes wait for each other once, not per bucket),
+        # from the same buffers every step, so the hub cuts them into ring chunks only once.
+        started = time.perf_counter()
+        members = self.members(group)
+        flats = self._bucket_buffers_for(buckets)
+        if len(members) > 1:
+            results = self.hub.all_reduce(self._key(members), self.rank, flats, op, kept=True)
+            for reduced, bucket in zip(results, buckets, strict=True):
+                _unflatten_into(reduced, bucket)
+        if record:
+            for flat in flats:
+                self.log.add(self._all_reduce_record(flat, members, self.step))
+            self.log.seconds += time.perf_counter() - started
 
-    def _flatten_buckets(self, buckets: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
-        # Into the same buffers every step, so the hub cuts them into ring chunks only once.
+    def _bucket_buffers_for(self, buckets: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
+        """This node's buffers for buckets shaped like ``buckets``, filled with them."""
         signature = tuple(tuple((t.numel(), t.dtype, t.device) for t in bucket) for bucket in buckets)
         buffers = self._bucket_buffers.get(signature)
         if buffers is None:
