@@ -49,7 +49,7 @@ def plan_and_launch(world: SshWorld, folder: Path, name: str) -> dict:
              for i, s in enumerate(world.servers)]
     inv = world.inventory(folder / f"{name}.yaml", hosts, iface="eth0", threads=1,
                           rendezvous={"port": 29520, "timeout": 60})
-    bench = meshtrain(world, "hosts", "bench", str(inv), "--min-size", "64KB", "--max-size", "2MB",
+    bench = meshtrain(world, "hosts", "bench", str(inv), "--min-size", "64KB", "--max-size", "8MB",
                       "--points", "4", "--repeats", "3", "--task", "gpt", "--data", str(data),
                       "--batch-size", BATCH, cwd=folder, timeout=240)
     assert bench.returncode == 0, bench.stdout + bench.stderr
