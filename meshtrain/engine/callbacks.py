@@ -46,6 +46,10 @@ class ComputeClock:
     local runtimes) is timed by that thread's CPU time, which other nodes sharing the cores
     do not inflate; otherwise (several intra-op threads, an accelerator) by wall time.
     Used as ``with clock:`` around the computing parts of a step.
+
+    The node's first step is kept apart (``first_step_seconds``): it pays one-off costs
+    (the optimizer's state, the allocator's first pages, lazy kernel set-up) that took ~5x
+    a later step of the benchmark MLP, and a projection of a long run needs the steady step.
     """
 
     def __init__(self, comm: Communicator, *, own_thread: bool) -> None:
@@ -53,7 +57,20 @@ class ComputeClock:
         self.comm = comm
         comm.collective_clock = self.now  # collectives inside a timed part are taken out
         self.seconds = 0.0
+        self.first_step_seconds: float | None = None  # set by first_step_done()
         self._started = self._in_collectives = 0.0
+
+    def first_step_done(self) -> None:
+        """The node's first step is over: what was timed so far is its warm-up."""
+        if self.first_step_seconds is None:
+            self.first_step_seconds = self.seconds
+
+    def steady(self, steps: int) -> tuple[float, int]:
+        """(compute seconds, steps they cover) of ``steps`` steps taken: without the first
+        one where a later one was timed."""
+        if self.first_step_seconds is None or steps < 2:
+            return self.seconds, steps
+        return self.seconds - self.first_step_seconds, steps - 1
 
     def __enter__(self) -> None:
         self._in_collectives = self.comm.collective_clock_seconds
@@ -106,7 +123,7 @@ class NodeRun:
         in_collectives = self.comm.log.seconds - self.collectives_before
         looped = time.perf_counter() - self.loop_started
         return NodeReport(self.losses, self.seconds, *bytes_per_step(self.comm, self.max_steps),
-                          self.startup_sent, self.clock.seconds, len(self.losses) - self.first_step,
+                          self.startup_sent, *self.clock.steady(len(self.losses) - self.first_step),
                           in_collectives / looped if looped > 0 else None,
                           self.balancer.collective_share() if self.balancer is not None else None)
 

@@ -41,7 +41,8 @@ class NodeReport:
     bytes_received: list[int]
     startup_bytes_sent: int
     # Seconds this node spent computing (forward, backward, optimizer; collectives excluded)
-    # over ``compute_steps`` steps: see :class:`meshtrain.engine.loop.ComputeClock`.
+    # over ``compute_steps`` steps, the first one left out: see
+    # :class:`meshtrain.engine.callbacks.ComputeClock`.
     compute_seconds: float = 0.0
     compute_steps: int = 0
     # Share of its training loop's wall time inside recorded collectives (waiting for the
