@@ -3,11 +3,12 @@
 Given what one optimizer step costs on one host (compute seconds, trainable bytes) and a
 cluster (bandwidth, latency; a named one or a ``hosts bench`` file), every candidate's
 communication per step comes from the same alpha-beta model as the run projection
-(:func:`meshtrain.cluster.collective_seconds`), with no overlap of compute and
-communication (a launched DDP run hides part of its all-reduce behind the backward pass,
-which the run projection models and the planner does not yet: its DDP is pessimistic):
+(:func:`meshtrain.cluster.collective_seconds`). Communication adds to compute, except
+what DDP hides behind the backward pass, counted as the run projection counts it
+(:func:`meshtrain.cluster.communication_by_step`):
 
-    DDP            one all-reduce of the gradients every step
+    DDP            one all-reduce of the gradients every step, in buckets of about
+                   256 KiB; all but the last go on the wire during the backward pass
     DiLoCo(H)      one all-reduce of the outer gradient every H steps
     SPARTA(p)      one all-reduce of a fraction p of the parameters every step
     DeMo           one all-gather of top-k DCT coefficients (fp32 value + int16 index)
@@ -36,8 +37,15 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from meshtrain.cluster import Cluster, collective_seconds, sync_wait_seconds
+from meshtrain.cluster import (
+    BACKWARD_SHARE,
+    Cluster,
+    collective_seconds,
+    communication_by_step,
+    sync_wait_seconds,
+)
 from meshtrain.comm import CommRecord, ring_all_reduce_bytes
+from meshtrain.comm.buckets import BUCKET_BYTES
 from meshtrain.data import Collate, DataFactory, fetch, resolve_dataset
 
 #: Share of a step that may go to communication before a cheaper strategy is chosen.
@@ -124,6 +132,19 @@ def all_reduce_seconds(payload_bytes: float, hosts: int, cluster: Cluster) -> fl
     return collective_seconds(CommRecord(0, "all_reduce", sent, received, hosts), cluster)
 
 
+def ddp_all_reduce_seconds(payload_bytes: float, hosts: int, cluster: Cluster, step_seconds: float) -> float:
+    """What DDP's all-reduce of ``payload_bytes`` of gradients adds to a step of
+    ``step_seconds`` compute on ``cluster``, sent as a launched run sends it: buckets of
+    :data:`BUCKET_BYTES` (the last one holding the rest), each leaving while the backward
+    pass (:data:`BACKWARD_SHARE` of the step) still runs, but the last, which waits for it.
+    The tensors' sizes are not known here, so the buckets are taken as full."""
+    full, rest = divmod(max(1, math.ceil(payload_bytes / FLOAT_BYTES)), BUCKET_BYTES // FLOAT_BYTES)
+    sizes = [BUCKET_BYTES // FLOAT_BYTES] * full + ([rest] if rest else [])
+    records = [CommRecord(0, "all_reduce", *ring_all_reduce_bytes(numel, FLOAT_BYTES, 0, hosts), hosts,
+                          during_backward=i < len(sizes) - 1) for i, numel in enumerate(sizes)]
+    return communication_by_step(records, cluster, BACKWARD_SHARE * step_seconds)[0]
+
+
 def all_gather_seconds(per_host_bytes: float, hosts: int, cluster: Cluster) -> float:
     """One all-gather where every host contributes ``per_host_bytes``."""
     moved = int(per_host_bytes) * (hosts - 1)
@@ -148,7 +169,8 @@ def candidates(work: Workload, cluster: Cluster) -> list[Candidate]:
     n, size = work.hosts, work.trainable_bytes
     full_sync = all_reduce_seconds(size, n, cluster)
     every_step = sync_wait_seconds(1, n, cluster)
-    found = [_candidate("ddp", {}, full_sync + every_step, work)]
+    ddp = ddp_all_reduce_seconds(size, n, cluster, work.step_seconds)
+    found = [_candidate("ddp", {}, ddp + every_step, work)]
     found += [_candidate("diloco", {"H": h}, (full_sync + sync_wait_seconds(h, n, cluster)) / h, work)
               for h in DILOCO_H]
     found.append(_candidate("sparta", {"p": SPARTA_P},
