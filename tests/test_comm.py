@@ -12,7 +12,15 @@ import torch
 from helpers import ORDER_VALUES, comm_script, gloo_comm_worker
 from torch.testing import assert_close
 
-from meshtrain.comm import NodeAborted, ThreadCommunicator, ThreadHub, ring_all_reduce_bytes, ring_reduce
+from meshtrain.comm import (
+    NodeAborted,
+    ThreadCommunicator,
+    ThreadHub,
+    ring_all_reduce_bytes,
+    ring_reduce,
+    threads,
+)
+from meshtrain.comm.communicator import ring_reduce_rows_
 from meshtrain.engine.runtimes.processes import free_loopback_port
 
 
@@ -151,10 +159,15 @@ def test_each_member_reduces_its_own_ring_chunk(monkeypatch):
 
 @pytest.mark.parametrize("slots", [None, 2], ids=["every-node-at-once", "2-run-slots"])
 @pytest.mark.parametrize("op", ["sum", "mean", "max"])
-def test_buckets_in_one_meeting_equal_one_all_reduce_each(op, slots):
+def test_buckets_in_one_meeting_equal_one_all_reduce_each(op, slots, monkeypatch):
     """all_reduce_buckets on threads (one meeting, every bucket's chunk c summed in one list
-    operation) gives each bucket's own ring reduction, bit for bit, and one record each."""
-    world, sizes = 5, (1003, 7, 250)  # uneven chunks, and a bucket smaller than the ring
+    operation; with fewer slots than nodes the last one in reduces each bucket from the
+    members' rows at once) gives each bucket's own ring reduction, bit for bit, and one
+    record each."""
+    world, sizes = 5, (1003, 7, 250, 3)  # uneven chunks, and a bucket smaller than the ring
+    by_rows = []
+    monkeypatch.setattr(threads, "ring_reduce_rows_",
+                        lambda out, rows, op: (by_rows.append(rows.shape), ring_reduce_rows_(out, rows, op)))
     xs = [[torch.randn(n, generator=torch.Generator().manual_seed(100 * r + n)) for n in sizes]
           for r in range(world)]
 
@@ -178,6 +191,17 @@ def test_buckets_in_one_meeting_equal_one_all_reduce_each(op, slots):
                 assert torch.equal(reduced[b], expected), (rank, scale, b)
         assert [r.bytes_sent for r in records] == [
             ring_all_reduce_bytes(n, 4, rank, world)[0] for n in sizes] * 2
+    assert by_rows == ([] if slots is None else [(world, n) for n in sizes] * 2)
+
+
+@pytest.mark.parametrize("op", ["sum", "mean", "max"])
+@pytest.mark.parametrize("g,n", [(2, 9), (3, 7), (4, 4), (5, 3), (5, 1003), (64, 100_003), (64, 65_536)])
+def test_ring_reduce_of_rows_is_the_ring_reduction_bit_for_bit(g, n, op):
+    rows = torch.randn(g, n, generator=torch.Generator().manual_seed(g * n))
+    rows[:, ::7] *= 1e8  # large and small values: a different order of additions shows
+    out = torch.empty(n)
+    ring_reduce_rows_(out, rows, op)
+    assert torch.equal(out, ring_reduce(list(rows), op))
 
 
 def test_two_disjoint_groups_reduce_concurrently():

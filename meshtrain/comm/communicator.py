@@ -135,6 +135,39 @@ def ring_reduce_position_(outs: Sequence[torch.Tensor], chunks: Sequence[Sequenc
         torch._foreach_div_(list(outs), g)
 
 
+def ring_reduce_rows_(out: torch.Tensor, rows: torch.Tensor, op: ReduceOp) -> None:
+    """:func:`ring_reduce` of the members' buffers held as the rows of one tensor
+    (``rows[j]`` is member j's), written into ``out``: every chunk at once.
+
+    Chunk c adds member c, then c+1, ... (mod g), as :func:`ring_reduce_chunk_` does. At
+    ring step k, the pieces to add (member (c + k) mod g, chunk c, for every c) lie on a
+    diagonal of ``rows``: a strided view per run of equal-sized chunks, split where the
+    member index wraps around. So a step is at most four tensor operations however many
+    members there are, instead of one per chunk, with the same additions in the same order
+    (bit for bit)."""
+    g, n = rows.shape
+    assert rows.stride() == (n, 1) and out.is_contiguous() and out.numel() == n
+    size, extra = divmod(n, g)
+    # torch.tensor_split's chunks: the first ``extra`` hold size + 1 elements, the rest size.
+    runs = [(0, extra, size + 1, 0), (extra, g, size, extra * (size + 1))]
+    for k in range(g):
+        for first, end, length, start in runs:
+            # chunks c in [first, end) of member c + k, or c + k - g once that passes g - 1
+            for lo, hi, shift in ((first, min(end, g - k), k), (max(first, g - k), end, k - g)):
+                if hi <= lo or length == 0:
+                    continue
+                at = start + (lo - first) * length  # chunk lo's first element
+                piece = rows.as_strided((hi - lo, length), (n + length, 1),
+                                        rows.storage_offset() + (lo + shift) * n + at)
+                acc = out.as_strided((hi - lo, length), (length, 1), out.storage_offset() + at)
+                if k == 0:
+                    acc.copy_(piece)
+                else:
+                    _combine_(acc, piece, op)
+    if op == "mean":
+        out.div_(g)
+
+
 def _combine_(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:
     if op == "max":
         torch.maximum(acc, other, out=acc)

@@ -34,6 +34,7 @@ from meshtrain.comm.communicator import (
     _clocked,
     _unflatten_into,
     ring_reduce_position_,
+    ring_reduce_rows_,
 )
 
 
@@ -46,6 +47,7 @@ class _Round:
     reduced: set[int] = field(default_factory=set)  # members whose chunk is written (all-reduce)
     cut: _Cut | None = None  # all-reduce: the group's results cut into ring chunks
     pieces: dict[int, list[tuple[torch.Tensor, ...]]] = field(default_factory=dict)  # rank -> [b][c]
+    in_rows: int = 0  # members that deposited their rows of ``cut.rows``
 
 
 @dataclass
@@ -60,6 +62,9 @@ class _Cut:
     result_pieces: list[tuple[torch.Tensor, ...]]
     # rank -> (the buffers' addresses, their pieces: pieces[b][c] is chunk c of buffer b)
     pieces: dict[int, tuple[list[int], list[tuple[torch.Tensor, ...]]]] = field(default_factory=dict)
+    # Buffers the members keep (:meth:`ThreadHub.bucket_rows`): bucket b of member j is
+    # rows[b][j], so one member can reduce every chunk with a few strided operations.
+    rows: list[torch.Tensor] | None = None
 
 
 class ThreadHub:
@@ -175,8 +180,12 @@ class ThreadHub:
             self._check()
             rnd = self._rounds.setdefault(key, _Round(expected=g))
             if rnd.cut is None:
-                rnd.cut = self._cut_for(members, flats)
+                rnd.cut = self._cut_for(members, _shapes(flats))
                 rnd.result = rnd.cut.results
+            rows = rnd.cut.rows
+            if rows is not None and all(f.data_ptr() == r[members.index(rank)].data_ptr()
+                                        for f, r in zip(flats, rows, strict=True)):
+                rnd.in_rows += 1
             addresses = [flat.data_ptr() for flat in flats]
             known = rnd.cut.pieces.get(rank) if kept else None
             if known is not None and known[0] == addresses:
@@ -199,6 +208,10 @@ class ThreadHub:
             # Outside the lock: the members reduce their chunks in parallel.
             cut, buffers = rnd.cut, range(len(rnd.result))
             assert cut is not None
+            if alone and cut.rows is not None and rnd.in_rows == g:
+                for result, stacked in zip(cut.results, cut.rows, strict=True):
+                    ring_reduce_rows_(result, stacked, op)
+                mine = range(0)
             pieces = [rnd.pieces[m] for m in members]
             for c in mine:
                 ring_reduce_position_([cut.result_pieces[b][c] for b in buffers],
@@ -214,14 +227,26 @@ class ThreadHub:
             self._await(rank, lambda: rnd.done, lambda: set(members) - rnd.reduced)
         return list(rnd.result)
 
-    def _cut_for(self, members: tuple[int, ...], flats: list[torch.Tensor]) -> _Cut:
-        """The cut of ``members``' all-reduce of buffers shaped like ``flats`` (holding the lock)."""
-        signature = (members, tuple((f.numel(), f.dtype, f.device) for f in flats))
-        cut = self._cuts.get(signature)
+    def _cut_for(self, members: tuple[int, ...], shapes: tuple[_Shape, ...]) -> _Cut:
+        """The cut of ``members``' all-reduce of flat buffers of ``shapes`` (holding the lock)."""
+        cut = self._cuts.get((members, shapes))
         if cut is None:
-            results = [torch.empty_like(flat) for flat in flats]
-            cut = self._cuts[signature] = _Cut(results, [r.tensor_split(len(members)) for r in results])
+            results = [torch.empty(n, dtype=dtype, device=device) for n, dtype, device in shapes]
+            cut = self._cuts[members, shapes] = _Cut(results, [r.tensor_split(len(members)) for r in results])
         return cut
+
+    def bucket_rows(self, members: tuple[int, ...], rank: int,
+                    shapes: tuple[_Shape, ...]) -> list[torch.Tensor]:
+        """Member ``rank``'s buffers of ``shapes`` for all-reducing among ``members`` round
+        after round: its rows of one tensor per buffer that holds every member's. With fewer
+        run slots than members the last member in then reduces every chunk of a buffer at
+        once (:func:`ring_reduce_rows_`) instead of chunk by chunk."""
+        with self._cv:
+            cut = self._cut_for(members, shapes)
+            if cut.rows is None:
+                cut.rows = [torch.empty(len(members), n, dtype=dtype, device=device)
+                            for n, dtype, device in shapes]
+            return [rows[members.index(rank)] for rows in cut.rows]
 
     def _wait_until(self, ready: Callable[[], bool], missing: Callable[[], set[int]],
                     condition: threading.Condition, waiting_for: str = "nodes") -> None:
@@ -244,6 +269,13 @@ class ThreadHub:
     def _check(self) -> None:
         if self._error is not None:
             raise NodeAborted(f"stopping: another node failed ({self._error!r})")
+
+
+_Shape = tuple[int, torch.dtype, torch.device]  # a flat buffer's size, dtype and device
+
+
+def _shapes(flats: Sequence[torch.Tensor]) -> tuple[_Shape, ...]:
+    return tuple((f.numel(), f.dtype, f.device) for f in flats)
 
 
 class ThreadCommunicator(Communicator):
@@ -271,7 +303,7 @@ class ThreadCommunicator(Communicator):
         # from the same buffers every step, so the hub cuts them into ring chunks only once.
         started = time.perf_counter()
         members = self.members(group)
-        flats = self._bucket_buffers_for(buckets)
+        flats = self._bucket_buffers_for(buckets, members)
         if len(members) > 1:
             results = self.hub.all_reduce(self._key(members), self.rank, flats, op, kept=True)
             for reduced, bucket in zip(results, buckets, strict=True):
@@ -281,14 +313,19 @@ class ThreadCommunicator(Communicator):
                 self.log.add(self._all_reduce_record(flat, members, self.step))
             self.log.seconds += time.perf_counter() - started
 
-    def _bucket_buffers_for(self, buckets: Sequence[Sequence[torch.Tensor]]) -> list[torch.Tensor]:
-        """This node's buffers for buckets shaped like ``buckets``, filled with them."""
-        signature = tuple(tuple((t.numel(), t.dtype, t.device) for t in bucket) for bucket in buckets)
+    def _bucket_buffers_for(self, buckets: Sequence[Sequence[torch.Tensor]],
+                            members: list[int]) -> list[torch.Tensor]:
+        """This node's buffers for buckets shaped like ``buckets`` (its rows of the hub's,
+        :meth:`ThreadHub.bucket_rows`), filled with them."""
+        signature = (tuple(members), tuple(tuple((t.numel(), t.dtype, t.device) for t in bucket)
+                                           for bucket in buckets))
         buffers = self._bucket_buffers.get(signature)
         if buffers is None:
-            buffers = self._bucket_buffers[signature] = [
-                torch.empty(sum(t.numel() for t in bucket), dtype=bucket[0].dtype, device=bucket[0].device)
-                for bucket in buckets]
+            shapes = tuple((sum(t.numel() for t in bucket), bucket[0].dtype, bucket[0].device)
+                           for bucket in buckets)
+            buffers = self._bucket_buffers[signature] = (
+                self.hub.bucket_rows(tuple(members), self.rank, shapes) if len(members) > 1
+                else [torch.empty(n, dtype=dtype, device=device) for n, dtype, device in shapes])
         for buffer, bucket in zip(buffers, buckets, strict=True):
             torch.cat([t.detach().reshape(-1) for t in bucket], out=buffer)
         return buffers
