@@ -284,10 +284,14 @@ def _non_finite(loss: float, params: Sequence[torch.Tensor]) -> str | None:
     if not math.isfinite(loss):
         return f"loss is {loss}"
     grads = [p.grad for p in params if p.grad is not None and p.grad.numel()]
-    # One pass over each gradient, allocating nothing its size: its min and max are both
-    # finite exactly when all of it is (NaN propagates through both; a max never overflows,
-    # unlike a sum). A seventh of the time of an inf-norm, which copies |g| first.
-    if grads and not bool(torch.stack([end for g in grads for end in torch.aminmax(g)]).isfinite().all()):
+    # Every 2-norm finite means every gradient is (a NaN or infinity propagates into its
+    # norm): one list operation, 1/3 of the time of the exact check below for the gpt
+    # model's 28 tensors. A norm that is not finite may also be finite values whose squares
+    # overflow, so only then the exact check: a gradient's min and max are both finite
+    # exactly when all of it is (a max never overflows).
+    if not grads or bool(torch.stack(torch._foreach_norm(grads, 2)).isfinite().all()):
+        return None
+    if not bool(torch.stack([end for g in grads for end in torch.aminmax(g)]).isfinite().all()):
         return "a gradient is not finite"
     return None
 
