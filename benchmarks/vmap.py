@@ -8,6 +8,12 @@ runtime and 1 torch thread in all for the vmap runtime unless ``--vmap-threads``
 Runs are interleaved (threads, vmap, threads, ...) so that both see the same load; the
 table shows medians, and the final losses of the two runtimes side by side.
 
+"nodes' compute" is the threads run's own measure of its nodes' forward, backward and
+optimizer work (the summary's compute per step, each node thread's CPU time, times nodes
+and steps). A runtime that removed every other cost but computed the same kernels could be
+at most "threads CPU / nodes' compute" faster (the "overhead bound" column); beating it
+takes cheaper kernels (larger batched ones), not less overhead.
+
     python benchmarks/vmap.py                       # 16 nodes, a line per run, then a table
     python benchmarks/vmap.py --nodes 8 --steps 20  # quicker
     python benchmarks/vmap.py --device cuda --steps 20 --repeats 2   # both runtimes on a GPU
@@ -54,8 +60,9 @@ STRATEGIES: dict[str, Callable[[], Strategy]] = {"ddp": DDP, "diloco": lambda: D
 
 
 def timed_fit(workload: str, strategy: str, runtime: str, nodes: int, steps: int,
-              threads: int, device: str = "cpu") -> tuple[float, float, float]:
-    """(wall seconds, CPU seconds of this process, final train loss) of one ``fit``."""
+              threads: int, device: str = "cpu") -> tuple[float, float, float, float]:
+    """(wall seconds, CPU seconds of this process, final train loss, the nodes' measured
+    compute in seconds: compute per node-step times nodes and steps) of one ``fit``."""
     model, data = WORKLOADS[workload]()
     cuda = device.startswith("cuda")
     if cuda:
@@ -67,7 +74,8 @@ def timed_fit(workload: str, strategy: str, runtime: str, nodes: int, steps: int
                                           device=device, out_dir=out, progress=False)
         if cuda:
             torch.cuda.synchronize()
-    return time.perf_counter() - start, time.process_time() - cpu, result.summary["final_train_loss"]
+    compute = result.summary["projected"]["step_seconds"] * nodes * steps
+    return time.perf_counter() - start, time.process_time() - cpu, result.summary["final_train_loss"], compute
 
 
 def main() -> None:
@@ -89,19 +97,21 @@ def main() -> None:
     rows: list[list[Any]] = []
     for workload in args.workloads:
         for strategy in args.strategies:
-            samples: dict[str, list[tuple[float, float, float]]] = {"threads": [], "vmap": []}
+            samples: dict[str, list[tuple[float, float, float, float]]] = {"threads": [], "vmap": []}
             for _ in range(args.repeats):
                 for runtime, threads in (("threads", 1), ("vmap", args.vmap_threads)):
                     samples[runtime].append(timed_fit(workload, strategy, runtime, args.nodes,
                                                       args.steps, threads, args.device))
-                    wall, cpu, loss = samples[runtime][-1]
+                    wall, cpu, loss, _ = samples[runtime][-1]
                     print(f"{workload} {strategy} {runtime}: {wall:.2f} s (CPU {cpu:.2f} s), "
                           f"final loss {loss:.6f}", flush=True)
             wall = {k: statistics.median(s[0] for s in v) for k, v in samples.items()}
             cpu = {k: statistics.median(s[1] for s in v) for k, v in samples.items()}
+            compute = statistics.median(s[3] for s in samples["threads"])
             rows.append([workload, strategy, f"{wall['threads']:.2f} s", f"{wall['vmap']:.2f} s",
                          f"{wall['threads'] / wall['vmap']:.1f}x", f"{cpu['threads']:.2f}",
                          f"{cpu['vmap']:.2f}", f"{cpu['threads'] / cpu['vmap']:.1f}x",
+                         f"{compute:.2f}", f"{cpu['threads'] / compute:.1f}x",
                          f"{samples['threads'][-1][2]:.6f}", f"{samples['vmap'][-1][2]:.6f}"])
     where = torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU"
     table = Table(title=f"{where}: {args.nodes} nodes, batch 32 per node, {args.steps} steps, median of "
@@ -109,7 +119,8 @@ def main() -> None:
                         f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f} on "
                         f"{os.cpu_count()} cores")
     for col in ("workload", "strategy", "threads", "vmap", "speed-up", "CPU s: threads", "CPU s: vmap",
-                "speed-up (CPU)", "final loss: threads", "final loss: vmap"):
+                "speed-up (CPU)", "nodes' compute (threads, CPU s)", "overhead bound",
+                "final loss: threads", "final loss: vmap"):
         table.add_column(col, justify="left" if col in ("workload", "strategy") else "right")
     for row in rows:
         table.add_row(*row)
