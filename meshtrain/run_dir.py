@@ -151,13 +151,13 @@ class RunDirectory:
     def write_plot(self, history: list[dict[str, Any]], title: str,
                    initial: dict[str, Any] | None = None) -> None:
         """loss.png: training and validation loss against steps and against bytes sent."""
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        # A Figure of its own, not pyplot's: no global state shared with other threads (rank 0
+        # may be one of many node threads) and nothing to close; Figure.savefig renders with Agg.
+        from matplotlib.figure import Figure
 
         steps = [r["step"] for r in history]
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+        fig = Figure(figsize=(10, 4))
+        ax1, ax2 = fig.subplots(1, 2)
         ax1.plot(steps, [r["train_loss"] for r in history], label="train (mean of nodes)")
         ax2.plot([r["total_bytes_sent"] / 1e6 for r in history], [r["train_loss"] for r in history])
         val = [(r["step"], r["total_bytes_sent"] / 1e6, r["val_loss"]) for r in history
@@ -176,7 +176,6 @@ class RunDirectory:
         # Fixed margins: tight_layout measures every tick label, ~40 ms of a short run's fit.
         fig.subplots_adjust(left=0.08, right=0.98, bottom=0.13, top=0.91, wspace=0.25)
         atomic_write(self.partial / "loss.png", lambda tmp: fig.savefig(tmp, format="png", dpi=100))
-        plt.close(fig)
 
     def commit(self) -> Path:
         os.replace(self.partial, self.final)

@@ -38,8 +38,9 @@ def free_loopback_port() -> int:
 
 
 # What every node imports anyway: torch, meshtrain, torch._dynamo (the optimizers load it at
-# their first step) and pyplot (rank 0 draws loss.png); the backend is still chosen later.
-PRELOAD = ["torch", "torch._dynamo", "meshtrain.engine.runtimes.launched", "matplotlib.pyplot"]
+# their first step) and matplotlib with its Agg renderer (rank 0 draws loss.png).
+PRELOAD = ["torch", "torch._dynamo", "meshtrain.engine.runtimes.launched", "matplotlib.figure",
+           "matplotlib.backends.backend_agg"]
 
 
 def node_context() -> Any:
