@@ -34,6 +34,9 @@ from ssh_fixtures import (
     start_meshtrain,
     wait_until_gone,
 )
+from typer.testing import CliRunner
+
+from meshtrain.cli.main import app
 
 TRAINING = ["--task", "digits", "--steps", "240", "--seed", "5", "--batch-size", "16", "--no-progress",
             "--threads", "1"]
@@ -81,11 +84,14 @@ def test_checkpoint_of_3_nodes_resumes_on_2_from_the_outer_parameters(tmp_path: 
 
 def test_fewer_nodes_refused_where_the_global_state_is_spread(tmp_path: Path) -> None:
     folder = _checkpointed_run(tmp_path, ["--strategy", "sparta"])
-    done = _simulate("--resume", str(folder / "step-000020"), "--nodes", "2", "--out", str(tmp_path / "r"))
-    assert done.returncode == 2, done.stdout + done.stderr
+    # Refused before anything trains: in this process (no new interpreter importing torch).
+    done = CliRunner().invoke(app, ["simulate", "--device", "cpu", "--resume", str(folder / "step-000020"),
+                                    "--nodes", "2", "--out", str(tmp_path / "r")])
+    assert done.exit_code == 2, done.stdout + done.stderr
     assert "on 2 of its 3 nodes: strategy sparta: a checkpoint cannot continue on fewer nodes" in done.stderr
-    done = _simulate("--resume", str(folder / "step-000020"), "--nodes", "4", "--out", str(tmp_path / "r"))
-    assert done.returncode == 2, done.stdout + done.stderr
+    done = CliRunner().invoke(app, ["simulate", "--device", "cpu", "--resume", str(folder / "step-000020"),
+                                    "--nodes", "4", "--out", str(tmp_path / "r")])
+    assert done.exit_code == 2, done.stdout + done.stderr
     assert "the checkpoint has 3 nodes, this run 4 (a run can continue on fewer nodes" in done.stderr
 
 
@@ -102,9 +108,10 @@ def test_allow_shrink_flags_are_checked_before_anything_starts(tmp_path: Path, f
     inventory = tmp_path / "hosts.yaml"  # never contacted: the flags fail first
     inventory.write_text("defaults: {python: /usr/bin/python3, workdir: /tmp/mt}\n"
                          "hosts:\n  - {name: a, host: 10.255.0.1}\n  - {name: b, host: 10.255.0.2}\n")
-    done = subprocess.run([PYTHON, "-m", "meshtrain", "launch", str(inventory), "--allow-shrink", *flags],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2, done.stdout + done.stderr
+    # In this process, as test_bad_values checks flags: the same command, without a new
+    # interpreter importing torch for each case.
+    done = CliRunner().invoke(app, ["launch", str(inventory), "--allow-shrink", *flags])
+    assert done.exit_code == 2, done.stdout + done.stderr
     assert message in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
 
