@@ -30,7 +30,7 @@ from ssh_fixtures import (
 )
 
 pytestmark = pytest.mark.slow
-TRAINING = ["--task", "digits", "--strategy", "diloco", "--steps", "150", "--set", "H=10", "--seed", "5",
+TRAINING = ["--task", "digits", "--strategy", "diloco", "--steps", "300", "--set", "H=10", "--seed", "5",
             "--batch-size", "16", "--no-progress", "--threads", "1"]
 
 
@@ -88,7 +88,7 @@ def _check_restarted_run(tmp_path: Path, run_id: str, output: str, proc: subproc
     assert f"resuming {run_id} after step " in output, output
     summary = json.loads((tmp_path / "runs" / run_id / "summary.json").read_text())
     assert [r["rank"] for r in summary["restarts"]] == [1]
-    assert summary["steps"] == 150
+    assert summary["steps"] == 300
     final = torch.load(tmp_path / "runs" / run_id / "model.pt", weights_only=True)
     assert final.keys() == uninterrupted.keys()
     for name in final:
