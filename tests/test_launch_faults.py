@@ -492,7 +492,8 @@ CHATTY = textwrap.dedent("""
     start_heartbeat()
     for i in range(3000):
         print(f"rank {os.environ['RANK']} line {i} " + "x" * 100, flush=True)
-    time.sleep(8)  # beating all along, while the launcher's own output is stuck
+    open(f"printed-{os.environ['RANK']}", "w").close()  # the launcher is stuck on its output by now
+    time.sleep(6)  # beating all along, while the launcher's own output is stuck
     print("rank", os.environ["RANK"], "done", flush=True)
 """)
 
@@ -509,7 +510,12 @@ def test_a_stalled_terminal_is_not_a_hung_rank(world: SshWorld, tmp_path: Path) 
     proc = start_meshtrain(world, "launch", str(inv), "--heartbeat-timeout", "2", "--upload",
                            str(tmp_path / "chatty.py"), "--", "python", "chatty.py", cwd=tmp_path)
     try:
-        time.sleep(10)  # nobody reads: the pipe fills within the first lines
+        printed = tmp_path / "remote" / "printed-0"
+        deadline = time.monotonic() + 60
+        while not printed.exists():  # nobody reads: the pipe fills within the first lines
+            assert time.monotonic() < deadline and proc.poll() is None, "rank 0 printed nothing"
+            time.sleep(0.05)
+        time.sleep(4)  # the launcher stays stuck: twice the heartbeat timeout
         output, _ = proc.communicate(timeout=60)
     finally:
         proc.kill()

@@ -477,8 +477,14 @@ def _launch_once(inventory: Inventory, argv: list[str], options: LaunchOptions, 
         for r in ranks:
             if r.heartbeat is not None:
                 r.heartbeat.stop()
-            _forget_secret(r.client, r.host, options.run_id)
+            if not _host_gone(r, options):  # asking a host that stopped answering only waits
+                _forget_secret(r.client, r.host, options.run_id)
             r.client.close()
+
+
+def _host_gone(r: _Rank, options: LaunchOptions) -> bool:
+    """Whether ``r``'s host stopped answering its connection's heartbeat (cut off, down)."""
+    return r.heartbeat is not None and r.heartbeat.silent_for() > options.host_timeout
 
 
 def _checkpoints(options: LaunchOptions) -> str:
@@ -625,7 +631,7 @@ def _teardown(ranks: list[_Rank], options: LaunchOptions) -> dict[int, str]:
             return None
         transport = r.client.get_transport()
         reachable = transport is not None and transport.is_active()
-        if reachable and r.heartbeat is not None and r.heartbeat.silent_for() > options.host_timeout:
+        if reachable and _host_gone(r, options):
             reachable = False
         gone = False
         if reachable:
@@ -751,7 +757,7 @@ def _report_incomplete(rank0: _Rank, options: LaunchOptions, output: RankOutput)
     """After a failure: say so if rank 0 kept a part-written run directory (a full disk at
     the end keeps what was written, model.pt included, as ``<run_id>.incomplete``)."""
     remote = f"{rank0.host.workdir}/{REMOTE_RUNS}/{options.run_id}.incomplete"
-    if rank0.heartbeat is not None and rank0.heartbeat.silent_for() > options.host_timeout:
+    if _host_gone(rank0, options):
         return  # rank 0's host is gone: asking it would only wait
     try:
         kept = remote_dir_exists(rank0.client, remote)
