@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import os
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -29,10 +31,21 @@ def meshtrain_here(*args: str, cwd: Path, timeout: float = 120) -> subprocess.Co
 
     faulthandler.dump_traceback_later(timeout, exit=True)
     try:
-        with contextlib.chdir(cwd):
+        with _chdir(cwd):
             result = CliRunner().invoke(app, list(args), catch_exceptions=True)
     finally:
         faulthandler.cancel_dump_traceback_later()
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
     return subprocess.CompletedProcess(["meshtrain", *args], result.exit_code, result.stdout, result.stderr)
+
+
+@contextlib.contextmanager
+def _chdir(folder: Path) -> Iterator[None]:
+    """``contextlib.chdir`` (Python 3.11+) for Python 3.10 too."""
+    before = os.getcwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(before)
