@@ -17,7 +17,7 @@ import yaml
 from in_process import meshtrain_here
 from safetensors.torch import load_file
 from speech_fixtures import SpeechAssets, speech_fixture  # noqa: F401 (the fixture)
-from ssh_fixtures import PYTHON, SshWorld, start_sshd
+from ssh_fixtures import SshWorld, start_sshd
 
 from meshtrain.hosts import shipping
 from meshtrain.hosts.blobstore import BLOBS, INCOMING, TREES
@@ -162,10 +162,9 @@ def test_launch_ships_data_and_model_that_exist_only_here_and_matches_simulate(
     spec = yaml.safe_load((tmp_path / "runs" / "shipped" / "config.yaml").read_text())["spec"]
     assert spec["data"].endswith("/recordings") and f"/{TREES}/" in spec["data"]
 
-    simulated = subprocess.run(
-        [PYTHON, "-m", "meshtrain", "simulate", "--nodes", "2", "--device", "cpu",  # threads: bit-identical
-         "--out", str(tmp_path / "sim"), "--run-id", "sim", *training],
-        cwd=local, capture_output=True, text=True, timeout=240)
+    simulated = meshtrain_here("simulate", "--nodes", "2", "--device", "cpu",  # threads: bit-identical
+                               "--out", str(tmp_path / "sim"), "--run-id", "sim", *training,
+                               cwd=local, timeout=240)
     assert simulated.returncode == 0, simulated.stderr
     a = load_file(tmp_path / "runs" / "shipped" / "model" / "adapter_model.safetensors")
     b = load_file(tmp_path / "sim" / "sim" / "model" / "adapter_model.safetensors")
