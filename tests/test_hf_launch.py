@@ -6,8 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+from in_process import meshtrain_here
 from speech_fixtures import SpeechAssets, speech_fixture  # noqa: F401 (the fixture)
-from ssh_fixtures import SshWorld, meshtrain
+from ssh_fixtures import SshWorld
 
 pytestmark = pytest.mark.slow
 
@@ -20,10 +21,10 @@ def test_launch_whisper_lora_profile_on_two_hosts(
         {"name": "mac-a", "host": "127.0.0.1", "port": port},
         {"name": "mac-b", "host": "127.0.0.1", "port": port},
     ], workdir=str(tmp_path / "remote"))
-    result = meshtrain(loopback_ssh, "launch", str(inv), "--profile", "whisper-tiny-random-lora",
-                       "--data", str(speech.data), "--set", f"task_options.model={speech.model}",
-                       "--run-id", "whisper-2h", "--out", str(tmp_path / "runs"), "--no-progress",
-                       cwd=tmp_path, timeout=240)
+    result = meshtrain_here("launch", str(inv), "--profile", "whisper-tiny-random-lora",
+                            "--data", str(speech.data), "--set", f"task_options.model={speech.model}",
+                            "--run-id", "whisper-2h", "--out", str(tmp_path / "runs"), "--no-progress",
+                            cwd=tmp_path, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     run = tmp_path / "runs" / "whisper-2h"
     summary = json.loads((run / "summary.json").read_text())

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from ssh_fixtures import PYTHON, SshWorld, meshtrain, new_world, start_sshd
+from in_process import meshtrain_here
+from ssh_fixtures import PYTHON, SshWorld, new_world, start_sshd
 from tree_snapshot import snapshot
 
 pytestmark = pytest.mark.slow
@@ -91,9 +92,9 @@ def launch_maker(host: HostileHost, place: Path, *args: str, extra: tuple[str, .
     script = place / "maker.py"
     script.write_text(MAKE_RUN_DIR)
     run_id = f"r-{uuid.uuid4().hex[:6]}"
-    done = meshtrain(host.world, "launch", str(box2(host, place)), "--run-id", run_id,
-                     "--out", str(place / "local" / "out"), "--plain", *extra, "--upload", str(script),
-                     "--", "python", "maker.py", *args, cwd=place)
+    done = meshtrain_here("launch", str(box2(host, place)), "--run-id", run_id,
+                          "--out", str(place / "local" / "out"), "--plain", *extra, "--upload", str(script),
+                          "--", "python", "maker.py", *args, cwd=place)
     return done.returncode, done.stdout + done.stderr, run_id
 
 
@@ -209,8 +210,8 @@ def test_what_a_rank_prints_cannot_end_it_or_reach_the_terminal(hostile: Hostile
     hostile.disarm_tar()
     inv = box2(hostile, tmp_path)
     (tmp_path / "loud.py").write_text(LOUD)
-    done = meshtrain(hostile.world, "launch", str(inv), "--plain", "--out", str(tmp_path / "out"),
-                     "--upload", str(tmp_path / "loud.py"), "--", "python", "loud.py", cwd=tmp_path)
+    done = meshtrain_here("launch", str(inv), "--plain", "--out", str(tmp_path / "out"),
+                          "--upload", str(tmp_path / "loud.py"), "--", "python", "loud.py", cwd=tmp_path)
     output = done.stdout + done.stderr
     lines = output.splitlines()
     # The forged markers and frame are shown as text; the real status (3) ends the rank.
@@ -262,18 +263,18 @@ def test_metacharacters_in_every_inventory_value_run_nothing(hostile: HostileHos
     inv = box2(hostile, tmp_path, workdir=workdir, python=str(python), env={"HOSTILE": evil})
     (tmp_path / "echo.py").write_text(ECHO)
     out = tmp_path / "out"
-    done = meshtrain(hostile.world, "launch", str(inv), "--plain", "--run-id", "m1", "--out", str(out),
-                     "--upload", str(tmp_path / "echo.py"), "--", "python", "echo.py", evil, cwd=tmp_path)
+    done = meshtrain_here("launch", str(inv), "--plain", "--run-id", "m1", "--out", str(out), "--upload",
+                          str(tmp_path / "echo.py"), "--", "python", "echo.py", evil, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     seen = __import__("json").loads((out / "m1" / "seen.json").read_text())
     assert seen == {"arg": evil, "env": evil, "cwd": workdir, "python": str(python)}  # every value verbatim
 
     # With --no-ship a data path is tested on the host: reported missing, never run.
-    done = meshtrain(hostile.world, "launch", str(inv), "--plain", "--no-ship", "--data", evil,
-                     "--steps", "1", "--out", str(out), cwd=tmp_path)
+    done = meshtrain_here("launch", str(inv), "--plain", "--no-ship", "--data", evil,
+                          "--steps", "1", "--out", str(out), cwd=tmp_path)
     assert done.returncode == 2 and f"data {evil}" in done.stderr, done.stdout + done.stderr
     # hosts check sends the interpreter, workdir and device to the host too.
-    meshtrain(hostile.world, "hosts", "check", str(inv), cwd=tmp_path)
+    meshtrain_here("hosts", "check", str(inv), cwd=tmp_path)
     assert not marker.exists()
 
     # A hostile run id is refused before any host is contacted: one line, exit 2.

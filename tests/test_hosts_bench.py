@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ssh_fixtures import PYTHON, Namespaces, SshWorld, meshtrain
+from in_process import meshtrain_here
+from ssh_fixtures import Namespaces, SshWorld, meshtrain
 from typer.testing import CliRunner
 
 from meshtrain.cli.main import app
@@ -263,10 +264,9 @@ def test_simulate_projects_onto_the_benched_cluster(benched) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     path = folder / "clusters" / "lab.yaml"
     cluster = yaml.safe_load(path.read_text())
-    sim = subprocess.run([PYTHON, "-m", "meshtrain", "simulate", "--task", "digits", "--strategy", "ddp",
-                          "--nodes", "2", "--steps", "3", "--no-progress", "--cluster", str(path),
-                          "--step-seconds", "0.5", "--out", str(folder / "runs"), "--run-id", "sim"],
-                         cwd=folder, capture_output=True, text=True, timeout=120)
+    sim = meshtrain_here("simulate", "--task", "digits", "--strategy", "ddp", "--nodes", "2", "--steps", "3",
+                         "--no-progress", "--cluster", str(path), "--step-seconds", "0.5",
+                         "--out", str(folder / "runs"), "--run-id", "sim", cwd=folder)
     assert sim.returncode == 0, sim.stderr
     summary = json.loads((folder / "runs" / "sim" / "summary.json").read_text())
     projected = summary["projected"]

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import time
 import zipfile
 from collections.abc import Iterator
@@ -23,7 +24,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ssh_fixtures import SshWorld, free_port, meshtrain
+from in_process import meshtrain_here
+from ssh_fixtures import SshWorld, free_port
 
 from meshtrain.hosts.inventory import load_inventory
 from meshtrain.hosts.inventory_edit import set_python
@@ -85,12 +87,12 @@ def installed(loopback_ssh: SshWorld, tmp_path_factory: pytest.TempPathFactory) 
     workdir = folder / "host-workdir"
     inventory = write_inventory(loopback_ssh, folder, workdir)
     before = inventory.read_text()
-    check_before = meshtrain(loopback_ssh, "hosts", "check", str(inventory), cwd=folder)
+    check_before = meshtrain_here("hosts", "check", str(inventory), cwd=folder)
     started = time.monotonic()
     # --no-compile: pip skips byte-compiling torch's and transformers' thousands of modules
     # (a large share of the install on 2 cores); the ranks compile what they import.
-    first = meshtrain(loopback_ssh, "hosts", "setup", str(inventory), "--pip-arg=--no-compile", cwd=folder,
-                      timeout=900)
+    first = meshtrain_here("hosts", "setup", str(inventory), "--pip-arg=--no-compile", cwd=folder,
+                           timeout=900)
     seconds = time.monotonic() - started
     print(f"first hosts setup (clean host, real pip install): {seconds:.1f} s")
     # Later runs ship this very wheel (--wheel): a checkout edited meanwhile is another
@@ -101,7 +103,11 @@ def installed(loopback_ssh: SshWorld, tmp_path_factory: pytest.TempPathFactory) 
         wheel.parent.mkdir()
         shutil.copy2(shipped[0], wheel)
     yield Installed(folder, inventory, workdir, first, before, seconds, check_before, wheel)
-    shutil.rmtree(workdir, ignore_errors=True)  # 1.5 GB of venv: not left in pytest's kept folders
+    # 1.2 GB of venv (~60,000 files): not left in pytest's kept folders. Removed by an `rm` in the
+    # background, not waited for: on a disk busy with the rest of the suite, removing it took this
+    # worker 4 to 60 s. (sh returns at once; the rm it leaves behind ends by itself.)
+    subprocess.run(["sh", "-c", 'rm -rf -- "$1" >/dev/null 2>&1 </dev/null &', "sh", str(workdir)],
+                   check=True, timeout=30)
 
 
 def test_clean_host_is_set_up_then_checks_and_trains(loopback_ssh: SshWorld, installed: Installed) -> None:
@@ -132,7 +138,7 @@ def test_clean_host_is_set_up_then_checks_and_trains(loopback_ssh: SshWorld, ins
         assert {"meshtrain/profiles/whisper-tiny-lora.yaml", "meshtrain/profiles/whisper-small-diloco.yaml",
                 "meshtrain/profiles/whisper-tiny-random-lora.yaml"} <= set(wheel.namelist())
 
-    check = meshtrain(loopback_ssh, "hosts", "check", str(installed.inventory), cwd=installed.folder)
+    check = meshtrain_here("hosts", "check", str(installed.inventory), cwd=installed.folder)
     assert check.returncode == 0, check.stdout + check.stderr
     assert "all 2 hosts ready" in check.stdout
 
@@ -140,9 +146,9 @@ def test_clean_host_is_set_up_then_checks_and_trains(loopback_ssh: SshWorld, ins
     launch_inventory = installed.folder / "launch.yaml"
     launch_inventory.write_text(re.sub(r"rendezvous: \{port: \d+", f"rendezvous: {{port: {free_port()}",
                                        installed.inventory.read_text()))
-    launched = meshtrain(loopback_ssh, "launch", str(launch_inventory), "--task", "digits", "--steps", "5",
-                         "--threads", "1", "--plain", "--run-id", "after-setup",
-                         "--out", str(installed.folder / "runs"), cwd=installed.folder, timeout=300)
+    launched = meshtrain_here("launch", str(launch_inventory), "--task", "digits", "--steps", "5",
+                              "--threads", "1", "--plain", "--run-id", "after-setup",
+                              "--out", str(installed.folder / "runs"), cwd=installed.folder, timeout=300)
     assert launched.returncode == 0, launched.stdout + launched.stderr
     summary = json.loads((installed.folder / "runs" / "after-setup" / "summary.json").read_text())
     assert summary["nodes"] == 2 and summary["steps"] == 5
@@ -154,9 +160,9 @@ def test_clean_host_is_set_up_then_checks_and_trains(loopback_ssh: SshWorld, ins
     # profile by name from its installed meshtrain.
     lookup = ("from meshtrain.config.profiles import find_profile as f, load_profile as p; "
               "print('profile', f('whisper-tiny-lora'), p('whisper-tiny-lora')['task'])")
-    resolved = meshtrain(loopback_ssh, "launch", str(launch_inventory), "--plain",
-                         "--out", str(installed.folder / "runs"), "--", "python", "-c", lookup,
-                         cwd=installed.folder, timeout=120)
+    resolved = meshtrain_here("launch", str(launch_inventory), "--plain",
+                              "--out", str(installed.folder / "runs"), "--", "python", "-c", lookup,
+                              cwd=installed.folder, timeout=120)
     assert resolved.returncode == 0, resolved.stdout + resolved.stderr
     site = installed.workdir / ".venv" / "lib"
     assert resolved.stdout.count(f"profile {site}") == 2, resolved.stdout  # both ranks
@@ -171,8 +177,8 @@ def test_second_run_is_up_to_date_and_changes_nothing(loopback_ssh: SshWorld, in
     stamps = {p: p.stat().st_mtime_ns for p in (installed.inventory, manifest, venv / "bin" / "python")}
     text = installed.inventory.read_text()
     started = time.monotonic()
-    again = meshtrain(loopback_ssh, "hosts", "setup", str(installed.inventory),
-                      "--wheel", str(installed.wheel), cwd=installed.folder)
+    again = meshtrain_here("hosts", "setup", str(installed.inventory),
+                           "--wheel", str(installed.wheel), cwd=installed.folder)
     seconds = time.monotonic() - started
     print(f"second hosts setup (up to date): {seconds:.1f} s")
     assert again.returncode == 0, again.stdout + again.stderr
@@ -190,8 +196,8 @@ def test_a_changed_package_is_noticed_and_reinstalled(loopback_ssh: SshWorld, in
     recorded = json.loads(manifest.read_text())
     recorded["wheel_digest"] = "0" * 64  # as if another meshtrain had been installed
     manifest.write_text(json.dumps(recorded))
-    result = meshtrain(loopback_ssh, "hosts", "setup", str(installed.inventory),
-                       "--wheel", str(installed.wheel), cwd=installed.folder, timeout=600)
+    result = meshtrain_here("hosts", "setup", str(installed.inventory),
+                            "--wheel", str(installed.wheel), cwd=installed.folder, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "alpha: installed in" in result.stdout
     assert json.loads(manifest.read_text())["wheel_digest"] == wheel_digest(installed.wheel)
@@ -206,8 +212,8 @@ def test_bad_base_python_is_one_line_and_other_hosts_continue(loopback_ssh: SshW
     text = inventory.read_text().replace("    port:", f"    workdir: {tmp_path / 'clean'}\n    port:")
     inventory.write_text(text)
     before = inventory.read_text()
-    result = meshtrain(loopback_ssh, "hosts", "setup", str(inventory), "--wheel", str(installed.wheel),
-                       "--base-python", "/nonexistent/python3", cwd=tmp_path)
+    result = meshtrain_here("hosts", "setup", str(inventory), "--wheel", str(installed.wheel),
+                            "--base-python", "/nonexistent/python3", cwd=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
     failures = [x for x in result.stderr.splitlines() if x.startswith("failed:")]
     assert failures == [f"failed: beta (root@127.0.0.1:{loopback_ssh.servers[0].port}): --base-python "
@@ -219,12 +225,15 @@ def test_bad_base_python_is_one_line_and_other_hosts_continue(loopback_ssh: SshW
     assert not (tmp_path / "clean" / ".venv").exists()
 
 
-def test_pip_failure_is_one_line(loopback_ssh: SshWorld, tmp_path: Path) -> None:
+def test_pip_failure_is_one_line(loopback_ssh: SshWorld, installed: Installed, tmp_path: Path) -> None:
     """No index and no find-links (--pip-arg, --isolated drops the user's pip config): pip's own
-    last error, on one line."""
+    last error, on one line. (The module's wheel is shipped, not built again: pip fails before
+    any wheel is shipped.)"""
+    assert installed.wheel.is_file(), installed.first.stdout + installed.first.stderr
     inventory = write_inventory(loopback_ssh, tmp_path, tmp_path / "workdir")
-    result = meshtrain(loopback_ssh, "hosts", "setup", str(inventory), "--pip-arg=--no-index",
-                       "--pip-arg=--isolated", "--base-python", BASE_PYTHON, cwd=tmp_path, timeout=300)
+    result = meshtrain_here("hosts", "setup", str(inventory), "--pip-arg=--no-index", "--pip-arg=--isolated",
+                            "--wheel", str(installed.wheel), "--base-python", BASE_PYTHON, cwd=tmp_path,
+                            timeout=300)
     assert result.returncode == 1, result.stdout + result.stderr
     failure, shared = [x for x in result.stderr.splitlines() if x.startswith("failed:")]
     assert failure.startswith("failed: alpha (root@127.0.0.1:")
@@ -261,16 +270,12 @@ def test_inventory_edit_keeps_comments_and_says_what_it_cannot_do(tmp_path: Path
 
 
 def test_a_wheel_of_another_version_is_refused_before_connecting(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     inventory = tmp_path / "inv.yaml"
     inventory.write_text("defaults: {python: /usr/bin/python3, known_hosts: /nonexistent}\n"
                          "hosts:\n  - {name: a, host: 192.0.2.1}\n")
     wheel = tmp_path / "meshtrain-9.9.9-py3-none-any.whl"
     wheel.write_bytes(b"")
-    result = subprocess.run([sys.executable, "-m", "meshtrain", "hosts", "setup", str(inventory),
-                             "--wheel", str(wheel)], capture_output=True, text=True, timeout=120)
+    result = meshtrain_here("hosts", "setup", str(inventory), "--wheel", str(wheel), cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
     assert f"--wheel {wheel}: not a wheel of meshtrain" in result.stderr

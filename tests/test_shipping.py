@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from in_process import meshtrain_here
 from safetensors.torch import load_file
 from speech_fixtures import SpeechAssets, speech_fixture  # noqa: F401 (the fixture)
-from ssh_fixtures import PYTHON, SshWorld, meshtrain, start_sshd
+from ssh_fixtures import SshWorld, start_sshd
 
 from meshtrain.hosts import shipping
 from meshtrain.hosts.blobstore import BLOBS, INCOMING, TREES
@@ -110,8 +111,8 @@ def test_a_host_without_space_fails_before_training(loopback_ssh: SshWorld, tmp_
         local.mkdir()
         (local / "corpus.txt").write_text("to be or not to be " * 5000)
         inv = two_hosts(loopback_ssh, tmp_path, port=server.port, workdir=str(tiny / "work"))
-        result = meshtrain(loopback_ssh, "launch", str(inv), "--task", "gpt", "--data", "corpus.txt",
-                           "--steps", "2", "--no-progress", cwd=local)
+        result = meshtrain_here("launch", str(inv), "--task", "gpt", "--data", "corpus.txt",
+                                "--steps", "2", "--no-progress", cwd=local)
     finally:
         server.stop()
     assert result.returncode == 2, result.stdout + result.stderr
@@ -131,13 +132,13 @@ def test_no_ship_needs_the_path_on_every_host(loopback_ssh: SshWorld, tmp_path: 
             "--set", "task_options.layers=1", "--set", "task_options.dim=16", "--set", "task_options.heads=2",
             "--set", "task_options.block_size=8", "--threads", "1", "--no-progress",
             "--out", str(tmp_path / "runs"), "--run-id", "no-ship"]
-    missing = meshtrain(loopback_ssh, *args, cwd=local)
+    missing = meshtrain_here(*args, cwd=local)
     assert missing.returncode == 2, missing.stdout + missing.stderr
     assert "--data corpus.txt does not exist there (relative paths start at workdir " in missing.stderr
     assert "with --no-ship every host needs it at that path" in missing.stderr
 
     shutil.copy(local / "corpus.txt", tmp_path / "remote" / "corpus.txt")  # today's way: put it there
-    ran = meshtrain(loopback_ssh, *args, cwd=local)
+    ran = meshtrain_here(*args, cwd=local)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "shipped" not in ran.stdout and not (tmp_path / "remote" / ".meshtrain").exists()
 
@@ -152,8 +153,8 @@ def test_launch_ships_data_and_model_that_exist_only_here_and_matches_simulate(
     training = ["--profile", "whisper-tiny-random-lora", "--data", "recordings",
                 "--set", "task_options.model=tiny-whisper", "--set", "task_options.feature_cache=null",
                 "--steps", "6", "--threads", "1", "--no-progress"]
-    launched = meshtrain(loopback_ssh, "launch", str(inv), *training, "--run-id", "shipped",
-                         "--out", str(tmp_path / "runs"), cwd=local, timeout=240)
+    launched = meshtrain_here("launch", str(inv), *training, "--run-id", "shipped",
+                              "--out", str(tmp_path / "runs"), cwd=local, timeout=240)
     assert launched.returncode == 0, launched.stdout + launched.stderr
     assert "meshtrain: shipped to alpha, beta: " in launched.stdout  # one workdir, shipped once
     assert "meshtrain: shipped --data recordings, task_options.model tiny-whisper to 2 hosts: " \
@@ -161,10 +162,9 @@ def test_launch_ships_data_and_model_that_exist_only_here_and_matches_simulate(
     spec = yaml.safe_load((tmp_path / "runs" / "shipped" / "config.yaml").read_text())["spec"]
     assert spec["data"].endswith("/recordings") and f"/{TREES}/" in spec["data"]
 
-    simulated = subprocess.run(
-        [PYTHON, "-m", "meshtrain", "simulate", "--nodes", "2", "--device", "cpu",  # threads: bit-identical
-         "--out", str(tmp_path / "sim"), "--run-id", "sim", *training],
-        cwd=local, capture_output=True, text=True, timeout=240)
+    simulated = meshtrain_here("simulate", "--nodes", "2", "--device", "cpu",  # threads: bit-identical
+                               "--out", str(tmp_path / "sim"), "--run-id", "sim", *training,
+                               cwd=local, timeout=240)
     assert simulated.returncode == 0, simulated.stderr
     a = load_file(tmp_path / "runs" / "shipped" / "model" / "adapter_model.safetensors")
     b = load_file(tmp_path / "sim" / "sim" / "model" / "adapter_model.safetensors")

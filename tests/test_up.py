@@ -44,7 +44,7 @@ from meshtrain.guided import (
 )
 from meshtrain.hosts import discovery as d
 from meshtrain.hosts.inventory import load_inventory, parse_inventory
-from meshtrain.hosts.local_install import local_install
+from meshtrain.hosts.local_install import installed_distribution, local_install, repack_installed
 from meshtrain.hosts.provisioning import MANIFEST, manifest
 
 pytest.importorskip("zeroconf", reason="pip install 'meshtrain[discover]' (the test extra includes it)")
@@ -76,10 +76,14 @@ def lan(netns_hosts: tuple[SshWorld, Namespaces]) -> Iterator[Lan]:
 
 
 def prepared_workdir(folder: Path) -> tuple[Path, Path]:
-    """A hosts' workdir whose environment `hosts setup` finds up to date, and the wheel it holds."""
-    local = local_install(folder / "build", None)  # the wheel of this checkout (~10 s)
-    wheel = folder / local.wheel.name
-    shutil.copy2(local.wheel, wheel)
+    """A hosts' workdir whose environment `hosts setup` finds up to date, and the wheel it holds.
+
+    The wheel is this meshtrain's installed files packed up (as setup packs an install that is
+    neither editable nor from a wheel file), not a build of the checkout (~10 s, which
+    tests/test_hosts_setup.py does): setup compares it by digest with the manifest written
+    here and, finding them equal, never installs it."""
+    folder.mkdir(parents=True)
+    wheel = repack_installed(installed_distribution(), folder)
     workdir = folder / "host-workdir"
     venv = workdir / ".venv"
     subprocess.run([PYTHON, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
