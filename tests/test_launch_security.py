@@ -339,9 +339,10 @@ class FormedRun:
 def formed_run(lan, tmp_path_factory: pytest.TempPathFactory) -> FormedRun:
     """One DiLoCo launch on h0 and h1. While the group forms, the rogue machine (h2) waits
     on the LAN for the gate to open and tries to join (a guessed secret, then torch's own
-    store client). Once the group has formed, h2 floods each rank's gloo port (both at
-    once) with 3,000 connections, and each rank's open descriptors are counted before and
-    right after. Then the run goes on to its end."""
+    store client); rank 1 reaches rank 0 only once the rogue is done. Once the group has
+    formed, h2 floods each rank's gloo port (both at once) with 3,000 connections, and each
+    rank's open descriptors are counted before and right after. Then the run goes on to
+    its end."""
     import time
 
     world, ns = lan
@@ -353,6 +354,11 @@ def formed_run(lan, tmp_path_factory: pytest.TempPathFactory) -> FormedRun:
              for i, s in enumerate(world.servers)]
     inv = world.inventory(work / "inv.yaml", hosts, iface="eth0", rendezvous={"port": PORT, "timeout": 60})
     rank0 = ns.addresses[ns.hosts[0]]
+    # Rank 1 cannot reach rank 0 until the rogue is done: the gate stays open for it however
+    # the two race on a loaded machine (the route is removed below, or in the finally).
+    blocked = ["ip", "-n", ns.hosts[1], "route", "%s", "prohibit", f"{rank0}/32"]
+    subprocess.run([w.replace("%s", "add") for w in blocked], check=True, timeout=20)
+    unblocked = False
     rogue = subprocess.Popen(["ip", "netns", "exec", ns.hosts[2], PYTHON, "-c", ROGUE, rank0, str(PORT)],
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     launch = start_meshtrain(world, "launch", str(inv), "--out", str(work / "runs"), "--run-id", "flooded",
@@ -360,6 +366,9 @@ def formed_run(lan, tmp_path_factory: pytest.TempPathFactory) -> FormedRun:
                              "--no-progress", "--threads", "1", cwd=work)
     floods: list[tuple[str, subprocess.Popen[str]]] = []
     try:
+        rogue_out, _ = rogue.communicate(timeout=150)
+        subprocess.run([w.replace("%s", "del") for w in blocked], check=True, timeout=20)
+        unblocked = True
         deadline = time.monotonic() + 120
         while True:  # formed: the gate is closed, and each rank has its gloo listener
             listeners = {**_gloo_listeners(ns.hosts[0]), **_gloo_listeners(ns.hosts[1])}
@@ -385,11 +394,12 @@ def formed_run(lan, tmp_path_factory: pytest.TempPathFactory) -> FormedRun:
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
         printed = {where: flood.communicate(timeout=120)[0] for where, flood in floods}
         fds_after = {pid: open_files(pid) for pid in listeners.values()}  # right after the floods
-        rogue_out, _ = rogue.communicate(timeout=150)
         assert launch.stdout is not None
         out = launch.stdout.read()
         launch.wait(timeout=180)
     finally:
+        if not unblocked:
+            subprocess.run([w.replace("%s", "del") for w in blocked], timeout=20)
         for proc in (rogue, launch, *(flood for _, flood in floods)):
             if proc.poll() is None:
                 proc.kill()
