@@ -35,7 +35,7 @@ from meshtrain.comm.rendezvous import gate_handshake, rank_handshake
 pytestmark = pytest.mark.slow
 PORT = 29517
 #: Steps of the shared run: long enough to outlast its formation and the floods after it.
-STEPS = "4000"
+STEPS = "6000"
 
 
 def test_handshake_needs_the_same_secret_on_both_sides() -> None:
