@@ -31,6 +31,9 @@ from meshtrain.planning import COMM_BUDGET, DILOCO_H, all_reduce_seconds
 
 pytestmark = pytest.mark.slow
 BATCH = "64"  # a step long enough that a fast link's all-reduce is a small share of it
+#: On the slow link: a quarter of the step, so a sync weighs even more on it (DiLoCo all the
+#: more), and the compute probe takes a quarter of the time.
+SLOW_BATCH = "16"
 
 
 def text_file(path: Path) -> Path:
@@ -41,22 +44,23 @@ def text_file(path: Path) -> Path:
     return path
 
 
-def plan_and_launch(world: SshWorld, folder: Path, name: str) -> dict:
-    """``hosts bench`` (with the probe) into clusters/NAME.yaml, then a short auto launch;
-    returns the run's config.yaml."""
+def plan_and_launch(world: SshWorld, folder: Path, name: str, *, batch: str = BATCH,
+                    max_size: str = "8MB") -> dict:
+    """``hosts bench`` (with the probe, all-reduces up to ``max_size``) into clusters/NAME.yaml,
+    then a short auto launch at ``batch``; returns the run's config.yaml."""
     data = text_file(folder / "text.txt")
     hosts = [{"name": f"box{i}", "host": s.address, "workdir": str(folder / f"box{i}")}
              for i, s in enumerate(world.servers)]
     inv = world.inventory(folder / f"{name}.yaml", hosts, iface="eth0", threads=1,
                           rendezvous={"port": 29520, "timeout": 60})
-    bench = meshtrain(world, "hosts", "bench", str(inv), "--min-size", "64KB", "--max-size", "8MB",
+    bench = meshtrain(world, "hosts", "bench", str(inv), "--min-size", "64KB", "--max-size", max_size,
                       "--points", "4", "--repeats", "3", "--task", "gpt", "--data", str(data),
-                      "--batch-size", BATCH, cwd=folder, timeout=240)
+                      "--batch-size", batch, cwd=folder, timeout=240)
     assert bench.returncode == 0, bench.stdout + bench.stderr
     cluster = get_cluster(str(folder / "clusters" / f"{name}.yaml"))
-    assert cluster.probe == f"task gpt, batch {BATCH}, threads 1" and cluster.step_seconds, cluster
+    assert cluster.probe == f"task gpt, batch {batch}, threads 1" and cluster.step_seconds, cluster
     launched = meshtrain(world, "launch", str(inv), "--strategy", "auto", "--task", "gpt",
-                         "--data", str(data), "--batch-size", BATCH, "--steps", "3", "--val-interval", "3",
+                         "--data", str(data), "--batch-size", batch, "--steps", "3", "--val-interval", "3",
                          "--no-progress", "--out", str(folder / "runs"), "--run-id", name,
                          cwd=folder, timeout=240)
     assert launched.returncode == 0, launched.stdout + launched.stderr
@@ -115,7 +119,8 @@ def test_slow_link_gets_diloco_with_communication_under_budget(world, tmp_path: 
             if done.returncode != 0:
                 pytest.skip(f"cannot rate-limit a namespace link with tc tbf: {done.stderr.strip()}")
             shaped.append(host)
-        config = plan_and_launch(ssh, tmp_path, "slow")
+        # 2 MB is 30x the 64 KB all-reduce at 50 Mbit/s (8 MB is needed only where the link is fast).
+        config = plan_and_launch(ssh, tmp_path, "slow", batch=SLOW_BATCH, max_size="2MB")
     finally:
         for host in shaped:
             subprocess.run(["tc", "-n", host, "qdisc", "del", "dev", "eth0", "root"], check=True,

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import textwrap
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -25,7 +26,6 @@ from ssh_fixtures import (
     make_namespaces,
     meshtrain,
     new_world,
-    read_until,
     start_meshtrain,
     start_sshd,
 )
@@ -34,6 +34,8 @@ from meshtrain.comm.rendezvous import gate_handshake, rank_handshake
 
 pytestmark = pytest.mark.slow
 PORT = 29517
+#: Steps of the shared run: long enough to outlast its formation and the floods after it.
+STEPS = "6000"
 
 
 def test_handshake_needs_the_same_secret_on_both_sides() -> None:
@@ -140,37 +142,17 @@ def two_box_inventory(world: SshWorld, ns: Namespaces, tmp_path: Path) -> tuple[
     return inv, ns.addresses[ns.hosts[0]]
 
 
-def test_rogue_machine_is_refused_and_nothing_listens_once_training(lan, tmp_path: Path) -> None:
-    world, ns = lan
-    inv, rank0 = two_box_inventory(world, ns, tmp_path)
-    training = ["--task", "digits", "--strategy", "diloco", "--steps", "1500", "--set", "H=50",
-                "--no-progress", "--threads", "1"]
-    # The rogue waits on the LAN for the gate to open, then tries to join.
-    rogue = subprocess.Popen(["ip", "netns", "exec", ns.hosts[2], PYTHON, "-c", ROGUE, rank0, str(PORT)],
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    first = start_meshtrain(world, "launch", str(inv), "--out", str(tmp_path / "runs"), "--run-id", "first",
-                            *training, cwd=tmp_path)
-    try:
-        rogue_out, _ = rogue.communicate(timeout=150)
-        assert "handshake: closed" in rogue_out, rogue_out
-        assert "store: refused" in rogue_out, rogue_out
-        # Training has started once rank 0 prints: the group has formed, nothing listens.
-        seen = read_until(first, ["box0 r0 |"], timeout=120)
-        listening = subprocess.run(["ip", "netns", "exec", ns.hosts[0], "ss", "-Htln"], capture_output=True,
-                                   text=True, timeout=20).stdout
-        assert f":{PORT} " not in listening, listening
-        assert first.stdout is not None
-        out = seen + first.stdout.read()  # not communicate(): it would skip what readline buffered
-        first.wait(timeout=60)
-    finally:
-        for proc in (rogue, first):
-            if proc.poll() is None:
-                proc.kill()
-    assert first.returncode == 0, out
-    rogue_address = ns.addresses[ns.hosts[2]]
-    assert f"refused a rendezvous connection from {rogue_address}" in out, out
-    assert (tmp_path / "runs" / "first" / "summary.json").is_file()
-    assert not (tmp_path / "box0" / "runs" / "rogue").exists()
+def test_rogue_machine_is_refused_and_nothing_listens_once_training(formed_run: FormedRun) -> None:
+    """The rogue knocked on the gate while the group formed (see ``formed_run``)."""
+    run = formed_run
+    assert "handshake: closed" in run.rogue_out, run.rogue_out
+    assert "store: refused" in run.rogue_out, run.rogue_out
+    # Once the group had formed (each rank's gloo listener up), nothing listened on the gate's port.
+    assert f":{PORT} " not in run.listening_once_formed, run.listening_once_formed
+    assert run.returncode == 0, run.out
+    assert f"refused a rendezvous connection from {run.rogue_address}" in run.out, run.out
+    assert (run.work / "runs" / "flooded" / "summary.json").is_file()
+    assert not (run.work / "box0" / "runs" / "rogue").exists()
 
 
 def test_a_launch_on_a_port_in_use_fails_with_one_line(lan, tmp_path: Path) -> None:
@@ -336,28 +318,57 @@ def _gloo_listeners(ns: str) -> dict[str, int]:
     return found
 
 
-def test_a_flood_on_gloos_ports_after_formation_does_not_stop_the_run(lan, tmp_path: Path) -> None:
-    """gloo keeps a descriptor for every connection that never finishes its handshake:
-    without sealing, 1,500-2,000 of 3,000 connections that each send 8 bytes and close
-    got in, and a rank limited to 1,024 open files died. Each rank starts here with a soft
-    limit of 256 and raises it to the hard limit, 1,024. Once the group has formed the rank
-    seals its listening sockets (new connections are dropped), so the flood reaches
-    nothing, the rank's descriptors stay as they were, and the run finishes."""
+@dataclass
+class FormedRun:
+    """What one launch on the LAN showed (two tests check it)."""
+
+    work: Path
+    out: str
+    returncode: int | None
+    rogue_out: str
+    rogue_address: str
+    listening_once_formed: str  # ``ss -tln`` on rank 0's host once the group had formed
+    listeners: dict[str, int]  # each rank's gloo listener: "addr:port" -> pid
+    limits: dict[int, str]  # each rank's /proc/PID/limits once formed
+    floods: dict[str, str]  # each gloo listener -> what its flood printed
+    fds_before: dict[int, int]
+    fds_after: dict[int, int]
+
+
+@pytest.fixture(scope="module")
+def formed_run(lan, tmp_path_factory: pytest.TempPathFactory) -> FormedRun:
+    """One DiLoCo launch on h0 and h1. While the group forms, the rogue machine (h2) waits
+    on the LAN for the gate to open and tries to join (a guessed secret, then torch's own
+    store client); rank 1 reaches rank 0 only once the rogue is done. Once the group has
+    formed, h2 floods each rank's gloo port (both at once) with 3,000 connections, and each
+    rank's open descriptors are counted before and right after. Then the run goes on to
+    its end."""
     import time
 
     world, ns = lan
-    work = tmp_path / "gloo"
-    work.mkdir()
+    work = tmp_path_factory.mktemp("formed")
     limited = work / "python-1024"  # this machine's limit is high; a small one shows the failure
     limited.write_text(f"#!/bin/sh\nulimit -n 1024\nulimit -Sn 256\nexec {PYTHON} \"$@\"\n")
     limited.chmod(0o755)
     hosts = [{"name": f"box{i}", "host": s.address, "workdir": str(work / f"box{i}"), "python": str(limited)}
              for i, s in enumerate(world.servers)]
     inv = world.inventory(work / "inv.yaml", hosts, iface="eth0", rendezvous={"port": PORT, "timeout": 60})
+    rank0 = ns.addresses[ns.hosts[0]]
+    # Rank 1 cannot reach rank 0 until the rogue is done: the gate stays open for it however
+    # the two race on a loaded machine (the route is removed below, or in the finally).
+    blocked = ["ip", "-n", ns.hosts[1], "route", "%s", "prohibit", f"{rank0}/32"]
+    subprocess.run([w.replace("%s", "add") for w in blocked], check=True, timeout=20)
+    unblocked = False
+    rogue = subprocess.Popen(["ip", "netns", "exec", ns.hosts[2], PYTHON, "-c", ROGUE, rank0, str(PORT)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     launch = start_meshtrain(world, "launch", str(inv), "--out", str(work / "runs"), "--run-id", "flooded",
-                             "--task", "digits", "--strategy", "diloco", "--steps", "12000", "--set", "H=50",
+                             "--task", "digits", "--strategy", "diloco", "--steps", STEPS, "--set", "H=50",
                              "--no-progress", "--threads", "1", cwd=work)
+    floods: list[tuple[str, subprocess.Popen[str]]] = []
     try:
+        rogue_out, _ = rogue.communicate(timeout=150)
+        subprocess.run([w.replace("%s", "del") for w in blocked], check=True, timeout=20)
+        unblocked = True
         deadline = time.monotonic() + 120
         while True:  # formed: the gate is closed, and each rank has its gloo listener
             listeners = {**_gloo_listeners(ns.hosts[0]), **_gloo_listeners(ns.hosts[1])}
@@ -365,11 +376,10 @@ def test_a_flood_on_gloos_ports_after_formation_does_not_stop_the_run(lan, tmp_p
                 break
             assert time.monotonic() < deadline and launch.poll() is None, f"never formed: {listeners}"
             time.sleep(0.1)
-        for where in listeners:
-            assert where.split(":")[0] in (ns.addresses[ns.hosts[0]], ns.addresses[ns.hosts[1]]), where
-        for pid in listeners.values():  # each rank raised its soft limit to the hard one
-            limits = Path(f"/proc/{pid}/limits").read_text()
-            assert re.search(r"Max open files\s+1024\s+1024", limits), limits
+        listening = subprocess.run(["ip", "netns", "exec", ns.hosts[0], "ss", "-Htln"], capture_output=True,
+                                   text=True, timeout=20).stdout
+        limits = {pid: Path(f"/proc/{pid}/limits").read_text() for pid in listeners.values()}
+
         def open_files(pid: int) -> int:
             try:
                 return len(list(Path(f"/proc/{pid}/fd").iterdir()))
@@ -377,19 +387,41 @@ def test_a_flood_on_gloos_ports_after_formation_does_not_stop_the_run(lan, tmp_p
                 raise AssertionError("a rank ended before its flood was measured: lengthen the run") from None
 
         fds_before = {pid: open_files(pid) for pid in listeners.values()}
-        fds_after = {}
-        for where, pid in listeners.items():  # each rank's descriptors, right after its own flood
+        for where in listeners:  # each rank's gloo port, both at once
             address, port = where.rsplit(":", 1)
-            flood = subprocess.run(["ip", "netns", "exec", ns.hosts[2], PYTHON, "-c", GLOO_FLOOD, address,
-                                    port, "3000"], capture_output=True, text=True, timeout=120)
-            assert flood.stdout.strip() == "connected 0", flood.stdout + flood.stderr
-            fds_after[pid] = open_files(pid)
+            floods.append((where, subprocess.Popen(
+                ["ip", "netns", "exec", ns.hosts[2], PYTHON, "-c", GLOO_FLOOD, address, port, "3000"],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
+        printed = {where: flood.communicate(timeout=120)[0] for where, flood in floods}
+        fds_after = {pid: open_files(pid) for pid in listeners.values()}  # right after the floods
         assert launch.stdout is not None
         out = launch.stdout.read()
         launch.wait(timeout=180)
     finally:
-        if launch.poll() is None:
-            launch.kill()
-    assert launch.returncode == 0, out
-    for pid, before in fds_before.items():
-        assert fds_after[pid] <= before + 2, (fds_before, fds_after)
+        if not unblocked:
+            subprocess.run([w.replace("%s", "del") for w in blocked], timeout=20)
+        for proc in (rogue, launch, *(flood for _, flood in floods)):
+            if proc.poll() is None:
+                proc.kill()
+    return FormedRun(work, out, launch.returncode, rogue_out, ns.addresses[ns.hosts[2]], listening, listeners,
+                     limits, printed, fds_before, fds_after)
+
+
+def test_a_flood_on_gloos_ports_after_formation_does_not_stop_the_run(formed_run: FormedRun, lan) -> None:
+    """gloo keeps a descriptor for every connection that never finishes its handshake:
+    without sealing, 1,500-2,000 of 3,000 connections that each send 8 bytes and close
+    got in, and a rank limited to 1,024 open files died. Each rank starts here with a soft
+    limit of 256 and raises it to the hard limit, 1,024. Once the group has formed the rank
+    seals its listening sockets (new connections are dropped), so the flood reaches
+    nothing, the rank's descriptors stay as they were, and the run finishes."""
+    _, ns = lan
+    run = formed_run
+    for where in run.listeners:
+        assert where.split(":")[0] in (ns.addresses[ns.hosts[0]], ns.addresses[ns.hosts[1]]), where
+    for limits in run.limits.values():  # each rank raised its soft limit to the hard one
+        assert re.search(r"Max open files\s+1024\s+1024", limits), limits
+    for where, printed in run.floods.items():
+        assert printed.strip() == "connected 0", (where, printed)
+    assert run.returncode == 0, run.out
+    for pid, before in run.fds_before.items():
+        assert run.fds_after[pid] <= before + 2, (run.fds_before, run.fds_after)
