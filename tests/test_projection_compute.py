@@ -6,10 +6,17 @@ with the time inside collectives taken out. Before, it was the loop's wall clock
 same run was projected at 0.98 s from the threads runtime and 3.29 s from processes.
 Each node's first step (~5x a later one: one-off set-up) is left out; with it in, the
 two runtimes differed by up to 1.57x under the suite's load (processes pay it per node).
+
+The runs use DiLoCo: with DDP the two runtimes do not run the same work. The processes
+runtime all-reduces DDP's buckets on a second thread while the backward pass runs (the
+threads runtime never does), and on this machine's two shared cores that thread slows the
+backward pass it overlaps: the node's measured compute per step was 1.4-1.8 ms with the
+overlap and 1.0-1.1 ms without it (quiet), 1.6-1.8 against 0.7-0.8 ms beside 3 busy loops.
 """
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from pathlib import Path
@@ -21,11 +28,11 @@ from torch.utils.data import TensorDataset
 from meshtrain import Trainer
 from meshtrain.comm import ThreadCommunicator, ThreadHub
 from meshtrain.engine.callbacks import ComputeClock
-from meshtrain.strategies import DDP
+from meshtrain.strategies import DiLoCo
 
 #: How far the two local runtimes' compute per step may differ (max / min). Both measure
 #: the same kernels on the same machine; what remains is cache and scheduler noise under
-#: load (measured 0.90-1.16 beside 3 busy loops on 2 cores; the wall clock gave 3.4).
+#: load (measured 0.90-0.97 beside 3 busy loops on 2 cores; the wall clock gave 3.4).
 SAME_COMPUTE_RATIO = 1.5
 
 
@@ -47,18 +54,22 @@ def _data() -> TensorDataset:
 
 
 def test_threads_and_processes_project_the_same_compute(tmp_path: Path) -> None:
-    compute = {}
-    for runtime in ("threads", "processes"):
-        torch.manual_seed(0)
-        result = Trainer(Wide(), _data()).fit(DDP(), nodes=2, max_steps=40, batch_size=32, runtime=runtime,
-                                              out_dir=tmp_path / runtime, progress=False)
-        projected = result.summary["projected"]
-        compute[runtime] = projected["step_seconds"]
-        assert projected["compute_seconds"] == projected["step_seconds"] * 40  # gbe: speed 1
-        # Far below the wall time per step, which holds start-up, waiting and the other node.
-        assert 0 < compute[runtime] < result.summary["wall_seconds"] / 40
-    ratio = max(compute.values()) / min(compute.values())
-    assert ratio <= SAME_COMPUTE_RATIO, compute
+    # Three runs of each, alternating, compared by their medians: one pair of runs on this
+    # machine's two shared cores differed by up to 1.54x (quiet), the medians of three by 1.21x.
+    compute: dict[str, list[float]] = {"threads": [], "processes": []}
+    for attempt in range(3):
+        for runtime in compute:
+            torch.manual_seed(0)
+            result = Trainer(Wide(), _data()).fit(DiLoCo(H=10), nodes=2, max_steps=40, batch_size=32,
+                                                  runtime=runtime, out_dir=tmp_path / f"{runtime}-{attempt}",
+                                                  progress=False)
+            projected = result.summary["projected"]
+            compute[runtime].append(projected["step_seconds"])
+            assert projected["compute_seconds"] == projected["step_seconds"] * 40  # gbe: speed 1
+            # Far below the wall time per step, which holds start-up, waiting and the other node.
+            assert 0 < projected["step_seconds"] < result.summary["wall_seconds"] / 40
+    medians = [statistics.median(runs) for runs in compute.values()]
+    assert max(medians) / min(medians) <= SAME_COMPUTE_RATIO, compute
 
 
 def test_the_clock_leaves_out_waiting_inside_a_collective() -> None:
