@@ -138,3 +138,43 @@ def test_ctrl_c_while_node_threads_start_stops_those_already_started(tmp_path: P
         Trainer(MLP(), regression_data(64)).fit(DiLoCo(H=10_000), nodes=2, max_steps=100_000,
                                                 batch_size=4, out_dir=tmp_path, progress=False)
     assert len(started) == 1 and not started[0].is_alive()
+
+
+def test_a_node_thread_that_comes_up_after_the_ctrl_c_does_not_train(tmp_path: Path, monkeypatch) -> None:
+    """Ctrl-C inside the second node's start(), its thread coming up only afterwards: fit
+    cannot wait for it (it had no ident yet), so it must see the abort and never train (it
+    would be inside torch when the interpreter exits: rc -6, seen once under the full suite)."""
+    import threading
+
+    import pytest
+    from helpers import MLP, regression_data
+
+    import meshtrain.engine.runtimes.threads as threads_runtime
+    from meshtrain import Trainer
+    from meshtrain.strategies import DiLoCo
+
+    real_start, real_train = threading.Thread.start, threads_runtime.train_node
+    late: list[threading.Thread] = []
+    trained: list[int] = []
+    fit_returned, came_up = threading.Event(), threading.Event()
+
+    def start(self: threading.Thread) -> None:
+        if self.name == "meshtrain-node-1":
+            late.append(self)
+            threading.Thread(target=lambda: (fit_returned.wait(30), real_start(self), came_up.set())).start()
+            raise KeyboardInterrupt  # as if Ctrl-C arrived while this node starts
+        real_start(self)
+
+    def train_node(job, comm, **kwargs):  # type: ignore[no-untyped-def]
+        trained.append(comm.rank)
+        return real_train(job, comm, **kwargs)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    monkeypatch.setattr(threads_runtime, "train_node", train_node)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(MLP(), regression_data(64)).fit(DiLoCo(H=10_000), nodes=2, max_steps=100_000,
+                                                batch_size=4, out_dir=tmp_path, progress=False)
+    fit_returned.set()
+    assert came_up.wait(30)
+    late[0].join(timeout=30)
+    assert not late[0].is_alive() and 1 not in trained, trained

@@ -93,6 +93,10 @@ def run_threads(job: NodeJob) -> FitResult:
         comm = ThreadCommunicator(hub, rank)
         try:
             hub.take_slot(rank)
+            # A thread that came up only after a Ctrl-C interrupted its start() has no ident
+            # when the interrupted fit picks the threads to wait for: it must not begin
+            # training (a thread inside torch when the interpreter exits aborts the process).
+            hub.check()
             guard = shared.guard_for(node_seed(job.config.seed, rank), rank)
             results[rank] = train_node(job, comm, rng_guard=guard)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller below
