@@ -182,8 +182,8 @@ class ThreadHub:
             if rnd.cut is None:
                 rnd.cut = self._cut_for(members, _shapes(flats))
                 rnd.result = rnd.cut.results
-            rows = rnd.cut.rows
-            if rows is not None and all(f.data_ptr() == r[members.index(rank)].data_ptr()
+            rows, position = rnd.cut.rows, members.index(rank)
+            if rows is not None and all(f.data_ptr() == r[position].data_ptr()
                                         for f, r in zip(flats, rows, strict=True)):
                 rnd.in_rows += 1
             addresses = [flat.data_ptr() for flat in flats]
@@ -203,7 +203,7 @@ class ThreadHub:
                 self._await(rank, lambda: rnd.done, lambda: set(members) - set(rnd.payloads))
                 return list(rnd.result)
             self._await(rank, lambda: len(rnd.payloads) == g, lambda: set(members) - set(rnd.payloads))
-        mine = range(g) if alone else [members.index(rank)]
+        mine = range(g) if alone else [position]
         try:
             # Outside the lock: the members reduce their chunks in parallel.
             cut, buffers = rnd.cut, range(len(rnd.result))

@@ -105,7 +105,8 @@ def train_node(job: NodeJob, comm: Communicator, *, rng_guard: RngGuard | None =
                 else:
                     strategy.step(step)  # the update, and this step's communication
             run.losses.append(loss)
-            run.clock.first_step_done()
+            if step == run.first_step:
+                run.clock.first_step_done()
             run.seconds.append(run.seconds_before + time.time() - job.started)
             for c in callbacks:
                 c.step_end(run, step)
