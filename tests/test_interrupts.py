@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 import time
+
+import torch
 from pathlib import Path
 
 ABORT = "terminate called"
@@ -178,3 +180,65 @@ def test_a_node_thread_that_comes_up_after_the_ctrl_c_does_not_train(tmp_path: P
     assert came_up.wait(30)
     late[0].join(timeout=30)
     assert not late[0].is_alive() and 1 not in trained, trained
+
+
+
+def test_ctrl_c_waits_for_the_node_fit_was_waiting_on(tmp_path: Path) -> None:
+    """In Python 3.11 a Thread.join interrupted by Ctrl-C marks the thread it waited for as
+    stopped while it still runs: fit must still wait for that node (here mid-step for a
+    moment), or the interpreter exits with it inside torch (rc -6)."""
+    import _thread
+    import threading
+
+    import pytest
+    from helpers import MLP, regression_data
+
+    from meshtrain import Trainer
+    from meshtrain.strategies import DiLoCo
+
+    steps: list[int] = []
+
+    class SlowToStop(MLP):
+        def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            if self.training and threading.current_thread().name == "meshtrain-node-0":
+                steps.append(1)
+                if len(steps) == 5:
+                    _thread.interrupt_main()  # Ctrl-C while fit waits on this node
+                    time.sleep(0.5)  # this step finishes only after fit was interrupted
+            return super().forward(batch)
+
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(SlowToStop(), regression_data(64)).fit(
+            DiLoCo(H=10_000), nodes=2, max_steps=100_000, batch_size=4, out_dir=tmp_path, progress=False)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("meshtrain-node-")]
+
+
+def test_ctrl_c_during_a_validation_pass_stops_it_at_the_next_batch(tmp_path: Path) -> None:
+    """Rank 0's validation before step 1 (a long one: word error rates decode every batch)
+    stops at its next batch: fit waits only a few seconds for its nodes, and a node left in
+    its validation pass was inside torch when the interpreter exited (rc -6)."""
+    import _thread
+    import threading
+
+    import pytest
+    from helpers import MLP, regression_data
+
+    from meshtrain import Trainer
+    from meshtrain.strategies import DiLoCo
+
+    validated: list[int] = []
+
+    class SlowToValidate(MLP):
+        def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+            if not self.training:
+                validated.append(1)
+                if len(validated) == 1:
+                    _thread.interrupt_main()  # Ctrl-C while the first batch is validated
+                time.sleep(0.05)  # 400 batches: 20 s, far beyond fit's grace for its nodes
+            return super().forward(batch)
+
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(SlowToValidate(), regression_data(64), regression_data(400)).fit(
+            DiLoCo(H=10_000), nodes=2, max_steps=100_000, batch_size=1, out_dir=tmp_path, progress=False)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("meshtrain-node-")]
+    assert len(validated) < 10

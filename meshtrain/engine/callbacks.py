@@ -13,7 +13,7 @@ import copy
 import hashlib
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, astuple, dataclass, field
 from types import TracebackType
 from typing import Any
@@ -384,8 +384,9 @@ class Validation(Callback):
     copy of the model, loaded with the global parameters) and the mean of the node models'
     validation losses; also the global model before the first step and after the last."""
 
-    def __init__(self, job: NodeJob, model: nn.Module, rank: int, device: torch.device) -> None:
-        self.batches = _validation_batches(job, rank, device)
+    def __init__(self, job: NodeJob, model: nn.Module, rank: int, device: torch.device,
+                 check_abort: Callable[[], None]) -> None:
+        self.batches = _StoppableBatches(_validation_batches(job, rank, device), check_abort)
         self.evaluator = _GlobalEvaluator(model, self.batches) if rank == 0 and self.batches else None
 
     def evaluate_global(self, strategy: Strategy) -> dict[str, float]:
@@ -439,6 +440,24 @@ def _validation_batches(job: NodeJob, rank: int, device: torch.device) -> list[A
         to_device(fetch(val_set, list(range(s, min(n, s + cfg.batch_size))), job.collate_fn), device)
         for s in range(0, n, cfg.batch_size)
     ]
+
+
+class _StoppableBatches(list[Any]):
+    """The validation batches; each batch taken from them first checks that the run goes on.
+
+    A pass over a large validation set (a word error rate decodes every batch) can outlast
+    the grace a stopping run gives its nodes: a Ctrl-C or a failed peer must stop it at the
+    next batch, in ``mean_loss`` and in a model's own ``validation_metrics`` alike.
+    """
+
+    def __init__(self, batches: list[Any], check_abort: Callable[[], None]) -> None:
+        super().__init__(batches)
+        self.check_abort = check_abort
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in super().__iter__():
+            self.check_abort()
+            yield batch
 
 
 @torch.no_grad()

@@ -73,7 +73,7 @@ def train_node(job: NodeJob, comm: Communicator, *, rng_guard: RngGuard | None =
     of torch's global generator, holding the node's own stream, around forward passes.
     """
     run = _start_node(job, comm, rng_guard, verify_replicas)
-    validation = Validation(job, run.model, comm.rank, run.device)
+    validation = Validation(job, run.model, comm.rank, run.device, comm.check_abort)
     if job.resume is not None:
         _resume(run)
     else:  # step 0: the global model before training, so every run shows before and after

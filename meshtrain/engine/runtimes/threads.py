@@ -89,6 +89,11 @@ def run_threads(job: NodeJob) -> FitResult:
     # visible (F.dropout, attention dropout): forward passes take turns on the generator.
     shared = _SharedGenerator(hub)
 
+    # Each node says when it has ended: after a Ctrl-C, Thread.join cannot be trusted (in
+    # Python 3.11 a join interrupted by the KeyboardInterrupt marks the thread it waited for
+    # as stopped while it still runs, and a later join returns at once).
+    ended = [threading.Event() for _ in range(n)]
+
     def node_main(rank: int) -> None:
         comm = ThreadCommunicator(hub, rank)
         try:
@@ -104,6 +109,7 @@ def run_threads(job: NodeJob) -> FitResult:
             hub.abort(exc)
         finally:
             hub.give_slot(rank)
+            ended[rank].set()
 
     threads_before = torch.get_num_threads()
     torch.set_num_threads(job.config.threads or 1)
@@ -118,17 +124,17 @@ def run_threads(job: NodeJob) -> FitResult:
             # torch when the interpreter exits aborts the process).
             for t in threads:
                 t.start()
-            for t in threads:
-                while t.is_alive() and not errors:
-                    t.join(timeout=0.1)
+            for done in ended:
+                while not errors and not done.wait(timeout=0.1):
+                    pass  # a failed node ends the wait: the others are stopped below
         except BaseException as interrupt:  # Ctrl-C: stop every node before leaving
             hub.abort(interrupt)
-            _join_all([t for t in threads if t.ident is not None])
+            _wait_for([ended[r] for r, t in enumerate(threads) if t.ident is not None])
             raise
         if errors:
-            # The others stop at their next collective or step; one stuck outside torch
-            # (a hung data loader, a sleep) is left behind rather than hanging fit.
-            _join_all(threads)
+            # The others stop at their next collective, step or validation batch; one stuck
+            # outside torch (a hung data loader, a sleep) is left behind rather than hanging fit.
+            _wait_for(ended)
     finally:
         torch.set_num_threads(threads_before)
     real = {r: e for r, e in errors.items() if not isinstance(e[0], NodeAborted)}
@@ -148,7 +154,7 @@ def concurrent_nodes(job: NodeJob) -> int:
     return max(1, (cores or 1) // (job.config.threads or 1))
 
 
-def _join_all(threads: list[threading.Thread]) -> None:
+def _wait_for(ended: list[threading.Event]) -> None:
     grace = time.monotonic() + ABORT_GRACE_S
-    for t in threads:
-        t.join(timeout=max(0.0, grace - time.monotonic()))
+    for done in ended:
+        done.wait(timeout=max(0.0, grace - time.monotonic()))
