@@ -13,6 +13,10 @@ stops the run naming a rank silent for ``heartbeat_timeout`` seconds.
 
 A rank is held to this only after its first beat: a script that never starts the
 heartbeat (one that does not use meshtrain in the rank) is not mistaken for a hung one.
+Once its program is done, a rank says so with one :data:`FAREWELL` byte (an atexit
+handler): the interpreter's own exit is silent (no thread runs while it tears down; with
+torch loaded that takes about a second, longer on a loaded host), so from then on the
+launcher waits up to :data:`EXIT_GRACE_S` rather than the heartbeat timeout.
 
 Status messages for the live view ride on the same descriptor: see :class:`StatusReporter`.
 
@@ -22,6 +26,7 @@ the launched runtime, the benchmark) beats and reports without importing the lau
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -34,6 +39,8 @@ from dataclasses import dataclass
 from typing import Any
 
 BEAT = b"\x06"  # ASCII ACK: never part of text output, a single byte in UTF-8
+FAREWELL = b"\x04"  # ASCII EOT: the program is done, the interpreter is exiting
+EXIT_GRACE_S = 60.0  # the silence a rank that said farewell may keep before it counts as hung
 HEARTBEAT_FD = 3  # the launcher's remote shell points this descriptor at the output pipe
 _started: threading.Thread | None = None
 _lock = threading.Lock()
@@ -62,7 +69,15 @@ def start_heartbeat() -> threading.Thread | None:
             _started = threading.Thread(target=_beat, args=(fd, interval), name="meshtrain-heartbeat",
                                         daemon=True)
             _started.start()
+            atexit.register(_farewell, fd)
         return _started
+
+
+def _farewell(fd: int) -> None:
+    try:
+        os.write(fd, FAREWELL)
+    except OSError:
+        pass  # no launcher on the other end any more
 
 
 def _beat(fd: int, interval: float) -> None:

@@ -10,9 +10,9 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import torch
-from pathlib import Path
 
 ABORT = "terminate called"
 

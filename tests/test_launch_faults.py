@@ -498,6 +498,37 @@ CHATTY = textwrap.dedent("""
 """)
 
 
+SLOW_EXIT = textwrap.dedent("""
+    import os, time
+    from meshtrain.heartbeat import start_heartbeat
+    start_heartbeat()
+
+    class TornDownSlowly:
+        def __del__(self):
+            time.sleep(4)  # in the interpreter's exit: no thread beats meanwhile
+
+    keep = TornDownSlowly()
+    print("rank", os.environ["RANK"], "done", flush=True)
+""")
+
+
+def test_a_rank_whose_program_is_done_may_take_a_while_to_exit(world: SshWorld, tmp_path: Path) -> None:
+    """The interpreter's exit is silent (torch's teardown takes about a second, longer under
+    load): after its farewell a rank is not held to a 2 s heartbeat timeout (it was, and a
+    test with that timeout failed once under the suite's load)."""
+    port = world.servers[0].port
+    inv = world.inventory(tmp_path / "inv.yaml", [
+        {"name": "alpha", "host": "127.0.0.1", "port": port},
+        {"name": "beta", "host": "127.0.0.1", "port": port},
+    ], workdir=str(tmp_path / "remote"))
+    (tmp_path / "slow_exit.py").write_text(SLOW_EXIT)
+    result = subprocess.run(
+        [PYTHON, "-m", "meshtrain", "launch", str(inv), "--heartbeat-timeout", "2", "--upload",
+         str(tmp_path / "slow_exit.py"), "--", "python", "slow_exit.py"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rank 0 done" in result.stdout and "rank 1 done" in result.stdout
+
 def test_a_stalled_terminal_is_not_a_hung_rank(world: SshWorld, tmp_path: Path) -> None:
     """While the launcher cannot print (its output pipe is full and nobody reads it), it
     cannot read the ranks' beats either: that silence is its own, not the ranks'."""

@@ -26,7 +26,7 @@ from pathlib import Path
 import paramiko
 
 from meshtrain.errors import RunFailure
-from meshtrain.heartbeat import BEAT, HEARTBEAT_FD
+from meshtrain.heartbeat import BEAT, FAREWELL, HEARTBEAT_FD
 from meshtrain.hosts.host_output import EXIT_PRINTF, LineSplitter, take_exit_status, visible
 from meshtrain.hosts.inventory import Host
 from meshtrain.hosts.known_hosts import KnownHosts, append_known_host, load_known_hosts
@@ -334,6 +334,7 @@ class RemoteProcess:
         self.pgid: int | None = None  # the remote process group, killed on teardown
         self.status: int | None = None  # the command's exit status, once known
         self.last_beat: float | None = None  # monotonic time of the last heartbeat; None: none yet
+        self.exiting = False  # the rank's program is done (FAREWELL): its interpreter is exiting
         self.reader_error: str | None = None  # the first line the reader could not handle
         self._delivering = False
         self._pid_seen = threading.Event()
@@ -367,6 +368,9 @@ class RemoteProcess:
                 if BEAT in data:
                     self.last_beat = time.monotonic()
                     data = data.replace(BEAT, b"")
+                if FAREWELL in data:
+                    self.exiting = True
+                    data = data.replace(FAREWELL, b"")
                 lines = self.lines.feed(data)
                 self._delivering, started = True, time.monotonic()  # see beat_silence()
                 try:

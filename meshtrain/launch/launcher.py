@@ -36,7 +36,7 @@ from meshtrain.comm.sealing import ADVERTISE_ENV, GLOO_HINT
 from meshtrain.config.launching import RESTART_WAIT_S
 from meshtrain.config.settings import check_run_id
 from meshtrain.errors import InputError
-from meshtrain.heartbeat import HEARTBEAT_FD, heartbeat_interval
+from meshtrain.heartbeat import EXIT_GRACE_S, HEARTBEAT_FD, heartbeat_interval
 from meshtrain.hosts.inventory import Host, Inventory
 from meshtrain.hosts.safe_copy import CopyLimits, UnsafeRunDirectory
 from meshtrain.hosts.shipping import ShipError, Shipment, ship_to_hosts
@@ -603,7 +603,12 @@ def _outcome(r: _Rank, options: LaunchOptions, heartbeat_timeout: float) -> str 
     if silent > options.host_timeout:
         return f"stopped answering for {silent:.0f} s (host down or off the network)"
     quiet = r.process.beat_silence()
-    if quiet is not None and quiet > heartbeat_timeout:
+    if quiet is None:
+        return None
+    if r.process.exiting:  # its program is done: its interpreter's exit is silent (heartbeat.py)
+        if quiet > max(heartbeat_timeout, EXIT_GRACE_S):
+            return f"did not exit within {quiet:.0f} s of its program's end (stuck in the interpreter's exit)"
+    elif quiet > heartbeat_timeout:
         # The host answers but the rank's process does not: stopped, deadlocked or stuck.
         return (f"sent no heartbeat for {quiet:.0f} s (process stopped or hung; "
                 f"heartbeat_timeout {heartbeat_timeout:g} s)")
