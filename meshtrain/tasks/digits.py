@@ -5,8 +5,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -55,14 +58,29 @@ class DigitsCNN(DigitsMLP):
 
 def load_digits_split(seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
     """(train, val) tensors: pixels scaled to [0, 1], split by a fixed seeded permutation."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x = torch.tensor(digits.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(digits.target, dtype=torch.long)
+    pixels, labels = digits_arrays()
+    x = torch.tensor(pixels, dtype=torch.float32) / 16.0
+    y = torch.tensor(labels, dtype=torch.long)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(1234 + seed))
     val, train = order[:VAL_SAMPLES], order[VAL_SAMPLES:]
     return TensorDataset(x[train], y[train]), TensorDataset(x[val], y[val])
+
+
+def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """The pixels (1797 x 64, 0-16) and labels of ``sklearn.datasets.load_digits``, read
+    from the data file scikit-learn ships, without importing it: ``import sklearn`` (scipy
+    with it) costs 1.6 s of CPU, more than a default ``meshtrain simulate`` spends training.
+    A layout this does not know falls back to ``load_digits`` itself."""
+    spec = importlib.util.find_spec("sklearn")  # finds the package without running it
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        data_file = Path(folder) / "datasets" / "data" / "digits.csv.gz"
+        if data_file.is_file():
+            table = np.loadtxt(data_file, delimiter=",")  # 64 pixels, then the label, per row
+            return table[:, :-1], table[:, -1].astype(np.int64)
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    return digits.data, digits.target
 
 
 def build(opts: TaskOptions) -> TaskBundle:
