@@ -97,7 +97,6 @@ def test_ctrl_c_on_a_threads_run_exits_130_and_keeps_nothing(tmp_path: Path) -> 
 
 def test_node_failed_keeps_the_nodes_whole_traceback(tmp_path: Path) -> None:
     """str() is one line; .traceback holds the failing node's own frames, in both runtimes."""
-    import pytest
     from helpers import FailOnRank, ranked_factory
 
     from meshtrain import NodeFailed, Trainer
@@ -121,7 +120,6 @@ def test_ctrl_c_while_node_threads_start_stops_those_already_started(tmp_path: P
     new thread, long on a loaded machine) stops the ones already running before it leaves."""
     import threading
 
-    import pytest
     from helpers import MLP, regression_data
 
     from meshtrain import Trainer
@@ -150,7 +148,6 @@ def test_a_node_thread_that_comes_up_after_the_ctrl_c_does_not_train(tmp_path: P
     would be inside torch when the interpreter exits: rc -6, seen once under the full suite)."""
     import threading
 
-    import pytest
     from helpers import MLP, regression_data
 
     import meshtrain.engine.runtimes.threads as threads_runtime
@@ -202,7 +199,6 @@ def test_ctrl_c_waits_for_the_node_fit_was_waiting_on(tmp_path: Path, ctrl_c_rai
     import _thread
     import threading
 
-    import pytest
     from helpers import MLP, regression_data
 
     from meshtrain import Trainer
@@ -233,7 +229,6 @@ def test_ctrl_c_during_a_validation_pass_stops_it_at_the_next_batch(
     import _thread
     import threading
 
-    import pytest
     from helpers import MLP, regression_data
 
     from meshtrain import Trainer

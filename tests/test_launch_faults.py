@@ -61,12 +61,18 @@ def world(loopback_ssh: SshWorld) -> SshWorld:
     return loopback_ssh  # the session's loopback sshd (conftest.py)
 
 
-def start(world: SshWorld, tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], str]:
+def two_hosts(world: SshWorld, tmp_path: Path, **extra: object) -> Path:
+    """An inventory of two hosts, alpha and beta, both the session's loopback sshd; ``extra``
+    goes to the inventory (rendezvous, python, ...)."""
     port = world.servers[0].port
-    inv = world.inventory(tmp_path / "inv.yaml", [
+    return world.inventory(tmp_path / "inv.yaml", [
         {"name": "alpha", "host": "127.0.0.1", "port": port},
         {"name": "beta", "host": "127.0.0.1", "port": port},
-    ], workdir=str(tmp_path / "remote"))
+    ], workdir=str(tmp_path / "remote"), **extra)
+
+
+def start(world: SshWorld, tmp_path: Path, mode: str) -> tuple[subprocess.Popen[str], str]:
+    inv = two_hosts(world, tmp_path)
     script = tmp_path / "fault.py"
     script.write_text(SCRIPT)
     marker = f"mt-fault-{uuid.uuid4().hex[:10]}"
@@ -250,11 +256,7 @@ def test_stopped_rank_is_named_within_the_heartbeat_timeout(world: SshWorld, tmp
     """SIGSTOP one rank mid-training: without the heartbeat its peer waits in a collective
     until the rendezvous timeout, then the peer is blamed. Now the stopped rank is named
     within the heartbeat timeout and every process of the run is gone."""
-    port = world.servers[0].port
-    inv = world.inventory(tmp_path / "inv.yaml", [
-        {"name": "alpha", "host": "127.0.0.1", "port": port},
-        {"name": "beta", "host": "127.0.0.1", "port": port},
-    ], workdir=str(tmp_path / "remote"), rendezvous={"port": free_port(), "timeout": 600})
+    inv = two_hosts(world, tmp_path, rendezvous={"port": free_port(), "timeout": 600})
     run_id = f"hb-{uuid.uuid4().hex[:10]}"
     proc = start_meshtrain(world, "launch", str(inv), "--heartbeat-timeout", "5", "--run-id", run_id,
                            "--out", str(tmp_path / "runs"), "--task", "digits", "--strategy", "diloco",
@@ -473,11 +475,7 @@ def test_interpreter_path_with_an_equals_sign(world: SshWorld, tmp_path: Path) -
     interpreter = folder / "python"
     interpreter.write_text(f'#!/bin/sh\nexec {PYTHON} "$@"\n')
     interpreter.chmod(0o755)
-    port = world.servers[0].port
-    inv = world.inventory(tmp_path / "inv.yaml", [
-        {"name": "alpha", "host": "127.0.0.1", "port": port},
-        {"name": "beta", "host": "127.0.0.1", "port": port},
-    ], workdir=str(tmp_path / "remote"), python=str(interpreter))
+    inv = two_hosts(world, tmp_path, python=str(interpreter))
     result = subprocess.run(
         [PYTHON, "-m", "meshtrain", "launch", str(inv), "--", "python", "-c",
          "import os; print('rank', os.environ['RANK'], 'ran')"],
@@ -516,11 +514,7 @@ def test_a_rank_whose_program_is_done_may_take_a_while_to_exit(world: SshWorld, 
     """The interpreter's exit is silent (torch's teardown takes about a second, longer under
     load): after its farewell a rank is not held to a 2 s heartbeat timeout (it was, and a
     test with that timeout failed once under the suite's load)."""
-    port = world.servers[0].port
-    inv = world.inventory(tmp_path / "inv.yaml", [
-        {"name": "alpha", "host": "127.0.0.1", "port": port},
-        {"name": "beta", "host": "127.0.0.1", "port": port},
-    ], workdir=str(tmp_path / "remote"))
+    inv = two_hosts(world, tmp_path)
     (tmp_path / "slow_exit.py").write_text(SLOW_EXIT)
     result = subprocess.run(
         [PYTHON, "-m", "meshtrain", "launch", str(inv), "--heartbeat-timeout", "2", "--upload",
@@ -532,11 +526,7 @@ def test_a_rank_whose_program_is_done_may_take_a_while_to_exit(world: SshWorld, 
 def test_a_stalled_terminal_is_not_a_hung_rank(world: SshWorld, tmp_path: Path) -> None:
     """While the launcher cannot print (its output pipe is full and nobody reads it), it
     cannot read the ranks' beats either: that silence is its own, not the ranks'."""
-    port = world.servers[0].port
-    inv = world.inventory(tmp_path / "inv.yaml", [
-        {"name": "alpha", "host": "127.0.0.1", "port": port},
-        {"name": "beta", "host": "127.0.0.1", "port": port},
-    ], workdir=str(tmp_path / "remote"))
+    inv = two_hosts(world, tmp_path)
     (tmp_path / "chatty.py").write_text(CHATTY)
     proc = start_meshtrain(world, "launch", str(inv), "--heartbeat-timeout", "2", "--upload",
                            str(tmp_path / "chatty.py"), "--", "python", "chatty.py", cwd=tmp_path)

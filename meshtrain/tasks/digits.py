@@ -72,7 +72,8 @@ def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     with it) costs 1.6 s of CPU, more than a default ``meshtrain simulate`` spends training.
     A layout this does not know falls back to ``load_digits`` itself."""
     spec = importlib.util.find_spec("sklearn")  # finds the package without running it
-    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+    folders = spec.submodule_search_locations if spec is not None else None
+    for folder in folders or []:
         data_file = Path(folder) / "datasets" / "data" / "digits.csv.gz"
         if data_file.is_file():
             table = np.loadtxt(data_file, delimiter=",")  # 64 pixels, then the label, per row
