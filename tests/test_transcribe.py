@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import unicodedata
 from pathlib import Path
 
 import pytest
@@ -22,10 +23,11 @@ def tuned(speech: SpeechAssets, tmp_path_factory: pytest.TempPathFactory) -> Pat
     base = str(speech.model)
     model = HFModel.from_pretrained(base, lora=LoRA(r=4), seed=3, tokenizer=load_tokenizer(base))
     model.feature_extractor = feature_extractor_for(model.config, base)
+    generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
-                p.copy_(torch.randn_like(p) * 0.05)
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
     out = tmp_path_factory.mktemp("tuned") / "model"
     model.save_pretrained(str(out))
     return out
@@ -52,9 +54,26 @@ def test_transcribe_prints_what_peft_decodes(speech: SpeechAssets, tuned: Path) 
     clips = sorted((speech.data / "clips").glob("*.wav"))[:3]
     result = runner.invoke(app, ["transcribe", str(tuned), *map(str, clips), "--batch-size", "2"])
     assert result.exit_code == 0, result.output
-    lines = result.output.strip().splitlines()[-3:]
+    lines = result.output.rstrip("\n").split("\n")[-3:]
     expected = reference_texts(speech.model, tuned, clips)
-    assert lines == [f"{c}: {t}" for c, t in zip(clips, expected, strict=True)]
+    assert lines == [f"{c}: {written_out(t)}" for c, t in zip(clips, expected, strict=True)]
+
+
+def written_out(text: str) -> str:
+    """``text`` with each control character as ``\\xNN`` (what a terminal line can hold)."""
+    return "".join(f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc" and c != "\t" else c for c in text)
+
+
+def test_transcribe_prints_one_line_per_clip_whatever_the_model_decodes(
+        speech: SpeechAssets, tuned: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    clips = sorted((speech.data / "clips").glob("*.wav"))[:2]
+    decoded = ["two\nlines \x1b[31mred", "record\x1eseparator"]
+    monkeypatch.setattr("meshtrain.hf.transcribe.transcribe_files",
+                        lambda model, paths, batch: list(zip(paths, decoded, strict=True)))
+    result = runner.invoke(app, ["transcribe", str(tuned), *map(str, clips)])
+    assert result.exit_code == 0, result.output
+    assert result.output.rstrip("\n").split("\n")[-2:] == [
+        f"{clips[0]}: two\\x0alines \\x1b[31mred", f"{clips[1]}: record\\x1eseparator"]
 
 
 def test_transcribe_refuses_what_it_cannot_read(speech: SpeechAssets, tuned: Path, tmp_path: Path) -> None:

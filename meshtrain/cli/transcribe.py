@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from meshtrain.cli.console import console, fail
+from meshtrain.hosts.host_output import visible
 
 
 def transcribe(
@@ -17,7 +18,8 @@ def transcribe(
     task: str = typer.Option(None, "--task", help="transcribe or translate (multilingual models)."),
     batch_size: int = typer.Option(8, "--batch-size", help="Clips per generate call."),
 ) -> None:
-    """Print one line per recording, `PATH: TEXT`, decoded greedily by a fine-tuned model.
+    """Print one line per recording, `PATH: TEXT`, decoded greedily by a fine-tuned model
+    (control characters in TEXT written out, as \\x1b).
 
     Example:
 
@@ -37,7 +39,9 @@ def transcribe(
         with console.status(f"loading {model_dir}"):
             model = load_for_transcription(str(model_dir), language, task)
         for path, text in transcribe_files(model, audio, batch_size):
-            console.print(f"{path}: {text}", highlight=False, markup=False, soft_wrap=True)
+            # One line per clip: a model may decode any token, newlines and escape sequences
+            # included, so control characters are written out (``\\x1e``).
+            console.print(f"{path}: {visible(text)}", highlight=False, markup=False, soft_wrap=True)
     except (ModelLoadError, TokenizerError, DecodingError, SpeechDataError) as exc:
         raise fail(str(exc)) from None
 
