@@ -9,6 +9,9 @@ physical limit of simulating 4 nodes in one process.
     python benchmarks/runtimes.py            # a line per run, then a table
     python benchmarks/runtimes.py --steps 50 # quicker
 
+``--breakdown`` times DDP in the threads runtime with its all-reduce replaced, to show where
+its cost beyond the plain loop goes (see :func:`breakdown`).
+
 ``--scale 64`` then simulates 64 nodes of the gpt task's model (0.41M parameters) in the
 threads runtime and prints, per node and step, what the runtime costs beyond the nodes'
 own compute, and each node's memory for its model and optimizer (see :func:`scale`).
@@ -20,6 +23,7 @@ import argparse
 import os
 import statistics
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -223,6 +227,54 @@ def scale(nodes: int, steps: int, batch: int, concurrent_nodes: int | None = Non
           "memory over the benchmark, per node (activations and allocator slack included).")
 
 
+def breakdown(data: TensorDataset, steps: int, repeats: int) -> None:
+    """Where DDP's cost in the threads runtime goes: the same fit with its all-reduce (i) as
+    it is, (ii) replaced by one meeting of the nodes with no data (the hub's own
+    :meth:`ThreadHub.exchange`), (iii) replaced by Python's ``threading.Barrier`` (every
+    node runnable at once: a barrier cannot give up a run slot), (iv) removed (the nodes then
+    never meet: the floor for 4 node threads). Interleaved with the plain loop, medians.
+
+    A diagnostic: the replacements are patched into :class:`ThreadCommunicator` for the
+    duration of one fit, and the nodes of (ii)-(iv) do not stay in sync, which is fine for
+    timing work of the same size."""
+    full = ThreadCommunicator.all_reduce_buckets
+    barrier = threading.Barrier(NODES)
+
+    def meet(self: ThreadCommunicator, buckets: object, op: object = "mean", group: object = None,
+             *, record: bool = True) -> None:
+        self.hub.exchange(self._key(self.members(None)), self.rank, None, lambda _: None)
+
+    def raw_barrier(self: ThreadCommunicator, *args: object, **kwargs: object) -> None:
+        barrier.wait()
+
+    variants: dict[str, tuple[Callable[..., None], int | None]] = {
+        "DDP as it is": (full, None), "one meeting, no data": (meet, None),
+        "threading.Barrier, 4 at once": (raw_barrier, NODES),
+        "no all-reduce, 4 at once": (lambda *a, **k: None, NODES), "no all-reduce": (lambda *a, **k: None, None)}
+    plain: list[float] = []
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        plain.append(plain_loop(data, "ddp", steps))
+        for name, (all_reduce, at_once) in variants.items():
+            ThreadCommunicator.all_reduce_buckets = all_reduce  # type: ignore[method-assign]
+            try:
+                samples[name].append(_timed(lambda at_once=at_once: meshtrain_fit(data, "ddp", "threads",
+                                                                                  steps, at_once)))
+            finally:
+                ThreadCommunicator.all_reduce_buckets = full  # type: ignore[method-assign]
+            print(f"{name}: {samples[name][-1][0]:.2f} s", flush=True)
+    base = statistics.median(plain)
+    table = Table(title=f"Where DDP's time goes, threads runtime, {NODES} nodes, MLP, {steps} steps "
+                        f"(median of {repeats}; plain loop {base:.2f} s; load average "
+                        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+    for col in ("the all-reduce", "wall", "/ plain", "CPU s of the process"):
+        table.add_column(col, justify="right")
+    for name, runs in samples.items():
+        wall = statistics.median(w for w, _ in runs)
+        table.add_row(name, f"{wall:.2f} s", f"{wall / base:.2f}x", f"{statistics.median(c for _, c in runs):.2f}")
+    Console(width=200).print(table)
+
+
 def _max_rss_bytes() -> int:
     import resource
 
@@ -242,8 +294,15 @@ def main() -> None:
                         help="threads runtime rows: comma-separated concurrent_nodes values "
                              "(auto: the runtime's default, cores / threads), e.g. 1,auto")
     parser.add_argument("--no-processes", action="store_true", help="skip the processes runtime")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="only: DDP in the threads runtime with its all-reduce replaced (where its time goes)")
     args = parser.parse_args()
     at_once = [None if v == "auto" else int(v) for v in args.concurrent_nodes.split(",")]
+    if args.breakdown:
+        data = make_data()
+        meshtrain_fit(data, "ddp", "threads", 5)  # warm-up
+        breakdown(data, args.steps, args.repeats)
+        return
     if args.scale_only:
         for concurrent in at_once:
             scale(args.scale or 64, args.scale_steps, args.scale_batch, concurrent)
