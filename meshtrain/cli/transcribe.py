@@ -40,7 +40,7 @@ def transcribe(
             model = load_for_transcription(str(model_dir), language, task)
         for path, text in transcribe_files(model, audio, batch_size):
             # One line per clip: a model may decode any token, newlines and escape sequences
-            # included, so control characters are written out (``\\x1e``).
+            # included, so control characters are written out (``\x1e``).
             console.print(f"{path}: {visible(text)}", highlight=False, markup=False, soft_wrap=True)
     except (ModelLoadError, TokenizerError, DecodingError, SpeechDataError) as exc:
         raise fail(str(exc)) from None
