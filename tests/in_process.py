@@ -19,6 +19,7 @@ import contextlib
 import faulthandler
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,10 +31,13 @@ def meshtrain_here(*args: str, cwd: Path, timeout: float = 120) -> subprocess.Co
     from meshtrain.cli.main import app
 
     faulthandler.dump_traceback_later(timeout, exit=True)
+    argv_before = sys.argv
+    sys.argv = ["meshtrain", *args]  # what a command that echoes its own command line sees
     try:
         with _chdir(cwd):
             result = CliRunner().invoke(app, list(args), catch_exceptions=True)
     finally:
+        sys.argv = argv_before
         faulthandler.cancel_dump_traceback_later()
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
