@@ -131,8 +131,8 @@ def test_cli_bad_language_is_one_line_exit_2_before_any_run(
     english_model: Path, speech: SpeechAssets, tmp_path: Path,
 ) -> None:
     proc = meshtrain_here("simulate", "--profile", "whisper-tiny-random-lora", "--data", str(speech.data),
-                   "--set", f"task_options.model={english_model}", "--set", "task_options.language=fr",
-                   "--out", str(tmp_path / "runs"), "--no-progress", cwd=tmp_path)
+                          "--set", f"task_options.model={english_model}", "--set", "task_options.language=fr",
+                          "--out", str(tmp_path / "runs"), "--no-progress", cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "English-only" in proc.stderr and "'fr'" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
@@ -142,9 +142,9 @@ def test_cli_english_only_with_profile_language_en_finishes(
     english_model: Path, speech: SpeechAssets, tmp_path: Path,
 ) -> None:
     proc = meshtrain_here("simulate", "--profile", "whisper-tiny-random-lora", "--data", str(speech.data),
-                   "--set", f"task_options.model={english_model}", "--set", "task_options.language=en",
-                   "--set", "steps=4", "--out", str(tmp_path / "runs"), "--run-id", "en", "--no-progress",
-                   cwd=tmp_path)
+                          "--set", f"task_options.model={english_model}", "--set", "task_options.language=en",
+                          "--set", "steps=4", "--out", str(tmp_path / "runs"), "--run-id", "en",
+                          "--no-progress", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((tmp_path / "runs" / "en" / "summary.json").read_text())
     assert 0 <= summary["final_wer"] < float("inf")

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from in_process import meshtrain_here
 from helpers import MLP, FunctionalDropoutMLP, regression_data
+from in_process import meshtrain_here
 from torch import nn
 
 from meshtrain import Trainer
@@ -224,7 +224,7 @@ def test_cli_runs_vmap_from_a_profile_and_refuses_with_exit_2(tmp_path: Path) ->
     [run] = (tmp_path / "runs").iterdir()
     assert "runtime: vmap" in (run / "config.yaml").read_text()
     refused = meshtrain_here("simulate", "--runtime", "vmap", "--strategy", "demo", "--steps", "5",
-                      "--no-progress", "--out", "runs2", cwd=tmp_path)
+                             "--no-progress", "--out", "runs2", cwd=tmp_path)
     assert refused.returncode == 2
     assert "runtime vmap: strategy demo does not support the vmap runtime" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
