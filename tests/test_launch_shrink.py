@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from in_process import meshtrain_here
 from ssh_fixtures import (
     PYTHON,
     Namespaces,
@@ -45,7 +44,8 @@ DILOCO = ["--strategy", "diloco", "--set", "H=10"]
 
 
 def _simulate(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return meshtrain_here("simulate", "--device", "cpu", *args, cwd=Path.cwd(), timeout=timeout)
+    return subprocess.run([PYTHON, "-m", "meshtrain", "simulate", "--device", "cpu", *args],
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def _start_simulate(*args: str) -> subprocess.Popen[str]:
