@@ -120,3 +120,25 @@ def test_processes_runtime_explains_unpicklable_jobs(tmp_path):
         Trainer(MLP(), _local_factory()).fit(DDP("sgd", 0.1), nodes=2, max_steps=2, runtime="processes",
                                              out_dir=tmp_path, progress=False)
     assert time.monotonic() - started < 30
+
+
+def test_a_node_of_a_failed_fit_leaves_the_global_generator_alone() -> None:
+    """A threads-runtime node that fit left behind (stuck past the grace period) may wake
+    while the process runs something else that draws from torch's global generator: its
+    next forward must stop, not swap its own stream into that generator."""
+    import torch
+
+    from meshtrain.comm import NodeAborted, ThreadHub
+    from meshtrain.engine.runtimes.threads import _SharedGenerator
+
+    hub = ThreadHub(2, timeout_s=5.0)
+    shared = _SharedGenerator(hub)
+    guard = shared.guard_for(seed=123, rank=1)
+    hub.abort(RuntimeError("node 0 failed"))
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    with pytest.raises(NodeAborted):
+        with guard():
+            torch.rand(1)  # a forward's draw: never reached
+    assert torch.equal(torch.get_rng_state(), before)
+    assert shared.lock.acquire(blocking=False)  # and the generator's lock was given back

@@ -51,6 +51,10 @@ class _SharedGenerator:
         def guard() -> Iterator[None]:
             self._acquire(rank)
             try:
+                # A node left behind by a failed fit (fit waits for it only a grace period)
+                # stops here: it must not swap its stream into the global generator, which
+                # this process's next fit, or the caller, may be using by then.
+                self.hub.check()
                 self.holder = rank
                 torch.set_rng_state(stream[0])
                 try:
