@@ -286,3 +286,21 @@ def test_a_launched_rank_raises_its_open_file_limit_to_the_hard_limit() -> None:
               "print(resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard)")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.stdout.strip() == "True", done.stdout + done.stderr  # in a launch: test_launch_security
+
+
+def test_a_rank_whose_last_message_outlives_rank_0s_store_leaves_normally() -> None:
+    """Rank 0 leaves as soon as it has counted every peer's "left"; the store's reply to the
+    last peer's add can then be lost with the closed store (a launched fit's rank 1 once
+    exited 1 there, after training had ended on both ranks). That peer's teardown is done:
+    it leaves normally."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from meshtrain.comm.torch_dist import host_loopback_store, say_left
+
+    server, port = host_loopback_store(10.0)
+    peer = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    assert peer.add("meshtrain/left", 0) == 0  # connected
+    del server  # rank 0 exits: its store closes
+    say_left(peer)  # returns: no DistNetworkError
