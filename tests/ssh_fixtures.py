@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 import yaml
+from in_process import meshtrain_here
 
 SSHD = "/usr/sbin/sshd"
 PYTHON = sys.executable
@@ -340,8 +341,6 @@ def meshtrain(world: SshWorld, *args: str, cwd: Path,
     interpreter would spend ~2.5 s of CPU importing torch first, and the suite is CPU-bound.
     A client namespace needs ``ip netns exec``, so a subprocess."""
     if world.client_netns is None:
-        from in_process import meshtrain_here
-
         return meshtrain_here(*args, cwd=cwd, timeout=timeout)
     return subprocess.run(world.command(PYTHON, "-m", "meshtrain", *args), cwd=cwd, capture_output=True,
                           text=True, timeout=timeout)

@@ -297,10 +297,10 @@ def test_a_rank_whose_last_message_outlives_rank_0s_store_leaves_normally() -> N
 
     import torch.distributed as dist
 
-    from meshtrain.comm.torch_dist import host_loopback_store, say_left
+    from meshtrain.comm.torch_dist import LEFT_KEY, host_loopback_store, say_left
 
     server, port = host_loopback_store(10.0)
     peer = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
-    assert peer.add("meshtrain/left", 0) == 0  # connected
+    assert peer.add(LEFT_KEY, 0) == 0  # connected
     del server  # rank 0 exits: its store closes
     say_left(peer)  # returns: no DistNetworkError

@@ -10,6 +10,7 @@ The ring is written with point-to-point send/recv on the default group, so
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 from datetime import timedelta
@@ -243,6 +244,10 @@ def loopback_interface() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
+#: The store counter of ranks that have left (:func:`leave_in_order`).
+LEFT_KEY = "meshtrain/left"
+
+
 def leave_in_order(rank: int, world: int, timeout_s: float) -> None:
     """Tear the group down with rank 0 last.
 
@@ -257,7 +262,7 @@ def leave_in_order(rank: int, world: int, timeout_s: float) -> None:
         say_left(store)
         return
     deadline = time.monotonic() + min(timeout_s, 60.0)
-    while store.add("meshtrain/left", 0) < world - 1 and time.monotonic() < deadline:
+    while store.add(LEFT_KEY, 0) < world - 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     dist.destroy_process_group()
 
@@ -269,7 +274,5 @@ def say_left(store: dist.Store) -> None:
     this rank; the add then fails here with the connection closed. The rank has nothing
     left to do either way (training ended at a barrier every rank passed), so that failure
     is not this rank's: it leaves normally."""
-    try:
-        store.add("meshtrain/left", 1)
-    except dist.DistNetworkError:
-        pass
+    with contextlib.suppress(dist.DistNetworkError):
+        store.add(LEFT_KEY, 1)
