@@ -14,7 +14,8 @@
 #                 start), else the same run through the library (Trainer.fit), which does not
 #   bench.txt     (b) benchmarks/vmap.py --device DEVICE: 16 nodes, threads against vmap, gpt and
 #                 the digits MLP, DDP and DiLoCo(H=20), a table at the end
-#   tests.txt     (c) tests/test_vmap_runtime.py's tests that take a device, on this device
+#   tests.txt     (c) tests/test_cuda.py (cuda only) and tests/test_vmap_runtime.py's tests that
+#                 take a device, on this device
 #   summary.txt   each step's exit status and seconds
 # Each step has its own time limit, so one that hangs leaves the others their time; all of
 # them together are at most 5 minutes 50 s (30 + 2 x 45 + 110 + 45 + 75).
@@ -110,9 +111,9 @@ step "bench-gpt" 110 "$OUT/bench.txt" "$PY" benchmarks/vmap.py --device "$DEVICE
 step "bench-digits" 45 "$OUT/bench.txt" "$PY" benchmarks/vmap.py --device "$DEVICE" \
     --workloads "digits MLP" --steps "${DIGITS_STEPS:-100}" --repeats "${REPEATS:-2}"
 
-# (c) the vmap tests that take a device, on this one (on cpu: the cpu cases)
+# (c) the CUDA paths' tests and the vmap tests that take a device, on this one (on cpu: the cpu cases)
 step "tests" 75 "$OUT/tests.txt" "$PY" -m pytest -q -p no:cacheprovider -n 0 \
-    tests/test_vmap_runtime.py -k "$DEVICE"
+    tests/test_cuda.py tests/test_vmap_runtime.py -k "$DEVICE"
 
 rm -rf "$WORK"
 echo "outputs in $OUT" | tee -a "$SUMMARY"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from meshtrain.errors import SettingError
+
 DEVICES = ("auto", "cpu", "cuda", "mps")
 
 
@@ -23,3 +25,18 @@ def resolve_device(name: str) -> torch.device:
     if kind == "mps" and not torch.backends.mps.is_available():
         raise ValueError("device 'mps' asked for, but this machine has no MPS (Apple GPU)")
     return torch.device(name)
+
+
+def check_gpus_for_processes(runtime: str, nodes: int, device: torch.device) -> None:
+    """The processes runtime on CUDA runs launched ranks' code path, nccl, which refuses two
+    ranks on one GPU ("Duplicate GPU detected"): each node process needs a GPU of its own."""
+    if runtime != "processes" or device.type != "cuda":
+        return
+    if device.index is not None:
+        raise SettingError(f"runtime processes puts node N on GPU N: give device cuda, not {device}")
+    gpus = torch.cuda.device_count()
+    if nodes > gpus:
+        raise SettingError(
+            f"runtime processes on cuda: each node process needs a GPU of its own (nccl cannot "
+            f"put two on one), and torch sees {gpus} GPU{'s' if gpus != 1 else ''} here for "
+            f"{nodes} nodes; use runtime threads or vmap (their nodes share a GPU)")

@@ -312,3 +312,25 @@ class WideMLP(MLP):
         x, y = batch[0], batch[1]
         out = self.fc2(self.act(self.narrow(self.act(self.wide(self.act(self.fc1(x)))))))
         return ((out - y) ** 2).mean()
+
+
+def tiny_gpt() -> nn.Module:
+    """A 4-layer gpt-task model with dropout, the same initial weights every time."""
+    from meshtrain.tasks.gpt import CharGPT
+
+    torch.manual_seed(0)
+    return CharGPT(40, block_size=32, layers=4, dim=64, dropout=0.1)
+
+
+class Windows(Dataset):
+    """Seeded random token windows of 32 characters for the gpt-task model: (input, target)."""
+
+    def __init__(self, n: int = 64, block: int = 32) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, 40, (n, block + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.ids[i, :-1], self.ids[i, 1:]

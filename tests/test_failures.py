@@ -133,7 +133,7 @@ def test_a_node_of_a_failed_fit_leaves_the_global_generator_alone() -> None:
 
     hub = ThreadHub(2, timeout_s=5.0)
     shared = _SharedGenerator(hub)
-    guard = shared.guard_for(seed=123, rank=1)
+    guard = shared.guard_for(seed=123, rank=1, device=torch.device("cpu"))
     hub.abort(RuntimeError("node 0 failed"))
     torch.manual_seed(7)
     before = torch.get_rng_state()

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 from cli_process import run_cli
+from helpers import Windows, tiny_gpt
 
 from meshtrain import Trainer
 from meshtrain.engine.memory import LossScaler, autocast
@@ -33,11 +34,6 @@ def tiny_whisper() -> HFModel:
     return HFModel.from_config(config, lora=LoRA(r=4, dropout=0.1), seed=0, wer=False)
 
 
-def tiny_gpt() -> CharGPT:
-    torch.manual_seed(0)  # the same initial weights every time
-    return CharGPT(40, block_size=32, layers=4, dim=64, dropout=0.1)
-
-
 class Clips(torch.utils.data.Dataset):
     """Random log-mel features and labels of the tiny Whisper's shape (seeded)."""
 
@@ -51,18 +47,6 @@ class Clips(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_features": self.features[i], "labels": self.labels[i]}
-
-
-class Windows(torch.utils.data.Dataset):
-    def __init__(self, n: int = 64, block: int = 32) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, 40, (n, block + 1), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.ids[i, :-1], self.ids[i, 1:]
 
 
 def saved_bytes(model: torch.nn.Module, batch: Any, precision: str = "fp32") -> int:

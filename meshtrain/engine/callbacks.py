@@ -14,6 +14,7 @@ import hashlib
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, astuple, dataclass, field
 from types import TracebackType
 from typing import Any
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshtrain import checkpoint, observers
+from meshtrain import checkpoint, observers, seeding
 from meshtrain.comm import Communicator
 from meshtrain.data import NodeBatches, fetch, resolve_dataset, to_device
 from meshtrain.engine import loggers
@@ -544,7 +545,7 @@ class Checkpointing(Callback):
         return {
             "run_id": run.job.run_id, "step": steps_done, "rank": run.rank,
             "model": run.model.state_dict(), "strategy": run.strategy.state_dict(),
-            "data": run.batches.state_dict(), "rng": node_rng_state(run.rng_guard),
+            "data": run.batches.state_dict(), "rng": node_rng_state(run.rng_guard, run.device),
             "comm": [astuple(r) for r in log.records],
             "comm_totals": [log.bytes_sent, log.bytes_received, log.seconds],
             "losses": run.losses, "seconds": run.seconds, "val": run.history_val, "initial": run.initial,
@@ -554,17 +555,13 @@ class Checkpointing(Callback):
         }
 
 
-def node_rng_state(rng_guard: RngGuard | None) -> torch.Tensor:
+def node_rng_state(rng_guard: RngGuard | None, device: torch.device) -> seeding.RandomState:
     """This node's random stream (in the threads runtime it lives behind the guard)."""
-    if rng_guard is None:
-        return torch.get_rng_state()
-    with rng_guard():
-        return torch.get_rng_state()
+    with rng_guard() if rng_guard is not None else nullcontext():
+        return seeding.current_state(device)
 
 
-def set_node_rng_state(state: torch.Tensor, rng_guard: RngGuard | None) -> None:
-    if rng_guard is None:
-        torch.set_rng_state(state)
-        return
-    with rng_guard():
-        torch.set_rng_state(state)
+def set_node_rng_state(state: seeding.RandomState | torch.Tensor, rng_guard: RngGuard | None,
+                       device: torch.device) -> None:
+    with rng_guard() if rng_guard is not None else nullcontext():
+        seeding.restore_state(state, device)

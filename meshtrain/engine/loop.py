@@ -193,7 +193,7 @@ def _resume(run: NodeRun) -> None:
     # the new shards start a fresh epoch (the lost node's samples are in them).
     run.batches.load_state_dict({"epoch": saved["data"]["epoch"] + 1, "position": 0} if shrunk
                                 else saved["data"])
-    set_node_rng_state(saved["rng"], run.rng_guard)
+    set_node_rng_state(saved["rng"], run.rng_guard, run.device)
     run.comm.log = CommLog([CommRecord(*r) for r in saved["comm"]], *saved["comm_totals"])
     run.losses, run.seconds, run.history_val = list(saved["losses"]), list(saved["seconds"]), saved["val"]
     run.skipped = list(saved["skipped"])

@@ -30,7 +30,7 @@ from meshtrain.config.environment import (
 )
 from meshtrain.config.settings import TrainConfig, check_run_id
 from meshtrain.data import Collate, DataFactory
-from meshtrain.devices import resolve_device
+from meshtrain.devices import check_gpus_for_processes, resolve_device
 from meshtrain.engine import balance, loggers, memory, runtimes
 from meshtrain.engine.job import FitResult, NodeJob
 from meshtrain.engine.runtimes.vmap import vmap_refusal
@@ -135,12 +135,13 @@ class Trainer:
         config.validate()
         strategy.check_nodes(config.nodes)
         balance.check_strategy(strategy, config.balance)
-        resolve_device(config.device)
+        device = resolve_device(config.device)
+        check_gpus_for_processes(config.runtime, config.nodes, device)
         if config.runtime == "vmap":
             refusal = vmap_refusal(strategy, config, self.model, self.train_data, self.collate_fn)
             if refusal:
                 raise InputError(f"runtime vmap: {refusal}")
-        memory.check_precision(config.precision, resolve_device(config.device))
+        memory.check_precision(config.precision, device)
         if config.gradient_checkpointing:
             memory.require_checkpointing(self.model)
         if isinstance(self.train_data, Dataset):
@@ -220,3 +221,4 @@ def resolve_threads(threads: int | None, runtime: str) -> int:
     if runtime == "launched":
         return os.cpu_count() or 1  # a real host: use all of its cores
     return 1  # simulated nodes share this machine's cores
+

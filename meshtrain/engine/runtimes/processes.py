@@ -23,6 +23,7 @@ import torch
 
 from meshtrain import observers
 from meshtrain.comm.torch_dist import host_loopback_store, loopback_interface
+from meshtrain.devices import resolve_device
 from meshtrain.engine.job import FitResult, NodeFailed, NodeJob
 from meshtrain.engine.runtimes.launched import join_and_train
 
@@ -67,6 +68,10 @@ def _node_process(job: NodeJob, rank: int, port: int, results: Any, observed: bo
         os.environ.clear()
         os.environ.update(environ)
     torch.set_num_threads(job.config.threads or 1)  # N processes share the cores: 1 each by default
+    if resolve_device(job.config.device).type == "cuda":
+        # Node N on GPU N (the fit checked there are enough: nccl refuses two ranks on one);
+        # device "cuda" means the current GPU to torch and nccl alike.
+        torch.cuda.set_device(rank)
     loopback = loopback_interface()
     if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
         os.environ["GLOO_SOCKET_IFNAME"] = loopback  # gloo listens on loopback only

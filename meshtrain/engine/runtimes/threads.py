@@ -7,7 +7,7 @@ forth (see :class:`~meshtrain.comm.threads.ThreadHub`'s run slots).
 Kernels run with the run's ``threads`` setting (1 by default: no oversubscription, and
 results that match the processes runtime, or launched ranks, at the same count bit for
 bit). Each node keeps its own random stream: forward passes take turns on torch's global
-generator, holding that node's state.
+generators (the CPU's, and the GPU's on cuda or mps), holding that node's state.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+from meshtrain import seeding
 from meshtrain.comm import NodeAborted, ThreadCommunicator, ThreadHub
+from meshtrain.devices import resolve_device
 from meshtrain.engine.job import FitResult, NodeFailed, NodeJob
 from meshtrain.engine.loop import node_seed, train_node
 
@@ -30,7 +32,7 @@ ABORT_GRACE_S = 5.0
 
 
 class _SharedGenerator:
-    """Gives one node at a time torch's global CPU generator, holding that node's stream.
+    """Gives one node at a time torch's global generators, holding that node's stream.
 
     Threads share one global generator; swapping each node's state in and out makes
     dropout masks reproducible and identical to a process that seeded its own. A node
@@ -43,9 +45,10 @@ class _SharedGenerator:
         self.hub = hub
         self.holder: int | None = None
 
-    def guard_for(self, seed: int, rank: int) -> Callable[[], contextlib.AbstractContextManager[None]]:
-        state = torch.Generator().manual_seed(seed).get_state()
-        stream = [state]
+    def guard_for(self, seed: int, rank: int,
+                  device: torch.device) -> Callable[[], contextlib.AbstractContextManager[None]]:
+        # On a GPU dropout draws from that GPU's generator: the node's stream holds both.
+        stream = [seeding.seeded_state(seed, device)]
 
         @contextlib.contextmanager
         def guard() -> Iterator[None]:
@@ -56,11 +59,11 @@ class _SharedGenerator:
                 # this process's next fit, or the caller, may be using by then.
                 self.hub.check()
                 self.holder = rank
-                torch.set_rng_state(stream[0])
+                seeding.restore_state(stream[0], device)
                 try:
                     yield
                 finally:
-                    stream[0] = torch.get_rng_state()
+                    stream[0] = seeding.current_state(device)
             finally:
                 self.holder = None
                 self.lock.release()
@@ -92,6 +95,7 @@ def run_threads(job: NodeJob) -> FitResult:
     # Every node gets its own random stream, whether or not the model's randomness is
     # visible (F.dropout, attention dropout): forward passes take turns on the generator.
     shared = _SharedGenerator(hub)
+    device = resolve_device(job.config.device)
 
     # Each node says when it has ended: after a Ctrl-C, Thread.join cannot be trusted (in
     # Python 3.11 a join interrupted by the KeyboardInterrupt marks the thread it waited for
@@ -106,7 +110,7 @@ def run_threads(job: NodeJob) -> FitResult:
             # when the interrupted fit picks the threads to wait for: it must not begin
             # training (a thread inside torch when the interpreter exits aborts the process).
             hub.check()
-            guard = shared.guard_for(node_seed(job.config.seed, rank), rank)
+            guard = shared.guard_for(node_seed(job.config.seed, rank), rank, device)
             results[rank] = train_node(job, comm, rng_guard=guard)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller below
             errors[rank] = (exc, traceback.format_exc())

@@ -1,0 +1,118 @@
+"""The CUDA paths outside the vmap runtime, run where torch sees a GPU (skipped here).
+
+What they pin: every node of the threads runtime draws its dropout from its own CUDA stream
+(so a run repeats, equals the processes runtime, and resumes where it stopped); bf16 and fp16
+autocast on CUDA (fp16 with the loss scaler) stay within 2% of fp32; gradient checkpointing
+on CUDA changes no result; the processes runtime (nccl, the code path of launched ranks)
+wants a GPU per node and its nodes report the GPU memory torch holds.
+``benchmarks/gpu_check.sh`` runs them on a GPU machine.
+
+GPU kernels are not deterministic in general (README, Runtimes), so runs that are bit-identical
+on CPU are compared here to a relative 1e-6: a node drawing from the wrong stream changes a
+loss in the third digit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import CrashesAt, Windows, regression_data, tiny_gpt
+
+from meshtrain import FitResult, NodeFailed, Trainer, observers
+from meshtrain.checkpoint import find_latest
+from meshtrain.errors import SettingError
+from meshtrain.strategies import DiLoCo
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (benchmarks/gpu_check.sh runs these on one)")
+
+
+def fit_on_cuda(tmp_path: Path, name: str, **settings: Any) -> FitResult:
+    settings = {"nodes": 2, **settings}
+    return Trainer(tiny_gpt(), Windows()).fit(DiLoCo(H=2, lr=3e-3), max_steps=8, batch_size=4,
+                                             device="cuda", out_dir=tmp_path, run_id=name,
+                                             progress=False, **settings)
+
+
+def losses(result: FitResult) -> list[float]:
+    return [row["train_loss"] for row in result.history]
+
+
+def test_each_node_of_the_threads_runtime_draws_from_its_own_cuda_stream(tmp_path: Path) -> None:
+    first, again = losses(fit_on_cuda(tmp_path, "first")), losses(fit_on_cuda(tmp_path, "again"))
+    print("first", first, "\nagain", again)
+    assert again == pytest.approx(first, rel=1e-6)  # not whichever node thread drew first
+    # Node 0's stream is the one a process seeded for node 0 has.
+    threads = losses(fit_on_cuda(tmp_path, "threads-1", nodes=1))
+    processes = losses(fit_on_cuda(tmp_path, "processes-1", nodes=1, runtime="processes"))
+    print("threads", threads, "\nprocesses", processes)
+    assert processes == pytest.approx(threads, rel=1e-6)
+
+
+def test_a_run_on_cuda_resumes_its_nodes_cuda_streams(tmp_path: Path) -> None:
+    def fit(model: torch.nn.Module, out: Path, **settings: Any) -> FitResult:
+        return Trainer(model, regression_data(96)).fit(DiLoCo(H=3, lr=0.01), nodes=3, max_steps=12,
+                                                      batch_size=4, device="cuda", out_dir=out,
+                                                      progress=False, **settings)
+
+    reference = fit(CrashesAt(None), tmp_path / "ref")
+    with pytest.raises(NodeFailed, match="interrupted at forward call 10"):
+        fit(CrashesAt(10), tmp_path / "runs", checkpoint_every=4, run_id="r")
+    assert find_latest(tmp_path / "runs" / "r.checkpoints").step == 6
+    resumed = fit(CrashesAt(None), tmp_path / "runs", checkpoint_every=4,
+                  resume=str(tmp_path / "runs" / "r.checkpoints"))
+    print("reference", losses(reference), "\nresumed", losses(resumed))
+    assert losses(resumed) == pytest.approx(losses(reference), rel=1e-6)
+
+
+def test_bf16_and_fp16_on_cuda_stay_within_two_percent_of_fp32(tmp_path: Path) -> None:
+    fp32 = losses(fit_on_cuda(tmp_path, "fp32"))
+    bf16 = losses(fit_on_cuda(tmp_path, "bf16", precision="bf16"))
+    fp16_run = fit_on_cuda(tmp_path, "fp16", precision="fp16")
+    fp16 = losses(fp16_run)
+    print("fp32", fp32, "\nbf16", bf16, "\nfp16", fp16, "skipped", fp16_run.summary["skipped_steps"])
+    assert bf16 == pytest.approx(fp32, rel=0.02) and bf16 != fp32
+    # fp16 scales the loss by 2^16 at first: these gradients stay finite, so no step is skipped.
+    assert fp16_run.summary["skipped_steps"] == 0
+    assert fp16 == pytest.approx(fp32, rel=0.02) and fp16 != fp32
+
+
+def test_checkpointing_on_cuda_changes_no_result(tmp_path: Path) -> None:
+    plain = losses(fit_on_cuda(tmp_path, "plain"))
+    checkpointed = losses(fit_on_cuda(tmp_path, "checkpointed", gradient_checkpointing=True))
+    print("plain", plain, "\ncheckpointed", checkpointed)
+    # The recomputed forward is the same computation (dropout replays its CUDA stream).
+    assert checkpointed == pytest.approx(plain, rel=1e-5)
+
+
+class GpuMemory:
+    """An observer that keeps the GPU memory each node reported."""
+
+    def __init__(self) -> None:
+        self.reported: dict[int, list[int]] = {}
+        self.updates = 0
+
+    def node_update(self, update: observers.NodeUpdate) -> None:
+        self.updates += 1
+        if update.gpu_bytes is not None:
+            self.reported.setdefault(update.node, []).append(update.gpu_bytes)
+
+    def __getattr__(self, name: str) -> Any:  # the observer calls it does not care about
+        return lambda *args, **kwargs: None
+
+
+def test_the_processes_runtime_wants_a_gpu_per_node_and_reports_gpu_memory(tmp_path: Path) -> None:
+    gpus = torch.cuda.device_count()
+    with pytest.raises(SettingError, match=f"runtime processes on cuda: each node process needs a GPU "
+                                           f"of its own .* for {gpus + 1} nodes; use runtime threads"):
+        fit_on_cuda(tmp_path, "too-many", nodes=gpus + 1, runtime="processes")
+    assert not (tmp_path / "too-many").exists()  # refused before anything was written
+    with observers.watching(GpuMemory()) as memory:  # type: ignore[arg-type]
+        fit_on_cuda(tmp_path, "processes", nodes=1, runtime="processes")
+    print("gpu bytes", memory.reported)
+    # The node process reports the memory its torch holds on the GPU (the live view's column).
+    assert sorted(memory.reported) == [0], f"{memory.updates} updates, none with GPU memory"
+    assert min(memory.reported[0]) > 0
