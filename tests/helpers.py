@@ -334,3 +334,30 @@ class Windows(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.ids[i, :-1], self.ids[i, 1:]
+
+
+def tiny_whisper() -> nn.Module:
+    """A 2-layer Whisper of random weights with LoRA adapters (dropout 0.1), seeded."""
+    from transformers import WhisperConfig
+
+    from meshtrain.hf import HFModel, LoRA
+    from meshtrain.hf.tiny import TINY_CONFIG
+
+    config = WhisperConfig(**TINY_CONFIG, vocab_size=96, decoder_start_token_id=1, pad_token_id=0,
+                           bos_token_id=1, eos_token_id=2)
+    return HFModel.from_config(config, lora=LoRA(r=4, dropout=0.1), seed=0, wer=False)
+
+
+class Clips(Dataset):
+    """Random log-mel features and labels of the tiny Whisper's shape (seeded)."""
+
+    def __init__(self, n: int = 16) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.features = torch.randn(n, 80, 300, generator=g)
+        self.labels = torch.randint(3, 96, (n, 12), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_features": self.features[i], "labels": self.labels[i]}

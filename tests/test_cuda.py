@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import CrashesAt, Windows, regression_data, tiny_gpt
+from helpers import Clips, CrashesAt, Windows, regression_data, tiny_gpt, tiny_whisper
 
 from meshtrain import FitResult, NodeFailed, Trainer, observers
 from meshtrain.checkpoint import find_latest
@@ -66,6 +66,26 @@ def test_a_run_on_cuda_resumes_its_nodes_cuda_streams(tmp_path: Path) -> None:
                   resume=str(tmp_path / "runs" / "r.checkpoints"))
     print("reference", losses(reference), "\nresumed", losses(resumed))
     assert losses(resumed) == pytest.approx(losses(reference), rel=1e-6)
+
+
+def test_whisper_with_lora_on_cuda_repeats_and_its_nodes_share_the_frozen_weights(tmp_path: Path) -> None:
+    model = tiny_whisper()
+
+    def fit(name: str) -> FitResult:
+        return Trainer(model, Clips(), Clips(8)).fit(DiLoCo(H=2, lr=3e-3), nodes=2, max_steps=4,
+                                                    batch_size=4, device="cuda", val_interval=2,
+                                                    out_dir=tmp_path, run_id=name, progress=False)
+
+    first = fit("first")
+    # fit moved the model it was given to the GPU whole, as Hugging Face's Trainer does...
+    assert {t.device.type for t in (*model.parameters(), *model.buffers())} == {"cuda"}
+    # ...and the nodes' copies share its frozen weights there (under LoRA nearly all of them).
+    frozen = {p.data_ptr() for p in model.parameters() if not p.requires_grad}
+    assert frozen == {p.data_ptr() for p in first.model.parameters() if not p.requires_grad}
+    again = fit("again")
+    print("whisper first", losses(first), "\nagain", losses(again), "\nval", first.summary["final_val_loss"])
+    assert losses(again) == pytest.approx(losses(first), rel=1e-6)
+    assert first.summary["final_val_loss"] == pytest.approx(again.summary["final_val_loss"], rel=1e-6)
 
 
 def test_bf16_and_fp16_on_cuda_stay_within_two_percent_of_fp32(tmp_path: Path) -> None:

@@ -15,38 +15,14 @@ from typing import Any
 import pytest
 import torch
 from cli_process import run_cli
-from helpers import Windows, tiny_gpt
+from helpers import Clips, Windows, tiny_gpt, tiny_whisper
 
 from meshtrain import Trainer
 from meshtrain.engine.memory import LossScaler, autocast
 from meshtrain.errors import SettingError
-from meshtrain.hf import HFModel, LoRA
-from meshtrain.hf.tiny import TINY_CONFIG
+from meshtrain.hf import HFModel
 from meshtrain.strategies import DiLoCo
 from meshtrain.tasks.gpt import CharGPT
-
-
-def tiny_whisper() -> HFModel:
-    from transformers import WhisperConfig
-
-    config = WhisperConfig(**TINY_CONFIG, vocab_size=96, decoder_start_token_id=1, pad_token_id=0,
-                           bos_token_id=1, eos_token_id=2)
-    return HFModel.from_config(config, lora=LoRA(r=4, dropout=0.1), seed=0, wer=False)
-
-
-class Clips(torch.utils.data.Dataset):
-    """Random log-mel features and labels of the tiny Whisper's shape (seeded)."""
-
-    def __init__(self, n: int = 16) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.features = torch.randn(n, 80, 300, generator=g)
-        self.labels = torch.randint(3, 96, (n, 12), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_features": self.features[i], "labels": self.labels[i]}
 
 
 def saved_bytes(model: torch.nn.Module, batch: Any, precision: str = "fp32") -> int:

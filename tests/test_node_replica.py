@@ -41,3 +41,15 @@ def test_training_a_replica_leaves_the_others_alone() -> None:
         assert torch.equal(p, before[name]), name
     assert torch.equal(b[2].weight, before["2.weight"])
     assert all(p.grad is None for p in model[0].parameters())
+
+
+def test_replicas_on_a_device_move_the_callers_model_whole_and_share_its_frozen_weights() -> None:
+    """On a GPU the nodes share one copy of the frozen weights on the GPU, and the model the
+    caller gave stays on one device ("meta" stands in for the GPU: torch moves to it here)."""
+    model = frozen_base_model()
+    meta = torch.device("meta")
+    a, b = node_replica(model, meta), node_replica(model, meta)
+    for t in (*model.parameters(), *model.buffers(), *a.parameters(), *b.parameters()):
+        assert t.device == meta  # never half moved
+    for p, q, r in zip(model.parameters(), a.parameters(), b.parameters(), strict=True):
+        assert (q is p and r is p) == (not p.requires_grad)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
@@ -485,13 +486,24 @@ def _batch_len(batch: Any) -> int:
     return 1
 
 
-def node_replica(model: nn.Module) -> nn.Module:
-    """A node's own copy of ``model`` that shares its frozen parameters.
+_moving = threading.Lock()
+
+
+def node_replica(model: nn.Module, device: torch.device | None = None) -> nn.Module:
+    """A node's own copy of ``model`` (on ``device``) that shares its frozen parameters.
 
     Frozen weights never change, so the nodes of one process (and rank 0's evaluator)
     hold one copy of them: under LoRA that is nearly the whole model. Everything that
     trains, and every buffer, is the node's own.
+
+    With a ``device``, ``model`` itself moves there first, whole, as Hugging Face's Trainer
+    moves the model it is given: its frozen weights then live on the device once for all
+    nodes. (Moving only the copy would move the shared frozen parameters alone, leaving the
+    caller's model half on the GPU and half on the CPU.)
     """
+    if device is not None:
+        with _moving:  # the threads runtime's nodes start at once: one moves, the rest find it moved
+            model.to(device)
     frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
     return copy.deepcopy(model, memo=dict(frozen))
 

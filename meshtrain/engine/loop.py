@@ -145,7 +145,7 @@ def _start_node(job: NodeJob, comm: Communicator, rng_guard: RngGuard | None,
     """This node's model, data, step count and strategy, set up and agreed with its peers."""
     cfg, rank = job.config, comm.rank
     device = resolve_device(cfg.device)
-    model = node_replica(job.model).to(device)
+    model = node_replica(job.model, device)
     model.train()
     if cfg.gradient_checkpointing:
         memory.enable_checkpointing(model)

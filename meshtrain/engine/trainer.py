@@ -91,6 +91,9 @@ class Trainer:
 
         Inside a launched rank (RANK and WORLD_SIZE set, as by ``meshtrain launch`` or
         torchrun) this process joins the group as that rank instead of spawning nodes.
+
+        On a GPU the model is moved there (``self.model.to(device)``) before the nodes copy
+        it, so its frozen weights are there once for every node; it is never trained in place.
         """
         job = self.prepare(strategy, nodes, max_steps, batch_size, config=config, **settings)
         return run_job(job)

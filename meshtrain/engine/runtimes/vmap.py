@@ -102,7 +102,7 @@ def _trial_problem(model: nn.Module, train_data: Any, collate_fn: Any, device_na
     """Run the vectorised loss and gradient once on two nodes; say what fails, if anything."""
     data, _ = resolve_dataset(train_data, 0, 1, "train")
     device = resolve_device(device_name)
-    replica = node_replica(model).to(device)
+    replica = node_replica(model, device)
     stacked = {n: p.detach().unsqueeze(0).expand(2, *p.shape).clone().requires_grad_(True)
                for n, p in replica.named_parameters() if p.requires_grad}
     one = to_device(fetch(data, [0], collate_fn), device)
@@ -239,7 +239,7 @@ def _train(job: NodeJob) -> FitResult:
     cfg = job.config
     nodes = cfg.nodes
     device = resolve_device(cfg.device)
-    model = node_replica(job.model).to(device)
+    model = node_replica(job.model, device)
     model.train()
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     own = dict(model.named_parameters())
