@@ -10,9 +10,12 @@ weights, as meshtrain did before nodes shared them.
     python benchmarks/whisper_memory.py                   # whisper-tiny, 1, 2, 4 nodes
     python benchmarks/whisper_memory.py --size base --batch 4 --microbatch 2
     python benchmarks/whisper_memory.py --savers --nodes 2  # checkpointing, bf16, both
+    python benchmarks/whisper_memory.py --device cuda      # on a GPU: peak GPU memory too
 
 ``--savers`` measures meshtrain alone, with and without gradient checkpointing and bf16
 autocast (the ``gradient_checkpointing`` and ``precision`` settings), at each ``--nodes``.
+``--device cuda`` trains on the GPU and adds its peak (``torch.cuda.max_memory_allocated``:
+what torch's tensors held at most, the allocator's cache aside).
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ def data(samples: int):  # noqa: ANN201 - a TensorDataset-like Dataset of dicts
 
 
 def run_one(mode: str, nodes: int, size: str, batch: int, microbatch: int | None, steps: int,
-            precision: str = "fp32", checkpointing: bool = False) -> dict:
+            precision: str = "fp32", checkpointing: bool = False, device: str = "cpu") -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -74,12 +77,13 @@ def run_one(mode: str, nodes: int, size: str, batch: int, microbatch: int | None
     started = time.perf_counter()
     if mode == "plain":  # one replica: the floor a Mac owner compares against
         assert precision == "fp32" and not checkpointing, "--savers measures meshtrain only"
+        model.to(device)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
         samples = data(batch * steps)
         for s in range(steps):
             chunk = [samples[i] for i in range(s * batch, (s + 1) * batch)]
-            out = model.model(input_features=torch.stack([c["input_features"] for c in chunk]),
-                              labels=torch.stack([c["labels"] for c in chunk]))
+            out = model.model(input_features=torch.stack([c["input_features"] for c in chunk]).to(device),
+                              labels=torch.stack([c["labels"] for c in chunk]).to(device))
             out.loss.backward()
             opt.step()
             opt.zero_grad()
@@ -88,15 +92,16 @@ def run_one(mode: str, nodes: int, size: str, batch: int, microbatch: int | None
         from meshtrain import Trainer
         from meshtrain.strategies import DiLoCo
 
-        if mode == "unshared":
-            meshtrain.engine.loop.node_replica = copy.deepcopy  # every node copies the whole model
+        if mode == "unshared":  # every node copies the whole model
+            meshtrain.engine.loop.node_replica = lambda m, on=None: copy.deepcopy(m).to(on or "cpu")
         with tempfile.TemporaryDirectory() as out:
             Trainer(model, data(batch * steps * nodes)).fit(
                 DiLoCo(H=2), nodes=nodes, max_steps=steps, batch_size=batch, microbatch_size=microbatch,
                 progress=False, out_dir=out, threads=1, precision=precision,
-                gradient_checkpointing=checkpointing)
+                gradient_checkpointing=checkpointing, device=device)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"peak_gb": peak_kib * 1024 / 1e9, "seconds": time.perf_counter() - started}
+    gpu = torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None
+    return {"peak_gb": peak_kib * 1024 / 1e9, "gpu_gb": gpu, "seconds": time.perf_counter() - started}
 
 
 def main() -> None:
@@ -106,6 +111,7 @@ def main() -> None:
     parser.add_argument("--microbatch", type=int, default=None)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--nodes", default="1,2,4")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--savers", action="store_true",
                         help="meshtrain with gradient checkpointing and/or bf16 against fp32")
     parser.add_argument("--one", nargs=4, metavar=("MODE", "NODES", "PRECISION", "CHECKPOINTING"),
@@ -114,7 +120,7 @@ def main() -> None:
     if args.one:
         mode, nodes, precision, checkpointing = args.one
         print(json.dumps(run_one(mode, int(nodes), args.size, args.batch, args.microbatch, args.steps,
-                                 precision, checkpointing == "1")))
+                                 precision, checkpointing == "1", args.device)))
         return
     from rich.console import Console
     from rich.table import Table
@@ -127,31 +133,42 @@ def main() -> None:
         rows = [("plain", 1)] + [(m, int(n)) for n in args.nodes.split(",")
                                  for m in ("meshtrain", "unshared")]
     micro = f" (microbatch {args.microbatch})" if args.microbatch else ""
-    table = Table(title=f"whisper-{args.size} + LoRA r=8, batch {args.batch}{micro}, peak resident memory")
-    for column in ("run", "nodes", "peak GB", "per extra node GB", "seconds"):
+    gpu = args.device == "cuda"
+    table = Table(title=f"whisper-{args.size} + LoRA r=8, batch {args.batch}{micro}, on {args.device}: "
+                        f"peak resident memory{' and peak GPU memory' if gpu else ''}")
+    columns = ["run", "nodes", "peak GB", "per extra node GB"]
+    columns += ["peak GPU GB", "per extra node GPU GB"] if gpu else []
+    for column in (*columns, "seconds"):
         table.add_column(column, justify="left" if column == "run" else "right")
     first: dict[str, float] = {}
+    first_gpu: dict[str, float] = {}
     for mode, nodes in rows:
         console.print(f"measuring {mode} with {nodes} node(s) ...", style="dim")
         precision = "bf16" if "bf16" in mode else "fp32"
         checkpointing = "1" if "checkpointing" in mode else "0"
         runs_as = "meshtrain" if mode in ("checkpointing", "bf16", "checkpointing+bf16") else mode
         command = [sys.executable, __file__, "--size", args.size, "--batch", str(args.batch),
-                   "--steps", str(args.steps), "--one", runs_as, str(nodes), precision, checkpointing]
+                   "--steps", str(args.steps), "--device", args.device,
+                   "--one", runs_as, str(nodes), precision, checkpointing]
         if args.microbatch:
             command += ["--microbatch", str(args.microbatch)]
         result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout
                             .strip().splitlines()[-1])
         first.setdefault(mode, result["peak_gb"]) if nodes == 1 else None
         extra = (result["peak_gb"] - first[mode]) / (nodes - 1) if nodes > 1 and mode in first else None
+        if gpu:
+            first_gpu.setdefault(mode, result["gpu_gb"]) if nodes == 1 else None
+            extra_gpu = (result["gpu_gb"] - first_gpu[mode]) / (nodes - 1) \
+                if nodes > 1 and mode in first_gpu else None
         label = {"plain": "plain transformers + peft", "meshtrain": "meshtrain (frozen base shared)",
                  "unshared": "meshtrain, base copied per node",
                  "checkpointing": "meshtrain, gradient_checkpointing: true",
                  "bf16": "meshtrain, precision: bf16",
                  "checkpointing+bf16": "meshtrain, both"}[mode]
-        table.add_row(label,
-                      str(nodes), f"{result['peak_gb']:.2f}", "" if extra is None else f"{extra:.2f}",
-                      f"{result['seconds']:.0f}")
+        cells = [label, str(nodes), f"{result['peak_gb']:.2f}", "" if extra is None else f"{extra:.2f}"]
+        if gpu:
+            cells += [f"{result['gpu_gb']:.2f}", "" if extra_gpu is None else f"{extra_gpu:.2f}"]
+        table.add_row(*cells, f"{result['seconds']:.0f}")
     console.print(table)
 
 
