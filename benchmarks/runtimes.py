@@ -275,7 +275,8 @@ def breakdown(data: TensorDataset, steps: int, repeats: int) -> None:
         table.add_column(col, justify="right")
     for name, runs in samples.items():
         wall = statistics.median(w for w, _ in runs)
-        table.add_row(name, f"{wall:.2f} s", f"{wall / base:.2f}x", f"{statistics.median(c for _, c in runs):.2f}")
+        cpu = statistics.median(c for _, c in runs)
+        table.add_row(name, f"{wall:.2f} s", f"{wall / base:.2f}x", f"{cpu:.2f}")
     Console(width=200).print(table)
 
 
@@ -299,7 +300,8 @@ def main() -> None:
                              "(auto: the runtime's default, cores / threads), e.g. 1,auto")
     parser.add_argument("--no-processes", action="store_true", help="skip the processes runtime")
     parser.add_argument("--breakdown", action="store_true",
-                        help="only: DDP in the threads runtime with its all-reduce replaced (where its time goes)")
+                        help="only: DDP in the threads runtime with its all-reduce replaced "
+                             "(where its time goes)")
     args = parser.parse_args()
     at_once = [None if v == "auto" else int(v) for v in args.concurrent_nodes.split(",")]
     if args.breakdown:
