@@ -18,6 +18,7 @@ import os, subprocess, sys
 from meshtrain.comm.sealing import bind_gloo_to_advertise
 import torch.distributed as dist
 print("iface", bind_gloo_to_advertise())
+print("nccl", os.environ["NCCL_SOCKET_IFNAME"])
 store = dist.TCPStore("127.0.0.1", 0, 1, True)
 dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 listening = subprocess.run(["ss", "-ltnH"], capture_output=True, text=True).stdout.split("\\n")
@@ -50,6 +51,7 @@ def test_gloo_listens_on_the_advertised_address_only() -> None:
             subprocess.run(["ip", "-n", ns, *args], check=True, capture_output=True)
         env = {**os.environ, "MESHTRAIN_ADVERTISE": address}
         env.pop("GLOO_SOCKET_IFNAME", None)
+        env.pop("NCCL_SOCKET_IFNAME", None)
         out = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", PROBE], env=env,
                              capture_output=True, text=True, timeout=120)
     finally:
@@ -57,6 +59,7 @@ def test_gloo_listens_on_the_advertised_address_only() -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     assert "iface eth0" in lines
+    assert "nccl =eth0" in lines  # a CUDA rank's nccl is held to the same interface
     gloo = [line.split()[1] for line in lines if line.startswith("gloo ")]
     assert gloo and all(g.startswith(f"{address}:") for g in gloo), out.stdout
 
@@ -68,7 +71,12 @@ def test_the_launcher_tells_a_rank_without_iface_its_address() -> None:
     inventory = parse_inventory({"hosts": [
         {"name": "a", "host": "10.0.0.1", "python": "/usr/bin/python3"},
         {"name": "b", "host": "10.0.0.2", "python": "/usr/bin/python3", "iface": "en0"},
+        {"name": "c", "host": "10.0.0.3", "python": "/usr/bin/python3", "iface": "eth0",
+         "env": {"NCCL_SOCKET_IFNAME": "ib,eth"}},
     ]}, "inline.yaml")
-    plain, pinned = (rank_env(inventory, h, "r1") for h in inventory.hosts)
+    plain, pinned, own_nccl = (rank_env(inventory, h, "r1") for h in inventory.hosts)
     assert plain["MESHTRAIN_ADVERTISE"] == "10.0.0.1" and "GLOO_SOCKET_IFNAME" not in plain
+    assert "NCCL_SOCKET_IFNAME" not in plain  # the rank sets both once it knows the interface
     assert pinned["GLOO_SOCKET_IFNAME"] == "en0" and "MESHTRAIN_ADVERTISE" not in pinned
+    assert pinned["NCCL_SOCKET_IFNAME"] == "=en0"  # exactly en0, not every name starting so
+    assert (own_nccl["GLOO_SOCKET_IFNAME"], own_nccl["NCCL_SOCKET_IFNAME"]) == ("eth0", "ib,eth")

@@ -62,17 +62,26 @@ def interface_with_address(address: str) -> str | None:
     return None
 
 
+def interface_environment(iface: str) -> dict[str, str]:
+    """The variables that put both backends' sockets on network interface ``iface``: gloo's
+    (CPU ranks) and nccl's (CUDA ranks; ``=`` makes nccl match the name exactly, not as a
+    prefix: ``en0`` would also match ``en01``)."""
+    return {"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": f"={iface}"}
+
+
 def bind_gloo_to_advertise() -> str | None:
-    """Make gloo listen on this rank's advertised address only: without an ``iface`` in the
-    inventory, gloo would take the address the host's name resolves to (often 127.0.0.1, or
-    every interface's). Sets ``GLOO_SOCKET_IFNAME`` to the interface holding that address;
-    returns it (None: left as it was)."""
+    """Make gloo (and nccl) listen on this rank's advertised address only: without an
+    ``iface`` in the inventory, gloo would take the address the host's name resolves to
+    (often 127.0.0.1, or every interface's), and nccl the first interface its own rules pick.
+    Sets :func:`interface_environment` for the interface holding that address; returns it
+    (None: left as it was)."""
     advertise = os.environ.get(ADVERTISE_ENV)
     if not advertise or os.environ.get("GLOO_SOCKET_IFNAME"):
         return None
     name = interface_with_address(advertise)
     if name is not None:
-        os.environ["GLOO_SOCKET_IFNAME"] = name
+        for key, value in interface_environment(name).items():
+            os.environ.setdefault(key, value)
     return name
 
 

@@ -74,7 +74,7 @@ class Host:
     workdir: str  # folder on the host where runs are written
     device: str = "auto"
     env: dict[str, str] = field(default_factory=dict)
-    iface: str | None = None  # GLOO_SOCKET_IFNAME on this host
+    iface: str | None = None  # GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME unless env sets it)
     threads: int | None = None  # torch intra-op threads of this rank (None: every core)
 
     @property

@@ -32,7 +32,7 @@ from pathlib import Path
 import paramiko
 
 from meshtrain.comm.rendezvous import PEERS_ENV, SECRET_FILE_ENV, SECRET_FOLDER_PREFIX, new_secret
-from meshtrain.comm.sealing import ADVERTISE_ENV, GLOO_HINT
+from meshtrain.comm.sealing import ADVERTISE_ENV, GLOO_HINT, interface_environment
 from meshtrain.config.launching import RESTART_WAIT_S
 from meshtrain.config.settings import check_run_id
 from meshtrain.errors import InputError
@@ -244,8 +244,9 @@ def rank_env(inventory: Inventory, host: Host, run_id: str) -> dict[str, str]:
     if host.rank == 0:  # the rendezvous gate admits connections from these hosts only
         env[PEERS_ENV] = ",".join(" ".join(dict.fromkeys((h.advertise, h.hostname)))
                                   for h in inventory.hosts if h.rank != 0)
-    if host.iface:
-        env["GLOO_SOCKET_IFNAME"] = host.iface
+    if host.iface:  # an NCCL_SOCKET_IFNAME in the host's env wins (a prefix for several, say)
+        for key, value in interface_environment(host.iface).items():
+            env.setdefault(key, value)
     else:  # the rank finds the interface that holds this address, and gloo listens there only
         env[ADVERTISE_ENV] = host.advertise
     if host.threads is not None:
