@@ -132,7 +132,7 @@ def choose_strategy(spec: RunSpec, task: Task, bundle: TaskBundle) -> Plan:
     step = spec.step_seconds
     if step is None:  # time a throwaway copy: the run must start from the untouched model
         step = measure_step_seconds(copy.deepcopy(bundle.model), bundle.train_data, spec.batch_size,
-                                    bundle.collate_fn) / cluster.speed
+                                    bundle.collate_fn, device=resolve_device(spec.device)) / cluster.speed
     plan = recommend(Workload(trainable_parameters(bundle.model), step, spec.nodes), cluster)
     spec.strategy = plan.choice.strategy
     spec.strategy_options = merge(task_suggestions(task, spec.strategy)["strategy_options"],

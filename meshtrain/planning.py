@@ -46,7 +46,7 @@ from meshtrain.cluster import (
 )
 from meshtrain.comm import CommRecord, ring_all_reduce_bytes
 from meshtrain.comm.buckets import BUCKET_BYTES
-from meshtrain.data import Collate, DataFactory, fetch, resolve_dataset
+from meshtrain.data import Collate, DataFactory, fetch, resolve_dataset, to_device
 
 #: Share of a step that may go to communication before a cheaper strategy is chosen.
 COMM_BUDGET = 0.10
@@ -221,8 +221,10 @@ def trainable_parameters(model: nn.Module) -> int:
 
 def measure_step_seconds(model: nn.Module, data: Dataset | DataFactory, batch_size: int,
                          collate_fn: Collate | None = None, *, warmup: int = 3, min_steps: int = 5,
-                         max_steps: int = 50, seconds: float = 2.0) -> float:
-    """Median seconds of one forward, backward and AdamW step of ``model`` here.
+                         max_steps: int = 50, seconds: float = 2.0,
+                         device: torch.device | None = None) -> float:
+    """Median seconds of one forward, backward and AdamW step of ``model`` here, on
+    ``device`` (default cpu; ``model`` moves there).
 
     This is the compute probe: what one host spends per step before any communication.
     It times at least ``min_steps`` steps and keeps going up to ``max_steps`` for about
@@ -230,31 +232,47 @@ def measure_step_seconds(model: nn.Module, data: Dataset | DataFactory, batch_si
     ``speed`` scales the result to other machines.
     """
     return statistics.median(measure_step_times(model, data, batch_size, collate_fn, warmup=warmup,
-                                                min_steps=min_steps, max_steps=max_steps, seconds=seconds))
+                                                min_steps=min_steps, max_steps=max_steps, seconds=seconds,
+                                                device=device))
 
 
 def measure_step_times(model: nn.Module, data: Dataset | DataFactory, batch_size: int,
                        collate_fn: Collate | None = None, *, warmup: int = 3, min_steps: int = 5,
-                       max_steps: int = 50, seconds: float = 2.0) -> list[float]:
+                       max_steps: int = 50, seconds: float = 2.0,
+                       device: torch.device | None = None) -> list[float]:
     """The seconds of each timed step of :func:`measure_step_seconds` (their spread is how
-    much a host's step varies: what a sync waits for)."""
+    much a host's step varies: what a sync waits for). On a GPU each step is timed to its
+    kernels' end (the device is synchronised): they run after the Python call returns."""
+    device = device or torch.device("cpu")
     dataset, _ = resolve_dataset(data, 0, 1, "train")
     size = len(dataset)  # type: ignore[arg-type]
     if size < 1:
         raise ValueError("the training data is empty: nothing to time")
+    model.to(device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
     model.train()
     times: list[float] = []
     step = 0
     deadline = None
     while len(times) < min_steps or (len(times) < max_steps and time.perf_counter() < (deadline or 0)):
-        batch = fetch(dataset, [(step * batch_size + j) % size for j in range(batch_size)], collate_fn)
+        batch = to_device(fetch(dataset, [(step * batch_size + j) % size for j in range(batch_size)],
+                                collate_fn), device)
+        _synchronize(device)
         started = time.perf_counter()
         model(batch).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        _synchronize(device)
         if step >= warmup:
             times.append(time.perf_counter() - started)
             deadline = deadline or started + seconds
         step += 1
     return times
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued kernels (a GPU runs them after the Python call returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()

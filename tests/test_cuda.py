@@ -136,3 +136,15 @@ def test_the_processes_runtime_wants_a_gpu_per_node_and_reports_gpu_memory(tmp_p
     # The node process reports the memory its torch holds on the GPU (the live view's column).
     assert sorted(memory.reported) == [0], f"{memory.updates} updates, none with GPU memory"
     assert min(memory.reported[0]) > 0
+
+
+def test_the_compute_probe_times_the_gpus_steps() -> None:
+    """``--strategy auto`` with ``--device cuda`` plans from the GPU's step time."""
+    from meshtrain.planning import measure_step_times
+
+    model = tiny_gpt()
+    on_gpu = measure_step_times(model, Windows(), 32, device=torch.device("cuda"), min_steps=5, max_steps=5)
+    assert {p.device.type for p in model.parameters()} == {"cuda"}
+    on_cpu = measure_step_times(tiny_gpt(), Windows(), 32, min_steps=5, max_steps=5)
+    print("probe seconds: cuda", on_gpu, "cpu", on_cpu)
+    assert len(on_gpu) == 5 and all(t > 0 for t in on_gpu)

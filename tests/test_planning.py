@@ -124,6 +124,20 @@ def test_compute_probe_times_real_steps_of_the_task_model() -> None:
     assert any(not p.equal(b) for p, b in zip(bundle.model.parameters(), before, strict=True))
 
 
+def test_compute_probe_runs_on_the_device_it_is_given() -> None:
+    """On a GPU host the probe must time the GPU's steps, not the CPU's (``--strategy auto``
+    passes the run's device): the model and every batch move there. "meta" stands in for a
+    GPU here; tests/test_cuda.py times a real one."""
+    import torch
+    from helpers import Windows, tiny_gpt
+
+    from meshtrain.planning import measure_step_times
+
+    model = tiny_gpt()
+    times = measure_step_times(model, Windows(), 4, device=torch.device("meta"), min_steps=2, max_steps=2)
+    assert len(times) == 2 and {p.device.type for p in model.parameters()} == {"meta"}
+
+
 def test_plan_command_prints_the_winner_first_and_why() -> None:
     from typer.testing import CliRunner
 
