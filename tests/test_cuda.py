@@ -3,9 +3,11 @@
 What they pin: every node of the threads runtime draws its dropout from its own CUDA stream
 (so a run repeats, equals the processes runtime, and resumes where it stopped); bf16 and fp16
 autocast on CUDA (fp16 with the loss scaler) stay within 2% of fp32; gradient checkpointing
-on CUDA changes no result; the processes runtime (nccl, the code path of launched ranks)
-wants a GPU per node and its nodes report the GPU memory torch holds.
-``benchmarks/gpu_check.sh`` runs them on a GPU machine.
+on CUDA changes no result; Whisper with LoRA trains there with one copy of its frozen base
+for all nodes; the processes runtime (nccl, the code path of launched ranks) wants a GPU per
+node and its nodes report the GPU memory torch holds; ``--strategy auto``'s compute probe
+times the GPU's steps. ``benchmarks/gpu_check.sh`` runs them on a GPU machine (all but the
+last passed on an H200 on 2026-11-27; the probe's test came after that session's GPU time).
 
 GPU kernels are not deterministic in general (README, Runtimes), so runs that are bit-identical
 on CPU are compared here to a relative 1e-6: a node drawing from the wrong stream changes a
