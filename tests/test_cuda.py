@@ -5,9 +5,10 @@ What they pin: every node of the threads runtime draws its dropout from its own 
 autocast on CUDA (fp16 with the loss scaler) stay within 2% of fp32; gradient checkpointing
 on CUDA changes no result; Whisper with LoRA trains there with one copy of its frozen base
 for all nodes; the processes runtime (nccl, the code path of launched ranks) wants a GPU per
-node and its nodes report the GPU memory torch holds; ``--strategy auto``'s compute probe
-times the GPU's steps. ``benchmarks/gpu_check.sh`` runs them on a GPU machine (all but the
-last passed on an H200 on 2026-11-27; the probe's test came after that session's GPU time).
+node and its nodes report the GPU memory torch holds; the compute probes (``--strategy auto``,
+``hosts bench``) time the GPU's steps. ``benchmarks/gpu_check.sh`` runs them on a GPU machine
+(all but the two probe tests passed on an H200 on 2026-11-27; those came after that session's
+GPU time).
 
 GPU kernels are not deterministic in general (README, Runtimes), so runs that are bit-identical
 on CPU are compared here to a relative 1e-6: a node drawing from the wrong stream changes a
@@ -150,3 +151,11 @@ def test_the_compute_probe_times_the_gpus_steps() -> None:
     on_cpu = measure_step_times(tiny_gpt(), Windows(), 32, min_steps=5, max_steps=5)
     print("probe seconds: cuda", on_gpu, "cpu", on_cpu)
     assert len(on_gpu) == 5 and all(t > 0 for t in on_gpu)
+
+
+def test_hosts_bench_probes_the_gpu_on_a_cuda_host() -> None:
+    """An inventory with ``device: cuda`` (or auto on a GPU box) times the GPU's steps."""
+    from meshtrain.hosts.bench import ProbeSpec, probe_step_seconds
+
+    median, _ = probe_step_seconds(ProbeSpec("digits", 16, 1, None, "cuda"))
+    assert median > 0

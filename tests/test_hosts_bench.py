@@ -158,6 +158,8 @@ def test_probe_times_from_rank_0_are_parsed_strictly() -> None:
     spec = ProbeSpec("gpt", 32, 1, "/data/text.txt")
     assert spec.argv() == ["--probe-task", "gpt", "--probe-batch", "32", "--probe-threads", "1",
                            "--probe-data", "/data/text.txt"]
+    # GPU hosts time their GPU: the inventory's device when every host has the same one.
+    assert ProbeSpec("gpt", 32, None, None, "cuda").argv()[-2:] == ["--probe-device", "cuda"]
     good = {"samples": [], "probe": probe_to_json(spec, [0.12, 0.13], [0.004, 0.0])}
     assert probe_from_json(json.dumps(good), "box0:bench.json", 2) == good["probe"]
     assert probe_from_json('{"samples": []}', "box0:bench.json", 2) is None
@@ -251,6 +253,7 @@ def test_bench_fits_the_configured_rate(benched) -> None:
     assert f"wrote clusters{'/'}lab.yaml" in result.stdout
     # The compute probe: every host timed digits steps; the slowest host's step is written.
     assert cluster.probe == "task digits, batch 16, threads 1"
+    assert "compute probe: digits, batch 16, on cpu: " in result.stdout  # the inventory's device
     assert cluster.step_seconds is not None and 0 < cluster.step_seconds < 1.0, cluster
     probed = re.search(r"compute probe, seconds per step: box0 ([\d.]+), box1 ([\d.]+)", result.stdout)
     assert probed, result.stdout
@@ -286,3 +289,12 @@ def test_a_fit_that_misses_a_measurement_is_flagged() -> None:
     bad = [*good[:-1], Sample(good[-1].payload_bytes, 2, good[-1].seconds * 10)]
     line = fit_warning(bad, fitted_cluster(fit_alpha_beta(bad), "x", "busy"))
     assert line is not None and "misses the" in line and "measure again" in line
+
+
+def test_the_probe_on_device_auto_times_what_this_host_has() -> None:
+    """``device: auto`` in the inventory (the default): each host resolves it, a GPU box to its
+    GPU; here, a CPU."""
+    from meshtrain.hosts.bench import probe_step_seconds
+
+    median, spread = probe_step_seconds(ProbeSpec("digits", 16, 1, None, "auto"))
+    assert 0 < median < 1.0 and spread >= 0

@@ -39,6 +39,7 @@ from meshtrain.comm import CommRecord, Communicator, ring_all_reduce_bytes
 from meshtrain.comm.sealing import bind_gloo_to_advertise
 from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group, leave_in_order
 from meshtrain.config.environment import RankEnvironmentError, launched_rank, threads_from_environment
+from meshtrain.devices import DEVICES, resolve_device
 from meshtrain.errors import InputError
 from meshtrain.heartbeat import start_heartbeat
 from meshtrain.run_dir import atomic_write_text
@@ -266,6 +267,7 @@ class ProbeSpec:
     batch_size: int
     threads: int | None = None  # torch intra-op threads (None: torch's default, every core)
     data: str | None = None  # the task's data file, at the same path on every host
+    device: str = "cpu"  # what each host times on: cpu, cuda, mps, or auto (resolved there)
 
     def argv(self) -> list[str]:
         """The rank's arguments that ask for this probe."""
@@ -274,6 +276,8 @@ class ProbeSpec:
             words += ["--probe-threads", str(self.threads)]
         if self.data is not None:
             words += ["--probe-data", self.data]
+        if self.device != "cpu":
+            words += ["--probe-device", self.device]
         return words
 
 
@@ -294,7 +298,7 @@ def probe_step_seconds(spec: ProbeSpec) -> tuple[float, float]:
     try:
         # 20 timed steps at least: enough for a spread, a few seconds for a small model.
         times = measure_step_times(bundle.model, bundle.train_data, spec.batch_size, bundle.collate_fn,
-                                   min_steps=20)
+                                   min_steps=20, device=resolve_device(spec.device))
         return statistics.median(times), step_spread(times)
     finally:
         torch.set_num_threads(threads_before)
@@ -387,7 +391,8 @@ def run_rank(sizes: Sequence[int], repeats: int, out: Path, timeout_s: float,
                 mine = torch.zeros(2, dtype=torch.float64)
                 if turn == rank:
                     mine[0], mine[1] = probe_step_seconds(probe)
-                    print(f"compute probe: {probe.task}, batch {probe.batch_size}: "
+                    print(f"compute probe: {probe.task}, batch {probe.batch_size}, on "
+                          f"{resolve_device(probe.device)}: "
                           f"{mine[0].item() * 1e3:.1f} ms per step (median), "
                           f"{mine[1].item() * 1e3:.1f} ms spread")
                 comm.all_reduce(mine, op="sum", record=False)  # also: the next host's turn
@@ -416,6 +421,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--probe-batch", type=int, default=32, help="The probe's batch size.")
     parser.add_argument("--probe-threads", type=int, help="The probe's torch threads.")
     parser.add_argument("--probe-data", help="The probe task's data file (same path on every host).")
+    parser.add_argument("--probe-device", default="cpu", choices=DEVICES,
+                        help="The device the probe times on (auto: what this host has).")
     args = parser.parse_args(argv)
     try:
         place = launched_rank()
@@ -427,8 +434,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit("error: run by `meshtrain hosts bench`, which sets RANK, WORLD_SIZE, MASTER_ADDR, "
                  "MASTER_PORT")
     sizes = [int(s) for s in args.sizes.split(",")]
-    probe = ProbeSpec(args.probe_task, args.probe_batch, args.probe_threads, args.probe_data) \
-        if args.probe_task else None
+    probe = ProbeSpec(args.probe_task, args.probe_batch, args.probe_threads, args.probe_data,
+                      args.probe_device) if args.probe_task else None
     run_rank(sizes, args.repeats, args.out, place.timeout_s if place.timeout_s is not None else 60.0, probe)
 
 

@@ -69,9 +69,11 @@ def benchmark_hosts(inventory: Path, inv: Inventory, how: HostsBenchSettings) ->
         raise InputError(f"{inventory}: a benchmark needs at least 2 hosts, the inventory has "
                          f"{inv.world_size}")
     sizes = bench_sizes(parse_size(how.min_size), parse_size(how.max_size), how.points)
-    # Without --threads the probe times what a launch on these hosts runs: the inventory's threads.
+    # Without --threads the probe times what a launch on these hosts runs: the inventory's
+    # threads, and its device when every host has the same one (auto: each host's own).
     inventory_threads = inv.hosts[0].threads if len({h.threads for h in inv.hosts}) == 1 else None
-    probe = probe_spec(how, inventory_threads)
+    inventory_device = inv.hosts[0].device if len({h.device for h in inv.hosts}) == 1 else "cpu"
+    probe = probe_spec(how, inventory_threads, inventory_device)
     name = how.name or inventory.stem
     out = Path(how.out) if how.out else Path("clusters") / f"{name}.yaml"
     argv = ["python", "-m", "meshtrain.hosts.bench", "--sizes", ",".join(map(str, sizes)),
@@ -122,7 +124,8 @@ def probe_note(bench: Benchmark) -> str:
             + "; spread: " + ", ".join(f"{host} {t:.4f}" for host, t in bench.probe_spread.items()))
 
 
-def probe_spec(how: HostsBenchSettings, inventory_threads: int | None) -> ProbeSpec | None:
+def probe_spec(how: HostsBenchSettings, inventory_threads: int | None,
+               inventory_device: str = "cpu") -> ProbeSpec | None:
     """The compute probe from ``hosts bench``'s options, checked here (InputError) before any
     host runs it."""
     if how.task is None:
@@ -135,4 +138,4 @@ def probe_spec(how: HostsBenchSettings, inventory_threads: int | None) -> ProbeS
     batch = how.batch_size or int(chosen.defaults.get("batch_size", 32))
     threads = how.threads if how.threads is not None else inventory_threads
     absolute = str(Path(how.data).expanduser().resolve()) if how.data is not None else None
-    return ProbeSpec(how.task, batch, threads, absolute)
+    return ProbeSpec(how.task, batch, threads, absolute, inventory_device)
