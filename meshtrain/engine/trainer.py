@@ -224,4 +224,3 @@ def resolve_threads(threads: int | None, runtime: str) -> int:
     if runtime == "launched":
         return os.cpu_count() or 1  # a real host: use all of its cores
     return 1  # simulated nodes share this machine's cores
-

@@ -387,12 +387,12 @@ def run_rank(sizes: Sequence[int], repeats: int, out: Path, timeout_s: float,
         probed: list[float] = []
         jitter: list[float] = []
         if probe is not None:
+            probe_device = resolve_device(probe.device)  # auto: what this host has
             for turn in range(world):
                 mine = torch.zeros(2, dtype=torch.float64)
                 if turn == rank:
                     mine[0], mine[1] = probe_step_seconds(probe)
-                    print(f"compute probe: {probe.task}, batch {probe.batch_size}, on "
-                          f"{resolve_device(probe.device)}: "
+                    print(f"compute probe: {probe.task}, batch {probe.batch_size}, on {probe_device}: "
                           f"{mine[0].item() * 1e3:.1f} ms per step (median), "
                           f"{mine[1].item() * 1e3:.1f} ms spread")
                 comm.all_reduce(mine, op="sum", record=False)  # also: the next host's turn

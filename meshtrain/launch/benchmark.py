@@ -125,7 +125,7 @@ def probe_note(bench: Benchmark) -> str:
 
 
 def probe_spec(how: HostsBenchSettings, inventory_threads: int | None,
-               inventory_device: str = "cpu") -> ProbeSpec | None:
+               inventory_device: str) -> ProbeSpec | None:
     """The compute probe from ``hosts bench``'s options, checked here (InputError) before any
     host runs it."""
     if how.task is None:
