@@ -164,9 +164,11 @@ class TorchDistCommunicator(Communicator):
 
 
 
-#: Bytes per ring message (at most): large enough that the cost per message is small,
-#: small enough that adding one piece overlaps with the transfer of the next.
-PIECE_BYTES = 512 * 2**10
+#: Bytes per ring message (at most): small enough that adding one piece overlaps with the
+#: transfer of the next, large enough that few messages to one peer are in flight at once:
+#: gloo then stalls for ~3 ms now and then (measured on loopback, benchmarks/collective.py:
+#: 1.68 MB took 3.75-3.94 ms in 512 KiB pieces, 1.29-3.47 ms in 2 MiB ones).
+PIECE_BYTES = 2 * 2**20
 
 
 def init_process_group(
