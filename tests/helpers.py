@@ -245,7 +245,12 @@ def gloo_comm_worker(rank: int, world: int, port: int, results: object) -> None:
 
     import torch.distributed as dist
 
+    from meshtrain.comm import torch_dist
     from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group
+
+    # Pieces of 256 bytes: each ring step's chunk of the 1001 values moves as several pipelined
+    # pieces (real messages that big are rare in the suite since pieces are 2 MiB).
+    torch_dist.PIECE_BYTES = 256
 
     class Counting(TorchDistCommunicator):
         """Counts the bytes that really cross the wire in the ring's point-to-point steps."""
