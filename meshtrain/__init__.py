@@ -10,7 +10,13 @@ if sys.platform == "darwin":
 # The API, imported after the MPS setting above (torch reads it at import).
 from meshtrain.config.settings import TrainConfig  # noqa: E402
 from meshtrain.engine.job import FitResult, NodeFailed  # noqa: E402
+from meshtrain.engine.math_kernels import resolve_math_kernels  # noqa: E402
 from meshtrain.engine.trainer import Trainer  # noqa: E402
 from meshtrain.version import __version__  # noqa: E402
+
+# Before this process's first exp or tanh on several threads, which oneMKL 2024.2 can get
+# wrong on one thread's chunk (engine/math_kernels.py): models built after this import,
+# and every node, whichever its runtime, compute with the right kernels.
+resolve_math_kernels()
 
 __all__ = ["FitResult", "NodeFailed", "TrainConfig", "Trainer", "__version__"]

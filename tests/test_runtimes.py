@@ -19,6 +19,7 @@ from helpers import (
 
 from meshtrain import NodeFailed, Trainer
 from meshtrain.comm.torch_dist import host_loopback_store
+from meshtrain.engine import math_kernels
 from meshtrain.engine.runtimes.processes import node_context
 from meshtrain.engine.trainer import NodeJob, TrainConfig
 from meshtrain.strategies import DDP, SPARTA, DeMo, DiLoCo, FedAvg, Optim, SPARTADiLoCo
@@ -229,3 +230,26 @@ def test_same_thread_count_same_weights_in_both_runtimes(tmp_path):
     assert not all(torch.equal(a, b) for a, b in pairs)
     assert_states_equal(one, final_state("processes", 1))
     assert_states_equal(two, final_state("processes", 2))
+
+
+class _NeedsResolvedMathKernels(torch.nn.Module):
+    """Trains only where MKL's kernels were chosen before the step (engine/math_kernels.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 1)
+
+    def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if not math_kernels.math_kernels_resolved():
+            raise RuntimeError("a node trained before resolve_math_kernels() ran in its process")
+        return torch.nn.functional.mse_loss(self.linear(batch[0]).squeeze(-1), batch[1])
+
+
+def test_a_node_process_resolves_math_kernels_before_it_trains(tmp_path):
+    """A fresh process's first ``tanh`` on two threads can be wrong on one thread's chunk
+    (oneMKL 2024.2, pytorch/pytorch#188792; benchmarks/vml_race.py). ``import meshtrain``
+    resolves the kernels, so a node process has them chosen before its first step."""
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32))
+    Trainer(_NeedsResolvedMathKernels(), data).fit(
+        DiLoCo(H=2, lr=0.01), nodes=2, max_steps=2, batch_size=4, runtime="processes",
+        out_dir=tmp_path, progress=False)
