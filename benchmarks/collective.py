@@ -40,8 +40,9 @@ def _timed(fn, flat: torch.Tensor) -> float:  # noqa: ANN001 - a benchmark helpe
 
 
 def _rank(rank: int, nodes: int, port: int, repeats: int, sizes: list[int], piece_bytes: int,
-          results: object) -> None:
+          kept_scratch: int, results: object) -> None:
     torch_dist.PIECE_BYTES = piece_bytes
+    torch_dist.KEPT_SCRATCH_BYTES = kept_scratch
     torch.set_num_threads(1)
     cores = os.cpu_count() or 1
     if hasattr(os, "sched_setaffinity"):
@@ -78,12 +79,14 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="*", default=SIZES, help="message sizes in bytes")
     parser.add_argument("--piece-bytes", type=int, default=torch_dist.PIECE_BYTES,
                         help="meshtrain's ring message size (default: the library's)")
+    parser.add_argument("--kept-scratch-bytes", type=int, default=torch_dist.KEPT_SCRATCH_BYTES,
+                        help="receive space the ring keeps between calls (default: the library's; 0: none)")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     store, port = host_loopback_store(120.0)
     procs = [ctx.Process(target=_rank, args=(r, args.nodes, port, args.repeats, args.sizes,
-                                                     args.piece_bytes, results))
+                                                     args.piece_bytes, args.kept_scratch_bytes, results))
              for r in range(args.nodes)]
     load_before = os.getloadavg()[0]
     for p in procs:
@@ -95,6 +98,7 @@ def main() -> None:
     console = Console(width=140)
     console.print(f"all-reduce (sum, float32), {args.nodes} gloo processes on loopback, 1 thread each; "
                   f"median of {args.repeats} alternating samples; ring pieces of {args.piece_bytes} bytes; "
+                  f"{args.kept_scratch_bytes} bytes of scratch kept; "
                   f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     table = Table()
     for col in ("message", "meshtrain ms", "dist.all_reduce ms", "meshtrain / gloo"):

@@ -235,6 +235,13 @@ def comm_script(comm) -> dict:
         t = torch.full((world,), ORDER_VALUES[rank], dtype=torch.float32)
         comm.all_reduce(t, op="sum")
         out["order"] = t
+    # The gloo ring keeps its receive space between calls: then a new dtype, a larger message.
+    d = a[:300].double() * (rank + 1)
+    comm.all_reduce(d, op="sum")
+    out["all_reduce_float64"] = d
+    grown = torch.randn(2500, generator=g)
+    comm.all_reduce(grown, op="sum")
+    out["all_reduce_grown"] = grown
     out["log"] = [(r.kind, r.bytes_sent, r.bytes_received, r.group_size) for r in comm.log.records]
     return out
 

@@ -36,6 +36,7 @@ class TorchDistCommunicator(Communicator):
         # gloo's point-to-point calls may come from any thread; the node's own thread
         # posts nothing while a bucket is in flight (GradientBuckets waits for it first).
         self.reduces_in_background = self.backend == "gloo"
+        self._scratch = torch.empty(0)  # the ring's receive space, kept from call to call
 
     def staging_device(self, tensor: torch.Tensor) -> torch.device:
         # gloo moves CPU tensors only: MPS (and CUDA under gloo) go through one CPU buffer.
@@ -77,7 +78,7 @@ class TorchDistCommunicator(Communicator):
         pieces = [list(c.tensor_split(count)) for c in chunks]
         # Reduce-scatter step s receives chunk pos-s-1 into scratch space, one buffer per
         # step (a piece of the next step may arrive before this step's last is added).
-        scratch = [torch.empty_like(chunks[0]) for _ in range(g - 1)]
+        scratch = self._scratch_space(chunks[0], g - 1)
 
         def receive_into(step: int) -> list[torch.Tensor]:
             if step < g - 1:  # reduce-scatter
@@ -112,6 +113,19 @@ class TorchDistCommunicator(Communicator):
         if op == "mean":
             flat.div_(g)
         return flat
+
+    def _scratch_space(self, like: torch.Tensor, count: int) -> list[torch.Tensor]:
+        """``count`` buffers shaped like ``like``. Up to :data:`KEPT_SCRATCH_BYTES` they are
+        kept for the next call: fresh memory of that size comes from the kernel page by page,
+        which took a third of a 64 MB all-reduce on loopback. One ring runs at a time per
+        communicator (a node's thread posts nothing while a bucket is in flight)."""
+        need = count * like.numel()
+        if need * like.element_size() > KEPT_SCRATCH_BYTES:
+            return [torch.empty_like(like) for _ in range(count)]
+        kept = self._scratch
+        if kept.dtype != like.dtype or kept.device != like.device or kept.numel() < need:
+            self._scratch = torch.empty(need, dtype=like.dtype, device=like.device)
+        return list(self._scratch[:need].view(count, like.numel()).unbind())
 
     def _ring_all_reduce_stepwise(self, flat: torch.Tensor, op: ReduceOp, members: list[int]) -> torch.Tensor:
         """The ring one whole chunk at a time (nccl: its point-to-point calls are blocking
@@ -169,6 +183,10 @@ class TorchDistCommunicator(Communicator):
 #: gloo then stalls for ~3 ms now and then (measured on loopback, benchmarks/collective.py:
 #: 1.68 MB took 3.75-3.94 ms in 512 KiB pieces, 1.29-3.47 ms in 2 MiB ones).
 PIECE_BYTES = 2 * 2**20
+
+#: The most receive space a ring keeps between calls (per node): enough for a 128 MB
+#: message between 2 nodes; larger messages take fresh memory each time.
+KEPT_SCRATCH_BYTES = 64 * 2**20
 
 
 def init_process_group(
