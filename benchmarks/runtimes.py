@@ -185,7 +185,8 @@ def _tensors_in(value: object) -> list[torch.Tensor]:
     return []
 
 
-def scale(nodes: int, steps: int, batch: int, concurrent_nodes: int | None = None) -> None:
+def scale(nodes: int, steps: int, batch: int, concurrent_nodes: int | None = None,
+          repeats: int = 1) -> None:
     """``nodes`` simulated nodes of the gpt task's model in the threads runtime.
 
     Overhead per node-step: the process's CPU time for a fit of ``steps`` steps minus one of
@@ -193,7 +194,9 @@ def scale(nodes: int, steps: int, batch: int, concurrent_nodes: int | None = Non
     nodes' own compute per node-step (forward, backward, optimizer: the summary's
     ``step_seconds``). What remains is the runtime's work: data, guards, callbacks, and
     simulating the collectives (the in-process reduction over all nodes). CPU time, so the
-    figure does not depend on how many cores the nodes share.
+    figure does not depend on how many cores the nodes share. It is the difference of two
+    large numbers: a few per cent of run-to-run change in the compute moves it by a
+    millisecond, so ``repeats`` pairs (the strategies interleaved) give a median and range.
     """
     torch.manual_seed(0)
     ids = torch.randint(0, 65, (200_000,), generator=torch.Generator().manual_seed(1))
@@ -201,30 +204,43 @@ def scale(nodes: int, steps: int, batch: int, concurrent_nodes: int | None = Non
     model = CharGPT(65, 64, 2, 4, 128, 0.0)
     sample = tuple(torch.stack(t) for t in zip(*(data[i] for i in range(batch)), strict=True))
     parameters = sum(p.numel() for p in model.parameters())
+    load_before = os.getloadavg()[0]
+    _fit_cpu(model, data, "diloco", 2, 2, batch)  # warm-up: lazy imports (pyplot) and first-use costs
+    rss_before = _max_rss_bytes()
+    strategies = ("ddp", "diloco")
+    samples: dict[str, list[tuple[float, float]]] = {s: [] for s in strategies}  # (compute, overhead)
+    rss: dict[str, float] = {}
+    for r in range(repeats):
+        for strategy in strategies:
+            short, _ = _fit_cpu(model, data, strategy, nodes, max(1, steps // 5), batch, concurrent_nodes)
+            full, compute = _fit_cpu(model, data, strategy, nodes, steps, batch, concurrent_nodes)
+            per_node_step = (full - short) / (nodes * (steps - max(1, steps // 5)))
+            samples[strategy].append((compute, per_node_step - compute))
+            rss.setdefault(strategy, (_max_rss_bytes() - rss_before) / nodes)
+            print(f"[{r + 1}/{repeats}] {strategy}: compute {compute * 1e3:.2f} ms, overhead "
+                  f"{(per_node_step - compute) * 1e3:.3f} ms per node-step", flush=True)
     table = Table(title=f"{nodes} simulated nodes in the threads runtime: gpt model ({parameters:,} "
                         f"parameters), batch {batch} per node, {steps} steps, "
-                        f"{concurrent_nodes or 'auto'} computing at once (load average "
-                        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
+                        f"{concurrent_nodes or 'auto'} computing at once, median of {repeats} "
+                        f"(load average {load_before:.1f} -> {os.getloadavg()[0]:.1f} "
+                        f"on {os.cpu_count()} cores)")
     for col in ("strategy", "compute per node-step", "overhead per node-step", "overhead / compute",
                 "node state (model + optimizer)", "peak RSS growth per node"):
         table.add_column(col, justify="right")
-    _fit_cpu(model, data, "diloco", 2, 2, batch)  # warm-up: lazy imports (pyplot) and first-use costs
-    rss_before = _max_rss_bytes()
-    for strategy in ("ddp", "diloco"):
-        short, _ = _fit_cpu(model, data, strategy, nodes, max(1, steps // 5), batch, concurrent_nodes)
-        print(f"{strategy}: {steps // 5} steps done", flush=True)
-        full, compute = _fit_cpu(model, data, strategy, nodes, steps, batch, concurrent_nodes)
-        print(f"{strategy}: {steps} steps done", flush=True)
-        per_node_step = (full - short) / (nodes * (steps - max(1, steps // 5)))
-        overhead = per_node_step - compute
+    for strategy in strategies:
+        compute = statistics.median(c for c, _ in samples[strategy])
+        overheads = sorted(o for _, o in samples[strategy])
+        overhead = statistics.median(overheads)
+        spread = f" ({overheads[0] * 1e3:.2f} to {overheads[-1] * 1e3:.2f})" if repeats > 1 else ""
         state = node_state_bytes(model, strategy, sample)
-        rss = (_max_rss_bytes() - rss_before) / nodes
-        table.add_row(strategy, f"{compute * 1e3:.2f} ms", f"{overhead * 1e3:.3f} ms",
-                      f"{overhead / compute:.1%}", f"{state / 2**20:.2f} MiB", f"{rss / 2**20:.2f} MiB")
+        table.add_row(strategy, f"{compute * 1e3:.2f} ms", f"{overhead * 1e3:.3f} ms{spread}",
+                      f"{overhead / compute:.1%}", f"{state / 2**20:.2f} MiB",
+                      f"{rss[strategy] / 2**20:.2f} MiB")
     Console(width=200).print(table)
     print("node state: each node's own parameters, gradients and strategy state, counted by storage; "
           "the dataset is one object all nodes read. Peak RSS growth: the process's peak resident "
-          "memory over the benchmark, per node (activations and allocator slack included).")
+          "memory over the benchmark, per node (activations and allocator slack included), after "
+          "each strategy's first pair of fits.")
 
 
 def breakdown(data: TensorDataset, steps: int, repeats: int) -> None:
@@ -295,6 +311,7 @@ def main() -> None:
     parser.add_argument("--scale-only", action="store_true", help="only the --scale table")
     parser.add_argument("--scale-steps", type=int, default=25)
     parser.add_argument("--scale-batch", type=int, default=8)
+    parser.add_argument("--scale-repeats", type=int, default=1, help="pairs of fits per strategy (median)")
     parser.add_argument("--concurrent-nodes", default="auto", metavar="LIST",
                         help="threads runtime rows: comma-separated concurrent_nodes values "
                              "(auto: the runtime's default, cores / threads), e.g. 1,auto")
@@ -311,7 +328,7 @@ def main() -> None:
         return
     if args.scale_only:
         for concurrent in at_once:
-            scale(args.scale or 64, args.scale_steps, args.scale_batch, concurrent)
+            scale(args.scale or 64, args.scale_steps, args.scale_batch, concurrent, args.scale_repeats)
         return
     data = make_data()
     kinds: dict[str, Callable[[str], float]] = {
@@ -375,7 +392,7 @@ def main() -> None:
     print("CPU s: CPU time of this process (every thread); node processes are not counted.")
     if args.scale:
         for concurrent in at_once:
-            scale(args.scale, args.scale_steps, args.scale_batch, concurrent)
+            scale(args.scale, args.scale_steps, args.scale_batch, concurrent, args.scale_repeats)
 
 
 if __name__ == "__main__":
