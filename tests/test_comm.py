@@ -6,6 +6,7 @@ import io
 import multiprocessing as mp
 import threading
 import time
+from queue import Empty
 
 import pytest
 import torch
@@ -290,7 +291,18 @@ def gloo_results():
     for p in procs:
         p.start()
     try:
-        got = dict(queue.get(timeout=90) for _ in range(world))
+        got: dict[int, bytes] = {}
+        deadline = time.monotonic() + 90
+        while len(got) < world:  # a worker that died fails the fixture now, not at the deadline
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            assert not dead, f"gloo workers (rank, exit code) died: {dead}"
+            missing = set(range(world)) - set(got)
+            assert time.monotonic() < deadline, f"gloo workers still missing after 90 s: {missing}"
+            try:
+                rank, data = queue.get(timeout=0.2)
+            except Empty:
+                continue
+            got[rank] = data
     finally:
         for p in procs:
             p.join(10)
