@@ -84,11 +84,12 @@ class NodeBatches:
         """Batches per epoch."""
         return len(self.indices) // self.batch_size
 
-    def _epoch_order(self) -> torch.Tensor:
+    def _epoch_order(self) -> list[int]:
+        # A list, not a tensor: each step slices it, and a list slice costs no torch dispatch.
         if not self.shuffle:
-            return self.indices
+            return self.indices.tolist()
         g = seeded_generator(self.seed, self.rank, self.epoch)
-        return self.indices[torch.randperm(len(self.indices), generator=g)]
+        return self.indices[torch.randperm(len(self.indices), generator=g)].tolist()
 
     def next_indices(self) -> list[int]:
         """Sample indices of the next batch (starts a new epoch when this one runs out)."""
@@ -98,7 +99,7 @@ class NodeBatches:
             self._order = self._epoch_order()
         batch = self._order[self.position : self.position + self.batch_size]
         self.position += self.batch_size
-        return batch.tolist()
+        return batch
 
     def resize(self, batch_size: int) -> None:
         """Take ``batch_size`` samples a step from now on (``balance``: this node's share)."""
