@@ -17,8 +17,6 @@ node after that import computes with the chosen kernels (0 wrong of 2,000 measur
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 #: The element-wise functions torch sends to MKL VML (aten/src/ATen/cpu/vml.h), for float
@@ -28,21 +26,18 @@ VML_FUNCTIONS: tuple[str, ...] = (
     "sin", "sqrt", "tan", "tanh", "trunc",
 )
 
-_lock = threading.Lock()
 _resolved = False
 
 
 def resolve_math_kernels() -> None:
-    """Call every VML function once per dtype on one thread; at most once per process."""
+    """Call every VML function once per dtype, on one thread (``import meshtrain`` does)."""
     global _resolved
-    with _lock:
-        if _resolved or not torch.backends.mkl.is_available():
-            return
+    if torch.backends.mkl.is_available():  # elsewhere (Apple silicon) there is nothing to choose
         for dtype in (torch.float32, torch.float64):
             one = torch.full((1,), 0.5, dtype=dtype)  # one element: a kernel runs on one thread
             for name in VML_FUNCTIONS:
                 getattr(torch, name)(one)
-        _resolved = True
+    _resolved = True
 
 
 def math_kernels_resolved() -> bool:
