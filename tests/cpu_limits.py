@@ -3,9 +3,13 @@ every process it starts, a launched rank included) is moved into.
 
 cgroup v2 (``cpu.max``, ``cpu.weight``) where the unified hierarchy has the cpu controller,
 else cgroup v1 (``cpu.cfs_quota_us``, ``cpu.cfs_period_us``, ``cpu.shares``); neither: the
-test skips, naming what was missing. Each group also gets a high weight, so on a machine
-other work keeps busy the capped hosts still get their quota (the comparison needs a
-known speed ratio, not whatever the neighbours leave).
+test skips, naming what was missing. Each group also gets the highest weight there is, so on
+a machine other work keeps busy the capped hosts still get their quota (the comparison needs
+a known speed ratio, not whatever the neighbours leave). The weight has to be the highest:
+the suite's other workers put 10 to 20 runnable threads in the root group, each weighing
+1024, and at v1's former 10240 a group was owed 2 x 10240 / (16 x 1024 + 2 x 10240) = 0.55
+cores beside 16 busy threads, so the "one core" host ran as fast as the half-core one.
+At the highest weight it is owed more than its quota, and the quota is what binds.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import pytest
 
 ROOT = Path("/sys/fs/cgroup")
 PERIOD_US = 10_000  # 10 ms: a short period spreads the quota evenly over a training step
+WEIGHT_V2 = 10_000  # cpu.weight's highest (default 100)
+SHARES_V1 = 262_144  # cpu.shares' highest (default 1024)
 
 
 class CpuGroup:
@@ -30,11 +36,11 @@ class CpuGroup:
         quota = max(1000, int(cores * PERIOD_US))
         if version == 2:
             (self.path / "cpu.max").write_text(f"{quota} {PERIOD_US}")
-            (self.path / "cpu.weight").write_text("1000")
+            (self.path / "cpu.weight").write_text(str(WEIGHT_V2))
         else:
             (self.path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
             (self.path / "cpu.cfs_quota_us").write_text(str(quota))
-            (self.path / "cpu.shares").write_text("10240")
+            (self.path / "cpu.shares").write_text(str(SHARES_V1))
 
     def add(self, pid: int) -> None:
         """Move ``pid`` in; the processes it starts from now on are born inside."""

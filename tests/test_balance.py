@@ -7,6 +7,8 @@ reads its shard (every nodes-th sample from r) in order, ``b_r`` samples a step.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import yaml
@@ -17,7 +19,9 @@ from typer.testing import CliRunner
 
 from meshtrain import Trainer, observers
 from meshtrain.cli.main import app
-from meshtrain.engine.balance import apportion, simulated_shares
+from meshtrain.data import NodeBatches
+from meshtrain.engine import balance as balance_module
+from meshtrain.engine.balance import Balancer, apportion, simulated_shares
 from meshtrain.errors import SettingError
 from meshtrain.strategies import DDP, DeMo, DiLoCo, FedAvg, SPARTADiLoCo
 
@@ -63,6 +67,43 @@ def test_apportion_is_proportional_sums_exactly_and_gives_everyone_a_sample():
         apportion(2, [1.0, 1.0, 1.0])
     with pytest.raises(ValueError, match="finite numbers > 0"):
         apportion(8, [1.0, 0.0])
+
+
+class _TwoRanks:
+    """Rank 0 of two, for a Balancer alone: its peer always reports ``peer`` samples/s."""
+
+    rank, world_size = 0, 2
+
+    def __init__(self, peer: float) -> None:
+        self.peer = peer
+        self.log = SimpleNamespace(seconds=0.0)  # never waits: every second is compute
+
+    def all_gather(self, mine: torch.Tensor, *, record: bool = True) -> list[torch.Tensor]:
+        assert not record  # the shares' exchange is not training traffic
+        return [mine, torch.tensor([self.peer], dtype=torch.float64)]
+
+
+def test_measured_shares_recover_within_steps_from_a_slowed_warm_up(monkeypatch):
+    # Rank 0 computes 4,000 samples/s, its peer 2,000; something else on rank 0's host slows
+    # its timed warm-up steps to 1,000. The later windows are 5, 10, then 20 steps, so the
+    # wrong shares it starts with are set again after 5 steps and favour rank 0 after 15.
+    now = [0.0]
+    monkeypatch.setattr(balance_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    comm = _TwoRanks(peer=2000.0)
+    batches = NodeBatches(TensorDataset(torch.zeros(4096, 1)), rank=0, nodes=2, batch_size=256, seed=0,
+                          shuffle=False, shard=True)
+    strategy = SimpleNamespace(sample_weight=None)
+    balancer = Balancer(comm, 2, 256, measured=True, stragglers={}, sync_interval=1)  # type: ignore[arg-type]
+    changed = {}
+    for step in range(80):
+        now[0] += batches.batch_size / (1000.0 if 1 <= step <= 5 else 4000.0)
+        if balancer.step_done(step, batches, strategy):  # type: ignore[arg-type]
+            changed[step + 1] = batches.batch_size
+    assert list(changed) == [6, 11, 21, 41, 61], changed  # 1-based steps after which they changed
+    assert changed[6] < 256 < changed[21], changed  # 1,000 vs 2,000, then most of the truth
+    speed = balancer.shares.throughputs[0]
+    assert 0.9 * 4000 < speed < 4000, balancer.shares  # the warm-up still counts, a 16th as much
+    assert strategy.sample_weight == changed[61]
 
 
 def test_simulated_shares_follow_the_stragglers():

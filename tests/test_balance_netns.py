@@ -60,9 +60,10 @@ def test_balance_ends_the_wait_for_a_host_capped_at_half_a_core(world, tmp_path:
     waiting = {b: fast - slow for b, (fast, slow) in inside.items()}
     shares = runs[True]["balance"]["nodes"]
     report = f"in collectives (fast, slow) {inside}, shares {shares}"
-    # Idle, the fast host waits about half of every step (2x the speed). On a loaded machine
-    # its one core is less than a core and the wait less (0.27 to 0.48 of its loop here, at
-    # load averages of 10 to 20 on 2 cores): a clear wait, which --balance must end.
+    # The fast host waits about half of every step (2x the speed), plus its wait at step 1
+    # for the slow host's start: 0.45 to 0.56 of its loop beside 24 busy threads on 2 cores
+    # (the groups' top weight keeps their quotas; cpu_limits.py): a clear wait, which
+    # --balance must end.
     assert 0.15 < waiting[False] < 0.7, report
     assert waiting[True] < 0.1 and waiting[True] < waiting[False] / 2, report
     assert shares[0]["batch_size"] > shares[1]["batch_size"], report

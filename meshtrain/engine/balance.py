@@ -33,8 +33,9 @@ Where the throughput comes from
   first sync boundary after them (the next step for DDP and SPARTA, the end of the round
   for DiLoCo and FedAvg, so every round's weights are the samples it saw) the ranks
   all-gather their samples per second (unrecorded: not training traffic) and take their
-  shares from the next step on; again every ``REBALANCE_STEPS`` steps (see
-  :class:`Balancer`). summary.json and config.yaml record the last shares.
+  shares from the next step on; again after windows of twice as many steps each time, up to
+  every ``REBALANCE_STEPS`` steps (see :class:`Balancer`). summary.json and config.yaml
+  record the last shares.
 * Simulated nodes share this machine, so timing them says nothing about the cluster they
   stand for: node i's throughput is ``1 / slowdown_i`` from ``--straggler`` (1 for the
   others). Equal nodes get equal shares, and ``balance`` then changes nothing.
@@ -58,7 +59,7 @@ from meshtrain.errors import SettingError
 from meshtrain.strategies import Strategy
 
 WARMUP_STEPS = 5  # timed training steps of a launched rank before its share is set
-REBALANCE_STEPS = 20  # steps of each later window, after which the shares are set again
+REBALANCE_STEPS = 20  # the longest later window, after which the shares are set again
 MEASURED, STRAGGLERS = "measured", "straggler"
 
 
@@ -139,11 +140,14 @@ class Balancer:
     sync boundary after them (every step for DDP and SPARTA, the end of a round for
     DiLoCo and FedAvg, so a round's weights are the samples it saw) every rank all-gathers
     its samples per second and takes its share from the next step on. The same happens
-    again after every further ``REBALANCE_STEPS`` steps (at a sync boundary), timed with
-    the shares then in force: a host that slows down later (heat, other work) or whose
-    speed per sample depends on its batch size is followed. Each estimate is the samples
-    over the compute seconds of every window so far, an earlier window counting half as
-    much at each new one.
+    again after each later window (at a sync boundary), timed with the shares then in
+    force: a host that slows down later (heat, other work) or whose speed per sample
+    depends on its batch size is followed. The later windows double from ``warmup_steps``
+    up to ``REBALANCE_STEPS`` steps (5, 10, 20, 20, ... after the warm-up): warm-up steps that something else
+    on the host slowed for a moment (seen on a busy machine: a 1-core host measured at
+    less than its half-core peer) set the shares for 5 steps, not 20. Each estimate is the
+    samples over the compute seconds of every window so far, an earlier window counting
+    half as much at each new one.
     """
 
     def __init__(self, comm: Communicator, nodes: int, batch_size: int, *, measured: bool,
@@ -181,7 +185,7 @@ class Balancer:
             return False
         assert self._timed_from is not None
         began, waited, first = self._timed_from
-        window = self.warmup_steps if self.shares is None else self.rebalance_steps
+        window = self.window_steps()
         if step + 1 - first < window or (step + 1) % self.sync_interval:
             return False
         compute = (now - began) - (self.comm.log.seconds - waited)
@@ -194,6 +198,13 @@ class Balancer:
         self._apply(batches, strategy, step + 1)
         self._timed_from = (time.perf_counter(), self.comm.log.seconds, step + 1)
         return True
+
+    def window_steps(self) -> int:
+        """Steps in the timing window now running: the warm-up, then twice as many at each
+        new window, up to ``rebalance_steps``."""
+        if self.shares is None:
+            return self.warmup_steps
+        return min(self.rebalance_steps, self.warmup_steps << self.rebalances)
 
     def _apply(self, batches: NodeBatches, strategy: Strategy, step: int) -> None:
         assert self.shares is not None
