@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 import pytest
 
-from meshtrain.config.environment import LaunchedRank, launched_rank, writes_run_directory
+from meshtrain.config.environment import (
+    LaunchedRank,
+    cores_per_local_rank,
+    launched_rank,
+    writes_run_directory,
+)
 from meshtrain.errors import SettingError
 
 PACKAGE = Path(__file__).resolve().parent.parent / "meshtrain"
@@ -26,6 +32,15 @@ def test_launched_rank_is_decided_by_rank_and_world_size(monkeypatch: pytest.Mon
     monkeypatch.setenv("RANK", "one")
     with pytest.raises(SettingError, match="RANK must be a whole number of at least 0, got 'one'"):
         launched_rank()
+
+
+def test_a_launched_ranks_cores_are_shared_by_the_ranks_on_its_machine() -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert cores_per_local_rank({}) == cores  # alone on its machine: every core
+    assert cores_per_local_rank({"LOCAL_WORLD_SIZE": "2"}) == max(1, cores // 2)
+    assert cores_per_local_rank({"LOCAL_WORLD_SIZE": str(cores + 1)}) == 1  # at least one each
+    with pytest.raises(SettingError, match="LOCAL_WORLD_SIZE must be a whole number of at least 1, got '0'"):
+        cores_per_local_rank({"LOCAL_WORLD_SIZE": "0"})
 
 
 def test_no_other_module_reads_the_rank_from_the_environment() -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+import yaml
 from in_process import meshtrain_here
 from speech_fixtures import SpeechAssets, speech_fixture  # noqa: F401 (the fixture)
 from ssh_fixtures import SshWorld
@@ -35,3 +37,7 @@ def test_launch_whisper_lora_profile_on_two_hosts(
     assert summary["bytes_sent_per_node"] == 4 * 4 * summary["trainable_parameters"]
     assert summary["startup_bytes_sent_per_node"] == 0
     assert (run / "model" / "adapter_model.safetensors").is_file()
+    # Both ranks run on this machine (LOCAL_WORLD_SIZE=2): they share its cores, not each
+    # take all of them (oversubscribed, OpenMP's waiting threads spin against each other).
+    threads = yaml.safe_load((run / "config.yaml").read_text())["train"]["threads"]
+    assert threads == max(1, len(os.sched_getaffinity(0)) // 2)

@@ -92,6 +92,21 @@ def writes_run_directory() -> bool:
     return rank is None or rank.rank == 0
 
 
+def cores_per_local_rank(environ: Mapping[str, str] | None = None) -> int:
+    """A launched rank's threads when nothing sets them: the cores this process may run on,
+    shared out among the ranks its launcher started on this machine (LOCAL_WORLD_SIZE, as
+    torchrun sets it; 1 when unset), at least one each.
+
+    Two ranks on one machine (hosts on loopback, or one big box listed twice) then share
+    its cores instead of each starting a thread per core: oversubscribed, OpenMP's threads
+    spin waiting for each other (a 2-rank Whisper launch on 2 cores used 89 CPU seconds
+    for 20 steps; at one thread each its steps stay at their first speed)."""
+    env = os.environ if environ is None else environ
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local = _whole(env, "LOCAL_WORLD_SIZE", 1) if "LOCAL_WORLD_SIZE" in env else 1
+    return max(1, cores // local)
+
+
 def threads_from_environment() -> int | None:
     """MESHTRAIN_THREADS, checked (a bad value names the variable), or None when unset."""
     text = os.environ.get("MESHTRAIN_THREADS")

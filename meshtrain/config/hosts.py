@@ -68,7 +68,7 @@ class HostsBenchSettings(HostKeys):
     batch_size: int | None = setting(None, "The probe's samples per step (default: the task's).",
                                      minimum=1, flag=_flag(("--batch-size",), BENCH, panel=PROBE))
     threads: int | None = setting(None, "The probe's torch threads (default: the inventory's, else "
-                                        "every core).", minimum=1,
+                                        "the host's cores, shared by its ranks).", minimum=1,
                                   flag=_flag(("--threads",), BENCH, panel=PROBE))
     out: str | None = setting(None, "Cluster file to write (default: clusters/NAME.yaml).",
                               flag=_flag(("--out",), BENCH, panel=CLUSTER_FILE))

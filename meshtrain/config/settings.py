@@ -114,13 +114,14 @@ class TrainConfig:
                                       "vectorised computation; DDP, DiLoCo, SPARTA, FedAvg).",
                            choices=RUNTIMES, flag=Flag(("--runtime",), CLUSTER))
     threads: int | None = setting(None, "Torch intra-op threads per node (default: 1 per simulated "
-                                         "node, every core on a launched rank; MESHTRAIN_THREADS "
+                                         "node, a launched rank's cores shared by the ranks on its "
+                                         "machine; MESHTRAIN_THREADS "
                                          "sets it too). Runs are bit-identical only at the same "
                                          f"thread count. At most {MAX_THREADS}.", minimum=1,
                                  maximum=MAX_THREADS, flag=Flag(("--threads",), CLUSTER, BOTH, help=(
                                      ("launch", "Torch intra-op threads of every rank (overrides the "
-                                                "inventory's 'threads'; default: every core of each "
-                                                "host)."),)))
+                                                "inventory's 'threads'; default: each host's cores, "
+                                                "shared by the ranks on it)."),)))
     concurrent_nodes: int | None = setting(None, "Threads runtime: how many nodes compute at "
                                                   "once (default: the cores this process may use "
                                                   "divided by threads). Each node's Python waits "

@@ -23,6 +23,7 @@ from torch.utils.data import Dataset
 
 from meshtrain import checkpoint
 from meshtrain.config.environment import (
+    cores_per_local_rank,
     environment_run_id,
     launched_rank,
     threads_from_environment,
@@ -85,8 +86,9 @@ class Trainer:
         directory reserved, before any node starts: see :meth:`prepare`.
 
         ``threads`` is torch's intra-op thread count per node. Default: the
-        MESHTRAIN_THREADS environment variable if set, else every core on a launched
-        rank and 1 per node locally (simulated nodes share this machine's cores).
+        MESHTRAIN_THREADS environment variable if set, else on a launched rank its
+        machine's cores shared among the ranks started there (LOCAL_WORLD_SIZE), and 1
+        per node locally (simulated nodes share this machine's cores).
         Results are bit-identical across runtimes only at the same thread count.
 
         Inside a launched rank (RANK and WORLD_SIZE set, as by ``meshtrain launch`` or
@@ -222,5 +224,5 @@ def resolve_threads(threads: int | None, runtime: str) -> int:
     if from_environment is not None:
         return from_environment
     if runtime == "launched":
-        return os.cpu_count() or 1  # a real host: use all of its cores
+        return cores_per_local_rank()  # a real host's cores, shared by its ranks
     return 1  # simulated nodes share this machine's cores

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -38,7 +37,12 @@ from meshtrain.cluster import Cluster, collective_seconds
 from meshtrain.comm import CommRecord, Communicator, ring_all_reduce_bytes
 from meshtrain.comm.sealing import bind_gloo_to_advertise
 from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group, leave_in_order
-from meshtrain.config.environment import RankEnvironmentError, launched_rank, threads_from_environment
+from meshtrain.config.environment import (
+    RankEnvironmentError,
+    cores_per_local_rank,
+    launched_rank,
+    threads_from_environment,
+)
 from meshtrain.devices import DEVICES, resolve_device
 from meshtrain.errors import InputError
 from meshtrain.heartbeat import start_heartbeat
@@ -292,9 +296,8 @@ def probe_step_seconds(spec: ProbeSpec) -> tuple[float, float]:
     bundle = task.build(TaskOptions(spec.data, 0, check_options(task, {})))
     threads_before = torch.get_num_threads()
     # As a launched rank would train: the given threads, else the inventory's (the launcher
-    # sets MESHTRAIN_THREADS, already checked), else every core.
-    torch.set_num_threads(spec.threads or threads_from_environment()
-                          or os.cpu_count() or 1)
+    # sets MESHTRAIN_THREADS, already checked), else the cores, shared by the host's ranks.
+    torch.set_num_threads(spec.threads or threads_from_environment() or cores_per_local_rank())
     try:
         # 20 timed steps at least: enough for a spread, a few seconds for a small model.
         times = measure_step_times(bundle.model, bundle.train_data, spec.batch_size, bundle.collate_fn,

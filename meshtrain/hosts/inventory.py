@@ -75,7 +75,7 @@ class Host:
     device: str = "auto"
     env: dict[str, str] = field(default_factory=dict)
     iface: str | None = None  # GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME unless env sets it)
-    threads: int | None = None  # torch intra-op threads of this rank (None: every core)
+    threads: int | None = None  # torch intra-op threads of this rank (None: its machine's cores, shared)
 
     @property
     def label(self) -> str:
