@@ -143,9 +143,10 @@ class Balancer:
     again after each later window (at a sync boundary), timed with the shares then in
     force: a host that slows down later (heat, other work) or whose speed per sample
     depends on its batch size is followed. The later windows double from ``warmup_steps``
-    up to ``REBALANCE_STEPS`` steps (5, 10, 20, 20, ... after the warm-up): warm-up steps that something else
-    on the host slowed for a moment (seen on a busy machine: a 1-core host measured at
-    less than its half-core peer) set the shares for 5 steps, not 20. Each estimate is the
+    up to ``REBALANCE_STEPS`` steps (5, 10, 20, 20, ... after the warm-up): warm-up steps
+    that something else on the host slowed for a moment (seen on a busy machine: a 1-core
+    host measured at less than its half-core peer) set the shares for 5 steps, not 20.
+    Each estimate is the
     samples over the compute seconds of every window so far, an earlier window counting
     half as much at each new one.
     """
