@@ -4,7 +4,8 @@ A launched rank (``meshtrain launch``, or torchrun) is told who it is by torchru
 variables: RANK and WORLD_SIZE, the rendezvous in MASTER_ADDR and MASTER_PORT. Everything
 else a launched rank trains with comes in one resolved settings file, not in variables;
 MESHTRAIN_THREADS (a host's thread count from the inventory), MESHTRAIN_RUN_ID and
-MESHTRAIN_TIMEOUT (seconds a collective may wait) are what differs per host or per launch.
+MESHTRAIN_TIMEOUT (seconds a collective may wait) are what differs per host or per launch;
+LOCAL_WORLD_SIZE (torchrun's: the ranks on this machine) shares its cores among them.
 A process with RANK and WORLD_SIZE is a launched rank: the Trainer, the launched runtime,
 the settings resolver and the hosts benchmark all ask :func:`launched_rank` rather than
 the environment.
