@@ -103,9 +103,27 @@ def cores_per_local_rank(environ: Mapping[str, str] | None = None) -> int:
     spin waiting for each other (a 2-rank Whisper launch on 2 cores used 89 CPU seconds
     for 20 steps; at one thread each its steps stay at their first speed)."""
     env = os.environ if environ is None else environ
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     local = _whole(env, "LOCAL_WORLD_SIZE", 1) if "LOCAL_WORLD_SIZE" in env else 1
-    return max(1, cores // local)
+    return max(1, usable_cores() // local)
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def resolve_threads(threads: int | None, runtime: str) -> int:
+    """Intra-op threads per node: explicit, else MESHTRAIN_THREADS, else the runtime's
+    default (a launched rank: its machine's cores, shared by its ranks; a simulated node: 1,
+    as the nodes share this machine's cores)."""
+    if threads is not None:
+        return threads
+    from_environment = threads_from_environment()
+    if from_environment is not None:
+        return from_environment
+    return cores_per_local_rank() if runtime == "launched" else 1
 
 
 def threads_from_environment() -> int | None:

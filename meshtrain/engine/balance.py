@@ -146,9 +146,8 @@ class Balancer:
     up to ``REBALANCE_STEPS`` steps (5, 10, 20, 20, ... after the warm-up): warm-up steps
     that something else on the host slowed for a moment (seen on a busy machine: a 1-core
     host measured at less than its half-core peer) set the shares for 5 steps, not 20.
-    Each estimate is the
-    samples over the compute seconds of every window so far, an earlier window counting
-    half as much at each new one.
+    Each estimate is the samples over the compute seconds of every window so far, an
+    earlier window counting half as much at each new one.
     """
 
     def __init__(self, comm: Communicator, nodes: int, batch_size: int, *, measured: bool,

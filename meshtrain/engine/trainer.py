@@ -23,10 +23,9 @@ from torch.utils.data import Dataset
 
 from meshtrain import checkpoint
 from meshtrain.config.environment import (
-    cores_per_local_rank,
     environment_run_id,
     launched_rank,
-    threads_from_environment,
+    resolve_threads,
     writes_run_directory,
 )
 from meshtrain.config.settings import TrainConfig, check_run_id
@@ -214,15 +213,3 @@ def run_job(job: NodeJob) -> FitResult:
             job.run_dir.discard()
             job.run_dir.write_error_log(exc)
         raise
-
-
-def resolve_threads(threads: int | None, runtime: str) -> int:
-    """Intra-op threads per node: explicit, else MESHTRAIN_THREADS, else the runtime's default."""
-    if threads is not None:
-        return threads
-    from_environment = threads_from_environment()
-    if from_environment is not None:
-        return from_environment
-    if runtime == "launched":
-        return cores_per_local_rank()  # a real host's cores, shared by its ranks
-    return 1  # simulated nodes share this machine's cores

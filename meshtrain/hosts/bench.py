@@ -39,9 +39,8 @@ from meshtrain.comm.sealing import bind_gloo_to_advertise
 from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group, leave_in_order
 from meshtrain.config.environment import (
     RankEnvironmentError,
-    cores_per_local_rank,
     launched_rank,
-    threads_from_environment,
+    resolve_threads,
 )
 from meshtrain.devices import DEVICES, resolve_device
 from meshtrain.errors import InputError
@@ -297,7 +296,7 @@ def probe_step_seconds(spec: ProbeSpec) -> tuple[float, float]:
     threads_before = torch.get_num_threads()
     # As a launched rank would train: the given threads, else the inventory's (the launcher
     # sets MESHTRAIN_THREADS, already checked), else the cores, shared by the host's ranks.
-    torch.set_num_threads(spec.threads or threads_from_environment() or cores_per_local_rank())
+    torch.set_num_threads(resolve_threads(spec.threads, "launched"))
     try:
         # 20 timed steps at least: enough for a spread, a few seconds for a small model.
         times = measure_step_times(bundle.model, bundle.train_data, spec.batch_size, bundle.collate_fn,

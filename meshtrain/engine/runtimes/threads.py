@@ -13,7 +13,6 @@ generators (the CPU's, and the GPU's on cuda or mps), holding that node's state.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 import traceback
@@ -23,6 +22,7 @@ import torch
 
 from meshtrain import seeding
 from meshtrain.comm import NodeAborted, ThreadCommunicator, ThreadHub
+from meshtrain.config.environment import usable_cores
 from meshtrain.devices import resolve_device
 from meshtrain.engine.job import FitResult, NodeFailed, NodeJob
 from meshtrain.engine.loop import node_seed, train_node
@@ -158,8 +158,7 @@ def concurrent_nodes(job: NodeJob) -> int:
     process may use divided by each node's intra-op threads."""
     if job.config.concurrent_nodes is not None:
         return job.config.concurrent_nodes
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // (job.config.threads or 1))
+    return max(1, usable_cores() // (job.config.threads or 1))
 
 
 def _wait_for(ended: list[threading.Event]) -> None:
