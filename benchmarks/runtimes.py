@@ -189,14 +189,15 @@ def scale(nodes: int, steps: int, batch: int, concurrent_nodes: int | None = Non
           repeats: int = 1) -> None:
     """``nodes`` simulated nodes of the gpt task's model in the threads runtime.
 
-    Overhead per node-step: the process's CPU time for a fit of ``steps`` steps minus one of
-    ``steps // 5`` (so start-up and the run directory cancel out), per node-step, minus the
-    nodes' own compute per node-step (forward, backward, optimizer: the summary's
-    ``step_seconds``). What remains is the runtime's work: data, guards, callbacks, and
-    simulating the collectives (the in-process reduction over all nodes). CPU time, so the
-    figure does not depend on how many cores the nodes share. It is the difference of two
-    large numbers: a few per cent of run-to-run change in the compute moves it by a
-    millisecond, so ``repeats`` pairs (the strategies interleaved) give a median and range.
+    Overhead per node-step: of each fit, the process's CPU time minus the nodes' own compute
+    (forward, backward, optimizer: the summary's ``step_seconds`` times the steady node-steps
+    it covers); then that of a fit of ``steps`` steps minus that of one of ``steps // 5`` (so
+    start-up, the run directory and the nodes' first steps cancel out), per node-step.
+    What remains is the runtime's work: data, guards, callbacks, and simulating the
+    collectives (the in-process reduction over all nodes). CPU time, so the figure does not
+    depend on how many cores the nodes share; and each fit's compute is taken from that fit,
+    so a slower or faster run (a busy machine) cancels out as well. ``repeats`` pairs (the
+    strategies interleaved) give a median and range.
     """
     torch.manual_seed(0)
     ids = torch.randint(0, 65, (200_000,), generator=torch.Generator().manual_seed(1))
@@ -212,13 +213,17 @@ def scale(nodes: int, steps: int, batch: int, concurrent_nodes: int | None = Non
     rss: dict[str, float] = {}
     for r in range(repeats):
         for strategy in strategies:
-            short, _ = _fit_cpu(model, data, strategy, nodes, max(1, steps // 5), batch, concurrent_nodes)
+            few = max(2, steps // 5)
+            short, short_compute = _fit_cpu(model, data, strategy, nodes, few, batch, concurrent_nodes)
             full, compute = _fit_cpu(model, data, strategy, nodes, steps, batch, concurrent_nodes)
-            per_node_step = (full - short) / (nodes * (steps - max(1, steps // 5)))
-            samples[strategy].append((compute, per_node_step - compute))
+            # the compute covers each node's steps but its first (ComputeClock.steady)
+            runtime_work = ((full - compute * nodes * (steps - 1))
+                            - (short - short_compute * nodes * (few - 1)))
+            overhead = runtime_work / (nodes * (steps - few))
+            samples[strategy].append((compute, overhead))
             rss.setdefault(strategy, (_max_rss_bytes() - rss_before) / nodes)
             print(f"[{r + 1}/{repeats}] {strategy}: compute {compute * 1e3:.2f} ms, overhead "
-                  f"{(per_node_step - compute) * 1e3:.3f} ms per node-step", flush=True)
+                  f"{overhead * 1e3:.3f} ms per node-step", flush=True)
     table = Table(title=f"{nodes} simulated nodes in the threads runtime: gpt model ({parameters:,} "
                         f"parameters), batch {batch} per node, {steps} steps, "
                         f"{concurrent_nodes or 'auto'} computing at once, median of {repeats} "

@@ -198,7 +198,8 @@ class ThreadHub:
             last = len(rnd.payloads) == g
             if last:
                 del self._rounds[key]
-                self._cv.notify_all()
+                if not alone:  # members alone wait for the result only (rnd.done)
+                    self._cv.notify_all()
             if alone and not last:
                 self._await(rank, lambda: rnd.done, lambda: set(members) - set(rnd.payloads))
                 return list(rnd.result)
