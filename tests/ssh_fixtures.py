@@ -91,11 +91,13 @@ def _alive(pid: int) -> bool:
 
 
 def start_sshd(folder: Path, authorized_key: Path, *, address: str = "127.0.0.1", port: int | None = None,
-               netns: str | None = None, wrap: tuple[str, ...] = (), extra_config: str = "") -> Sshd:
+               netns: str | None = None, wrap: tuple[str, ...] = (), extra_config: str = "",
+               session_env: dict[str, str] | None = None) -> Sshd:
     """Start sshd on ``address:port`` (inside ``netns`` if given) and wait until it listens.
 
     ``wrap`` goes before the command (e.g. ``unshare -m ...``: a mount only it sees);
-    ``extra_config`` is appended to its sshd_config."""
+    ``extra_config`` is appended to its sshd_config; ``session_env`` is set in every session
+    (sshd takes one ``SetEnv`` line, its first)."""
     _need(SSHD)
     folder.mkdir(parents=True, exist_ok=True)
     Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # its privilege-separation folder
@@ -112,7 +114,13 @@ def start_sshd(folder: Path, authorized_key: Path, *, address: str = "127.0.0.1"
         "PasswordAuthentication no\nKbdInteractiveAuthentication no\nPubkeyAuthentication yes\n"
         "PermitRootLogin prohibit-password\nStrictModes no\nUsePAM no\nUseDNS no\n"
         "ClientAliveInterval 5\nClientAliveCountMax 3\nMaxSessions 32\nMaxStartups 64\n"
-        "Subsystem sftp internal-sftp\nLogLevel VERBOSE\n" + extra_config
+        "Subsystem sftp internal-sftp\nLogLevel VERBOSE\n"
+        # bash, started by sshd for a command, reads ~/.bashrc only as the first shell; given
+        # SHLVL=1 it counts itself the second and does not, so the hosts' logins are the
+        # system's, not this machine's root's. (That .bashrc runs `pyenv rehash`, whose lock
+        # races between two logins at once and prints "pyenv: cannot rehash" into a rank's output.)
+        "SetEnv " + " ".join(f"{k}={v}" for k, v in {"SHLVL": "1", **(session_env or {})}.items()) + "\n"
+        + extra_config
     )
     command = [SSHD, "-f", str(config), "-E", str(log)]
     if netns:

@@ -1,7 +1,7 @@
 """A compromised or misbehaving host against the launcher, over a real sshd on loopback.
 
 The host is made hostile the way a compromised machine would be: its sshd gives every
-session a PATH whose first folder the test controls (``SetEnv PATH=...``), so the
+session a PATH whose only folder the test controls (sshd's ``SetEnv PATH=...``), so the
 ``tar`` that the launcher's copy-back runs there is the attacker's, emitting a crafted
 stream; without a ``tar`` on that PATH the launcher falls back to SFTP, and the run
 directory there holds what the host's program made (a symlink out of it). A rank's
@@ -58,7 +58,7 @@ def hostile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostileHost]:
     for tool in TOOLS:
         (folder / tool).symlink_to(f"/usr/bin/{tool}")
     server = start_sshd(world.folder / "sshd", world.user_key.with_suffix(".pub"),
-                        extra_config=f"SetEnv PATH={folder}\n")
+                        session_env={"PATH": str(folder)})
     world.servers.append(server)
     world.trust(server)
     try:
@@ -75,6 +75,7 @@ os.makedirs(run)
 open(os.path.join(run, "summary.json"), "w").write("{}")
 if len(sys.argv) > 1:  # the host's own run directory holds a link out of it
     os.symlink(sys.argv[1], os.path.join(run, "a"))
+print("made", run, flush=True)  # a line for the rank's log, which the launcher keeps
 """
 
 
