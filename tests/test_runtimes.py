@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 import sys
+import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from meshtrain import NodeFailed, Trainer
 from meshtrain.comm.torch_dist import host_loopback_store
 from meshtrain.engine import math_kernels
 from meshtrain.engine.runtimes.processes import node_context
+from meshtrain.engine.runtimes.threads import _SharedGenerator
 from meshtrain.engine.trainer import NodeJob, TrainConfig
 from meshtrain.strategies import DDP, SPARTA, DeMo, DiLoCo, FedAvg, Optim, SPARTADiLoCo
 
@@ -196,6 +199,32 @@ def test_every_node_starts_from_identical_weights(tmp_path):
     for rank in range(4):
         for got, want in zip(_Recorder.seen[rank], model.parameters(), strict=True):
             assert torch.equal(got, want.detach())
+
+
+def test_no_node_thread_is_left_when_fit_returns(tmp_path, monkeypatch):
+    """A node thread still freeing what it held when the caller's interpreter exits aborts the
+    process (a `simulate` ended with "terminate called without an active exception" in CI).
+    Each node's random-stream guard, let go by its thread as the thread ends, is made slow to
+    free (0.3 s): fit returns only once every node thread is gone."""
+    freed = []
+
+    class SlowToFree:
+        def __init__(self, guard: Callable[[], object]) -> None:
+            self.guard = guard
+
+        def __call__(self) -> object:
+            return self.guard()
+
+        def __del__(self) -> None:
+            time.sleep(0.3)
+            freed.append(threading.current_thread().name)
+
+    guard_for = _SharedGenerator.guard_for
+    monkeypatch.setattr(_SharedGenerator, "guard_for", lambda self, *args: SlowToFree(guard_for(self, *args)))
+    Trainer(MLP(), regression_data()).fit(DDP(), nodes=3, max_steps=2, batch_size=4, out_dir=tmp_path,
+                                          progress=False, runtime="threads")
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("meshtrain-node-")]
+    assert sorted(freed) == ["meshtrain-node-0", "meshtrain-node-1", "meshtrain-node-2"]
 
 
 class _Wide(torch.nn.Module):

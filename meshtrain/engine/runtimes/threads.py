@@ -143,6 +143,11 @@ def run_threads(job: NodeJob) -> FitResult:
             # The others stop at their next collective, step or validation batch; one stuck
             # outside torch (a hung data loader, a sleep) is left behind rather than hanging fit.
             _wait_for(ended)
+        # A node sets its event before its thread lets go of what it held (its communicator,
+        # buffers): join, so no thread still frees tensors when the caller's interpreter exits
+        # (a thread in torch then aborts the process: "terminate called without an active
+        # exception").
+        _join([t for r, t in enumerate(threads) if ended[r].is_set()])
     finally:
         torch.set_num_threads(threads_before)
     real = {r: e for r, e in errors.items() if not isinstance(e[0], NodeAborted)}
@@ -159,6 +164,12 @@ def concurrent_nodes(job: NodeJob) -> int:
     if job.config.concurrent_nodes is not None:
         return job.config.concurrent_nodes
     return max(1, usable_cores() // (job.config.threads or 1))
+
+
+def _join(threads: list[threading.Thread]) -> None:
+    grace = time.monotonic() + ABORT_GRACE_S
+    for t in threads:
+        t.join(timeout=max(0.0, grace - time.monotonic()))
 
 
 def _wait_for(ended: list[threading.Event]) -> None:
