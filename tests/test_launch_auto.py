@@ -27,7 +27,7 @@ import yaml
 from ssh_fixtures import Namespaces, SshWorld, meshtrain
 
 from meshtrain.cluster import get_cluster, sync_wait_seconds
-from meshtrain.planning import COMM_BUDGET, DILOCO_H, all_reduce_seconds, ddp_all_reduce_seconds
+from meshtrain.planning import COMM_BUDGET, DILOCO_H, ddp_all_reduce_seconds
 
 pytestmark = pytest.mark.slow
 BATCH = "64"  # a step long enough that a fast link's all-reduce is a small share of it
@@ -85,17 +85,18 @@ def world(netns_hosts: tuple[SshWorld, Namespaces]) -> tuple[SshWorld, Namespace
 
 
 def test_fast_link_gets_ddp(world, tmp_path: Path) -> None:
-    """The link costs DDP a few percent of a step. The probe's spread adds the wait for the
-    slowest host: on a quiet machine small (DDP), but where other processes share the
-    hosts' cores a step varies by a quarter of itself, DDP would wait ~15% of every step,
-    and DiLoCo is the right choice; the reasons then say so."""
+    """On a quiet machine the link costs DDP a few percent of a step and the probe's spread
+    adds a small wait for the slowest host: DDP. Where other processes share the hosts'
+    cores, a step varies by a quarter of itself (DDP would wait ~15% of every step) and the
+    veth link, moved by those cores, measures slower too (in CI once: 11.8 ms for the
+    all-reduce, 5.6% of the step): DiLoCo is then the right choice, and the reasons say
+    what DDP would cost, waiting included. Either way the choice is the planner's rule
+    applied to what `hosts bench` measured."""
     ssh, _ = world
     config = plan_and_launch(ssh, tmp_path, "fast")
     plan = config["plan"]
     cluster = get_cluster(str(tmp_path / "clusters" / "fast.yaml"))
-    link = all_reduce_seconds(plan["trainable_parameters"] * 4, 2, cluster)
     step = plan["step_seconds"]
-    assert link / (step + link) < 0.05, cluster  # a fast link
     wait = sync_wait_seconds(1, 2, cluster)
     # What the planner charges DDP: its buckets, hidden behind the backward pass where they fit.
     ddp = ddp_all_reduce_seconds(plan["trainable_parameters"] * 4, 2, cluster, step)
@@ -103,9 +104,10 @@ def test_fast_link_gets_ddp(world, tmp_path: Path) -> None:
         assert plan["strategy"] == "ddp", plan
         assert plan["communication_share"] <= COMM_BUDGET
         assert any("no quality cost" in reason for reason in plan["reasons"])
-    else:  # a busy machine: the spread, not the link, rules DDP out
-        assert plan["strategy"] == "diloco", plan
-        assert any("waiting for the slowest host" in reason for reason in plan["reasons"])
+    else:  # a busy machine: the hosts' spread (and a link slowed with them) rule DDP out
+        assert plan["strategy"] == "diloco", (plan, cluster)
+        assert any(reason.startswith("DDP would spend") for reason in plan["reasons"]), plan
+        assert any("waiting for the slowest host" in reason for reason in plan["reasons"]) == (wait > 0), plan
 
 
 def test_slow_link_gets_diloco_with_communication_under_budget(world, tmp_path: Path) -> None:
