@@ -132,10 +132,22 @@ def _rank_pid(marker: str, rank: int) -> int:
     raise AssertionError(f"no rank {rank} among {rank_processes(marker, 'fault.py')}")
 
 
+def wait_for_ranks(proc: subprocess.Popen[str], world: SshWorld, marker: str) -> None:
+    """Both ranks said "ready". If not within 30 s, the failure also shows the processes of
+    this launch (is a rank's shell still waiting, did its interpreter start?) and sshd's log:
+    a CI run once saw only rank 1's line, and nothing else of it was known."""
+    try:
+        read_until(proc, ["rank 0 ready", "rank 1 ready"], timeout=30)
+    except AssertionError as exc:
+        log = world.servers[0].log.read_text(errors="replace").splitlines()[-30:]
+        raise AssertionError(f"{exc}\nprocesses with {marker}:\n" + "\n".join(processes_with(marker))
+                             + "\nsshd log, last lines:\n" + "\n".join(log)) from None
+
+
 def test_killed_rank_stops_the_others(world: SshWorld, tmp_path: Path) -> None:
     proc, marker = start(world, tmp_path, "run")
     try:
-        read_until(proc, ["rank 0 ready", "rank 1 ready"], timeout=30)
+        wait_for_ranks(proc, world, marker)
         os.kill(_rank_pid(marker, 1), signal.SIGKILL)
         killed_at = time.monotonic()
         output, _ = proc.communicate(timeout=30)
@@ -152,7 +164,7 @@ def test_killed_rank_stops_the_others(world: SshWorld, tmp_path: Path) -> None:
 def test_stopping_the_launcher_stops_every_rank(world: SshWorld, tmp_path: Path, signum: int) -> None:
     proc, marker = start(world, tmp_path, "run,stubborn")
     try:
-        read_until(proc, ["rank 0 ready", "rank 1 ready"], timeout=30)
+        wait_for_ranks(proc, world, marker)
         proc.send_signal(signum)
         sent_at = time.monotonic()
         output, _ = proc.communicate(timeout=30)
@@ -169,7 +181,7 @@ def test_killed_launcher_leaves_nothing_behind(world: SshWorld, tmp_path: Path) 
     """SIGKILL gives the launcher no chance to clean up: the ptys' hang-up does it."""
     proc, marker = start(world, tmp_path, "run")
     try:
-        read_until(proc, ["rank 0 ready", "rank 1 ready"], timeout=30)
+        wait_for_ranks(proc, world, marker)
         assert len(rank_processes(marker, "fault.py")) == 2
         proc.kill()
         proc.wait(timeout=10)
