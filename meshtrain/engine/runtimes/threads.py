@@ -137,17 +137,17 @@ def run_threads(job: NodeJob) -> FitResult:
                     pass  # a failed node ends the wait: the others are stopped below
         except BaseException as interrupt:  # Ctrl-C: stop every node before leaving
             hub.abort(interrupt)
-            _wait_for([ended[r] for r, t in enumerate(threads) if t.ident is not None])
+            _within_grace([ended[r].wait for r, t in enumerate(threads) if t.ident is not None])
             raise
         if errors:
             # The others stop at their next collective, step or validation batch; one stuck
             # outside torch (a hung data loader, a sleep) is left behind rather than hanging fit.
-            _wait_for(ended)
+            _within_grace([done.wait for done in ended])
         # A node sets its event before its thread lets go of what it held (its communicator,
         # buffers): join, so no thread still frees tensors when the caller's interpreter exits
         # (a thread in torch then aborts the process: "terminate called without an active
         # exception").
-        _join([t for r, t in enumerate(threads) if ended[r].is_set()])
+        _within_grace([t.join for r, t in enumerate(threads) if ended[r].is_set()])
     finally:
         torch.set_num_threads(threads_before)
     real = {r: e for r, e in errors.items() if not isinstance(e[0], NodeAborted)}
@@ -166,13 +166,9 @@ def concurrent_nodes(job: NodeJob) -> int:
     return max(1, usable_cores() // (job.config.threads or 1))
 
 
-def _join(threads: list[threading.Thread]) -> None:
+def _within_grace(waits: list[Callable[[float], object]]) -> None:
+    """Call each ``wait(timeout)`` (an event's wait, a thread's join) in turn, all of them
+    within one :data:`ABORT_GRACE_S`."""
     grace = time.monotonic() + ABORT_GRACE_S
-    for t in threads:
-        t.join(timeout=max(0.0, grace - time.monotonic()))
-
-
-def _wait_for(ended: list[threading.Event]) -> None:
-    grace = time.monotonic() + ABORT_GRACE_S
-    for done in ended:
-        done.wait(timeout=max(0.0, grace - time.monotonic()))
+    for wait in waits:
+        wait(max(0.0, grace - time.monotonic()))
