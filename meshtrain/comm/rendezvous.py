@@ -304,7 +304,13 @@ class Gate(_Listener):
                 if self.admissions_left == 0:
                     self.close()  # every rank is in: nobody else may come
         conn.settimeout(None)
-        store = socket.create_connection(("127.0.0.1", self.store_port))
+        try:
+            store = socket.create_connection(("127.0.0.1", self.store_port))
+        except OSError as exc:  # rank 0 has stopped (its store with it): the rank finds out itself
+            print(f"meshtrain: could not admit the rank from {peer[0]}:{peer[1]}: the rendezvous "
+                  f"store is gone ({exc.strerror or exc})", file=sys.stderr, flush=True)
+            conn.close()
+            return
         _pipe(conn, store)
 
 
