@@ -196,6 +196,35 @@ def test_the_gate_closes_strangers_before_any_handshake_and_keeps_slots_for_rank
     assert "not an inventory host's address" in err
 
 
+def test_a_rank_admitted_after_the_store_is_gone_is_closed_with_one_line(
+        capfd, monkeypatch) -> None:  # noqa: ANN001 - pytest's fixtures
+    """Rank 0's store can stop (rank 0 failed, or the run ended) while a rank is still in
+    the handshake: the gate closes that rank's connection and says why in one line; its
+    thread does not die with a stack trace."""
+    import threading
+
+    from meshtrain.comm.rendezvous import Gate, rank_handshake
+
+    died: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: died.append(args.exc_value))
+    gone = socket.create_server(("127.0.0.1", 0))
+    store_port = gone.getsockname()[1]
+    gone.close()  # nothing listens there now
+    secret, port = new_secret().encode(), free_port()
+    gate = Gate("127.0.0.1", port, store_port, secret, admissions=1)
+    try:
+        rank = socket.create_connection(("127.0.0.1", port), timeout=10)
+        rank.settimeout(10)
+        rank_handshake(rank, secret)
+        assert rank.recv(1) == b""  # closed by the gate, not piped to a store
+        rank.close()
+    finally:
+        gate.close()
+    assert not died
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and "the rendezvous store is gone" in err, err
+
+
 def test_sealed_listeners_drop_new_connections_and_keep_the_old_ones() -> None:
     """What a rank does to gloo's listener once the group has formed (Linux): a socket
     filter drops every new connection before it makes a socket; connections already
@@ -303,4 +332,4 @@ def test_a_rank_whose_last_message_outlives_rank_0s_store_leaves_normally() -> N
     peer = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
     assert peer.add(LEFT_KEY, 0) == 0  # connected
     del server  # rank 0 exits: its store closes
-    say_left(peer)  # returns: no DistNetworkError
+    say_left(peer, 2)  # the last to leave; returns: no DistNetworkError

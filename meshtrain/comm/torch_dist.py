@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -264,8 +263,14 @@ def loopback_interface() -> str | None:
     return next((n for n in ("lo", "lo0") if n in names), None)
 
 
-#: The store counter of ranks that have left (:func:`leave_in_order`).
+#: The store counter of ranks that have left (:func:`leave_in_order`), and the key the last
+#: of them sets, which rank 0 waits for.
 LEFT_KEY = "meshtrain/left"
+ALL_LEFT_KEY = "meshtrain/all-left"
+
+#: How long rank 0 waits for its peers to leave before it leaves anyway (a peer that died
+#: never says so).
+LEAVE_GRACE_S = 60.0
 
 
 def leave_in_order(rank: int, world: int, timeout_s: float) -> None:
@@ -274,25 +279,28 @@ def leave_in_order(rank: int, world: int, timeout_s: float) -> None:
     Rank 0 may host the rendezvous store: if it exits while a peer is still tearing down
     (which talks to the store), the peer's store client fails in a background thread and
     the process aborts ("terminate called without an active exception"). So every other
-    rank leaves first and says so through the store; rank 0 waits for them, then leaves.
+    rank says through the store when it has left, and rank 0 waits for the last of them
+    (the store wakes it: no polling) before it leaves. Its own group it tears down
+    meanwhile (gloo takes ~20-40 ms to): the store lives on as long as ``store`` holds it.
     """
     store = dist.distributed_c10d._get_default_store()
-    if rank != 0:
-        dist.destroy_process_group()
-        say_left(store)
-        return
-    deadline = time.monotonic() + min(timeout_s, 60.0)
-    while store.add(LEFT_KEY, 0) < world - 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
     dist.destroy_process_group()
+    if rank != 0:
+        say_left(store, world)
+    elif world > 1:
+        # A peer that never says it left (it died) is not waited for beyond the grace.
+        with contextlib.suppress(dist.DistStoreError):
+            store.wait([ALL_LEFT_KEY], timedelta(seconds=min(timeout_s, LEAVE_GRACE_S)))
 
 
-def say_left(store: dist.Store) -> None:
-    """A rank other than 0 tells rank 0 it has left: the last thing it sends.
+def say_left(store: dist.Store, world: int) -> None:
+    """A rank other than 0 tells rank 0 it has left: the last thing it sends (the last of
+    the ``world - 1`` to leave also wakes rank 0).
 
-    Rank 0 counts the add and may exit, closing the store, before the store's reply reaches
-    this rank; the add then fails here with the connection closed. The rank has nothing
-    left to do either way (training ended at a barrier every rank passed), so that failure
-    is not this rank's: it leaves normally."""
+    Rank 0 may exit, closing the store, before the store's reply reaches this rank; the
+    call then fails here with the connection closed. The rank has nothing left to do
+    either way (training ended at a barrier every rank passed), so that failure is not
+    this rank's: it leaves normally."""
     with contextlib.suppress(dist.DistNetworkError):
-        store.add(LEFT_KEY, 1)
+        if store.add(LEFT_KEY, 1) == world - 1:
+            store.set(ALL_LEFT_KEY, "1")
