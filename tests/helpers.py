@@ -281,6 +281,41 @@ def gloo_comm_worker(rank: int, world: int, port: int, results: object) -> None:
     results.put((rank, buf.getvalue()))
 
 
+def gloo_retire_worker(rank: int, port: int, results: object) -> None:
+    """One of 2 spawned processes: collectives back to back, small and larger than
+    ``RETIRED_BYTES``; reports each result's correctness and how many finished requests
+    the communicator keeps alive after it."""
+    import torch.distributed as dist
+
+    from meshtrain.comm import torch_dist
+    from meshtrain.comm.communicator import ring_reduce
+    from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group
+
+    torch.set_num_threads(1)
+    init_process_group(rank, 2, "127.0.0.1", port, torch.device("cpu"), 60.0)
+    comm = TorchDistCommunicator()
+
+    report: list[tuple[str, bool, int]] = []
+    try:
+        large = torch_dist.RETIRED_BYTES // 4 + 1001  # float32 elements: above the bound
+        for n in [1001, 65_536, large, 1001]:
+            xs = [torch.randn(n, generator=torch.Generator().manual_seed(10 * r + n % 7)) for r in range(2)]
+            for _ in range(3):
+                mine = xs[rank].clone()
+                comm.all_reduce(mine, op="sum")
+                exact = torch.equal(mine, ring_reduce(xs, "sum"))
+                report.append((f"all_reduce {n}", exact, len(comm._retired)))
+            gathered = comm.all_gather(xs[rank])
+            exact = all(torch.equal(g, x) for g, x in zip(gathered, xs, strict=True))
+            report.append((f"all_gather {n}", exact, len(comm._retired)))
+            sent = [xs[rank].clone()]
+            comm.broadcast(sent, src=1)
+            report.append((f"broadcast {n}", torch.equal(sent[0], xs[1]), len(comm._retired)))
+    finally:
+        dist.destroy_process_group()
+    results.put((rank, report))  # type: ignore[attr-defined]
+
+
 class CrashesAt(MLP):
     """An MLP with dropout whose every node raises at forward call ``at_call`` (a run that
     is interrupted part-way); ``at_call=None`` never raises."""

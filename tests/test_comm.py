@@ -10,7 +10,7 @@ from queue import Empty
 
 import pytest
 import torch
-from helpers import ORDER_VALUES, comm_script, gloo_comm_worker
+from helpers import ORDER_VALUES, comm_script, gloo_comm_worker, gloo_retire_worker
 from torch.testing import assert_close
 
 from meshtrain.comm import (
@@ -341,6 +341,31 @@ def test_gloo_recorded_bytes_are_the_bytes_on_the_wire(gloo_results):
         recorded.append(tuple(result["log"][4][1:3]))  # the float all-gather
         assert result["wire"] == recorded, rank
         assert recorded[0] == ring_all_reduce_bytes(1001, 4, rank, 3)
+
+
+def test_gloo_keeps_finished_requests_one_call_and_never_a_large_one():
+    """A finished gloo request is kept alive until the next collective (freed at once, it
+    spins until gloo's network thread lets its buffer go: ~2 ms per exchange back to back;
+    benchmarks/collective.py --back-to-back), but never one whose tensors hold more than
+    RETIRED_BYTES: a model-sized buffer does not outlive its collective. Results stay exact."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_loopback_port()
+    procs = [ctx.Process(target=gloo_retire_worker, args=(r, port, queue), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        reports = dict(queue.get(timeout=90) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    for rank, report in reports.items():
+        assert all(exact for _, exact, _ in report), (rank, report)
+        for what, _, kept in report:
+            large = int(what.split()[1]) > 1_000_000
+            assert (kept == 0) if large else (kept > 0), (rank, what, kept)
 
 
 def test_node_reports_are_capped_at_64_mib_before_rank_0_allocates_them() -> None:

@@ -32,6 +32,9 @@ class TorchDistCommunicator(Communicator):
         self.backend = dist.get_backend()
         self._sends: list[Any] = []  # requests posted and not yet waited for
         self._receives: list[Any] = []
+        self._finished: list[Any] = []  # requests waited for, kept alive a while (_retire)
+        self._finished_bytes = 0  # the bytes their tensors hold
+        self._retired: list[Any] = []
         # gloo's point-to-point calls may come from any thread; the node's own thread
         # posts nothing while a bucket is in flight (GradientBuckets waits for it first).
         self.reduces_in_background = self.backend == "gloo"
@@ -49,6 +52,7 @@ class TorchDistCommunicator(Communicator):
         two ranks match in the order they are posted, so both sides post in one order."""
         self._sends.append(dist.isend(send, dst))
         self._receives.append(dist.irecv(recv, src))
+        self._finished_bytes += send.nbytes + recv.nbytes
 
     def _exchange_now(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
         self._exchange(send, dst, recv, src)
@@ -56,11 +60,31 @@ class TorchDistCommunicator(Communicator):
 
     def _settle(self) -> None:
         """Wait for every posted send and receive not yet waited for (gloo's wait may be
-        called once per request: a second wait would wait for another message)."""
+        called once per request: a second wait would wait for another message), then
+        retire every request this call waited for."""
         posted = self._sends + self._receives
         self._sends, self._receives = [], []
         for request in posted:
             request.wait()
+        self._finished += posted
+        self._retire()
+
+    def _retire(self) -> None:
+        """Keep the requests finished since the last call alive until the next call, and
+        let the ones kept before go now.
+
+        A gloo request freed right after its wait spins (``sched_yield``) in its buffer's
+        destructor until gloo's network thread lets the buffer go, which it does only at
+        its next event, typically the peer's next message. Collectives back to back (a
+        strategy that all-reduces tensor by tensor) then paid about 2 ms per exchange on
+        loopback whatever its size; freed one call later, the buffers are long released
+        (2 processes, 256 KiB all-reduces back to back: 0.7 ms each instead of 4.2 ms;
+        ``python benchmarks/collective.py --back-to-back``). A request holds its tensor, so
+        only up to :data:`RETIRED_BYTES` are kept: a large message's transfer dwarfs the
+        wait, and a model-sized buffer must not outlive its collective."""
+        keep = self._finished_bytes <= RETIRED_BYTES
+        self._retired, self._finished = (self._finished if keep else []), []
+        self._finished_bytes = 0
 
     def _ring_all_reduce(self, flat: torch.Tensor, op: ReduceOp, members: list[int]) -> torch.Tensor:
         if self.backend != "gloo":
@@ -101,6 +125,7 @@ class TorchDistCommunicator(Communicator):
             arrivals, received = received, []
             for m, request in enumerate(arrivals):
                 request.wait()
+                self._finished.append(request)
                 if s < g - 1:
                     # The piece holds ((x[c] + ...) + x[pos-1]) and a + b == b + a bit for
                     # bit, so adding it into ours continues the ring order of ring_reduce.
@@ -167,12 +192,14 @@ class TorchDistCommunicator(Communicator):
 
     def _broadcast(self, flat: torch.Tensor, src: int, members: list[int]) -> torch.Tensor:
         if self.rank == src:
-            reqs = [dist.isend(flat, m) for m in members if m != src]
-            for r in reqs:
-                r.wait()
+            self._sends += [dist.isend(flat, m) for m in members if m != src]
+            self._finished_bytes += flat.nbytes * (len(members) - 1)
+            self._settle()
             return flat
         out = torch.empty_like(flat)
-        dist.recv(out, src)
+        self._receives.append(dist.irecv(out, src))
+        self._finished_bytes += out.nbytes
+        self._settle()
         return out
 
 
@@ -182,6 +209,10 @@ class TorchDistCommunicator(Communicator):
 #: gloo then stalls for ~3 ms now and then (measured on loopback, benchmarks/collective.py:
 #: 1.68 MB took 3.75-3.94 ms in 512 KiB pieces, 1.29-3.47 ms in 2 MiB ones).
 PIECE_BYTES = 2 * 2**20
+
+#: The most bytes of tensors that finished requests keep alive until the next collective
+#: (:meth:`TorchDistCommunicator._retire`).
+RETIRED_BYTES = 16 * 2**20
 
 #: The most receive space a ring keeps between calls (per node): enough for a 128 MB
 #: message between 2 nodes; larger messages take fresh memory each time.
