@@ -9,6 +9,10 @@ absolute times do not.
 
     python benchmarks/collective.py               # 2 processes, 64 KB .. 16 MB
     python benchmarks/collective.py --nodes 4 --repeats 10
+    python benchmarks/collective.py --back-to-back 30   # 30 calls after each barrier
+
+One call after a barrier is the latency of a lone collective; ``--back-to-back`` is a
+strategy that reduces tensor by tensor (the next call starts as the last one ends).
 """
 
 from __future__ import annotations
@@ -30,17 +34,19 @@ from meshtrain.comm.torch_dist import TorchDistCommunicator, host_loopback_store
 SIZES = [64 * 2**10, 256 * 2**10, 2**20, 1_680_000, 4 * 2**20, 16 * 2**20]
 
 
-def _timed(fn, flat: torch.Tensor) -> float:  # noqa: ANN001 - a benchmark helper
+def _timed(fn, flat: torch.Tensor, calls: int = 1) -> float:  # noqa: ANN001 - a benchmark helper
+    """Seconds per call of ``calls`` calls back to back after a barrier, on the slowest rank."""
     dist.barrier()
     start = time.perf_counter()
-    fn(flat)
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    for _ in range(calls):
+        fn(flat)
+    elapsed = torch.tensor([(time.perf_counter() - start) / calls], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time is the collective's
     return float(elapsed)
 
 
 def _rank(rank: int, nodes: int, port: int, repeats: int, sizes: list[int], piece_bytes: int,
-          kept_scratch: int, results: object) -> None:
+          kept_scratch: int, calls: int, results: object) -> None:
     torch_dist.PIECE_BYTES = piece_bytes
     torch_dist.KEPT_SCRATCH_BYTES = kept_scratch
     torch.set_num_threads(1)
@@ -64,8 +70,8 @@ def _rank(rank: int, nodes: int, port: int, repeats: int, sizes: list[int], piec
             _timed(fn, flat)
         ours, theirs = [], []
         for _ in range(repeats):
-            ours.append(_timed(meshtrain_all_reduce, flat))
-            theirs.append(_timed(gloo_all_reduce, flat))
+            ours.append(_timed(meshtrain_all_reduce, flat, calls))
+            theirs.append(_timed(gloo_all_reduce, flat, calls))
         rows.append((nbytes, statistics.median(ours), statistics.median(theirs)))
     if rank == 0:
         results.put(rows)  # type: ignore[attr-defined]
@@ -81,12 +87,15 @@ def main() -> None:
                         help="meshtrain's ring message size (default: the library's)")
     parser.add_argument("--kept-scratch-bytes", type=int, default=torch_dist.KEPT_SCRATCH_BYTES,
                         help="receive space the ring keeps between calls (default: the library's; 0: none)")
+    parser.add_argument("--back-to-back", type=int, default=1, metavar="CALLS",
+                        help="a sample is CALLS all-reduces back to back after one barrier (per call)")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     store, port = host_loopback_store(120.0)
     procs = [ctx.Process(target=_rank, args=(r, args.nodes, port, args.repeats, args.sizes,
-                                                     args.piece_bytes, args.kept_scratch_bytes, results))
+                                                     args.piece_bytes, args.kept_scratch_bytes,
+                                                     args.back_to_back, results))
              for r in range(args.nodes)]
     load_before = os.getloadavg()[0]
     for p in procs:
@@ -97,7 +106,9 @@ def main() -> None:
     del store
     console = Console(width=140)
     console.print(f"all-reduce (sum, float32), {args.nodes} gloo processes on loopback, 1 thread each; "
-                  f"median of {args.repeats} alternating samples; ring pieces of {args.piece_bytes} bytes; "
+                  f"median of {args.repeats} alternating samples of {args.back_to_back} call(s) "
+                  "back to back; "
+                  f"ring pieces of {args.piece_bytes} bytes; "
                   f"{args.kept_scratch_bytes} bytes of scratch kept; "
                   f"load average {load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     table = Table()
