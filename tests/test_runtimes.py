@@ -286,21 +286,23 @@ def test_a_node_process_resolves_math_kernels_before_it_trains(tmp_path):
 
 
 class _ChecksItsCores(torch.nn.Module):
-    """Trains only where every thread of its node process is bound to the node's own cores:
-    with ``threads`` each, round-robin by rank over the cores the test process may use."""
+    """Trains only where every thread of its node process runs on the cores the rule gives:
+    a run that fills the caller's cores binds node r to ``threads`` of them from
+    r * threads on (round-robin); otherwise every node runs on all of the caller's cores."""
 
-    def __init__(self, threads: int) -> None:
+    def __init__(self, nodes: int, threads: int) -> None:
         super().__init__()
         self.linear = torch.nn.Linear(8, 1)
-        self.threads = threads
+        self.nodes, self.threads = nodes, threads
         self.allowed = sorted(os.sched_getaffinity(0))  # the caller's, handed out to the nodes
 
     def forward(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         import torch.distributed as dist
 
         rank, n = dist.get_rank(), len(self.allowed)
-        want = set(self.allowed) if self.threads >= n else \
-            {self.allowed[(rank * self.threads + i) % n] for i in range(self.threads)}
+        fills = self.threads < n <= self.nodes * self.threads
+        want = {self.allowed[(rank * self.threads + i) % n] for i in range(self.threads)} if fills \
+            else set(self.allowed)
         bound = {int(tid): os.sched_getaffinity(int(tid)) for tid in os.listdir("/proc/self/task")}
         if any(cores != want for cores in bound.values()):
             raise RuntimeError(f"node {rank}: threads bound to {bound}, not {want}")
@@ -308,13 +310,23 @@ class _ChecksItsCores(torch.nn.Module):
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="binding to cores is Linux only")
-@pytest.mark.parametrize("threads", [1, 2])
-def test_node_processes_are_bound_to_their_own_cores(tmp_path, threads):
-    """Each node process, and every thread it starts (gloo's, the gradient buckets' worker),
-    runs on its own cores: node r on the cores from r * threads on, round-robin over the
-    caller's (benchmarks/runtimes.py: DDP on 4 processes took 1.8-2.1 s bound, 2.2-2.4 s not)."""
-    data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32))
-    result = Trainer(_ChecksItsCores(threads), data).fit(
-        DDP("sgd", 0.01), nodes=3, max_steps=2, batch_size=4, runtime="processes", threads=threads,
-        out_dir=tmp_path, progress=False)
+@pytest.mark.parametrize("nodes,threads", [(3, 1), (3, 2), (1, 1)],
+                         ids=["fills-the-cores", "a-node-per-core-pair", "cores-to-spare"])
+def test_node_processes_run_on_the_callers_cores_bound_when_they_fill_them(tmp_path, nodes, threads):
+    """With the caller on 2 cores: 3 nodes of 1 thread fill them, so each node process, and
+    every thread it starts (gloo's, the gradient buckets' worker), is bound to its own core,
+    round-robin (benchmarks/runtimes.py: DDP on 4 processes took 1.8-2.1 s bound, 2.2-2.4 s
+    not). 2 threads per node, or 1 node, leave the scheduler free, on the caller's cores:
+    runs with cores to spare, side by side, must not crowd onto the same ones."""
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) < 2:
+        pytest.skip("needs 2 cores to hand out")
+    os.sched_setaffinity(0, allowed[:2])  # this thread: the nodes are to see the caller's cores of now
+    try:
+        data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32))
+        result = Trainer(_ChecksItsCores(nodes, threads), data).fit(
+            DDP("sgd", 0.01), nodes=nodes, max_steps=2, batch_size=4, runtime="processes",
+            threads=threads, out_dir=tmp_path, progress=False)
+    finally:
+        os.sched_setaffinity(0, allowed)
     assert result.summary["steps"] == 2

@@ -60,30 +60,38 @@ def node_context() -> Any:
     return mp.get_context("spawn")
 
 
-def bind_to_cores(rank: int, threads: int) -> set[int] | None:
-    """Bind the calling node process (the threads it starts from now on included: gloo's,
-    the gradient buckets' worker) to ``threads`` cores of those it may use, round-robin
-    by rank: node r gets the cores from r * threads on, wrapping round. Linux only (None
-    elsewhere, or where the node would get every core anyway); returns the cores.
+def callers_cores() -> list[int] | None:
+    """The cores the calling thread may run on (``taskset`` included); None off Linux."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
 
-    Nodes whose ring waits on each other every step lose to migration: with 4 nodes on 2
-    cores, unbound, a node woken by its peer's message waits for whichever core the
-    scheduler last put it on. Bound round-robin (as MPI binds ranks to cores), ring
-    neighbours sit on different cores: the DDP benchmark (``benchmarks/runtimes.py``)
-    took 1.8-2.1 s instead of 2.2-2.4 s. The caller's own affinity (``taskset``) is
-    respected: only the cores it allows are handed out."""
-    if not hasattr(os, "sched_setaffinity"):
+
+def bind_to_cores(rank: int, nodes: int, threads: int, cores: list[int] | None) -> set[int] | None:
+    """Bind the calling node process (the threads it starts from now on included: gloo's,
+    the gradient buckets' worker) to ``threads`` of ``cores`` (the caller's), round-robin
+    by rank: node r gets the cores from r * threads on, wrapping round. Returns them, or
+    None where the node is not bound to its own (it then runs on all of ``cores``, as a
+    process the caller spawned would: the fork server's may be older).
+
+    Only a run that fills the cores is bound: ``nodes * threads`` at least as many as there
+    are cores, and fewer than all for each node. There the nodes' ring waits on each other
+    every step and loses to migration: with 4 nodes on 2 cores, unbound, a node woken by its
+    peer's message waits for whichever core the scheduler last put it on; bound
+    round-robin (as MPI binds ranks to cores), ring neighbours sit on different cores, and
+    the DDP benchmark (``benchmarks/runtimes.py``) took 1.8-2.1 s instead of 2.2-2.4 s. A
+    run with cores to spare is left to the scheduler: two such runs side by side would
+    otherwise both crowd onto the first cores."""
+    if cores is None or not hasattr(os, "sched_setaffinity"):
         return None
-    allowed = sorted(os.sched_getaffinity(0))
-    if threads >= len(allowed):
+    if threads >= len(cores) or nodes * threads < len(cores):
+        os.sched_setaffinity(0, cores)
         return None
-    mine = {allowed[(rank * threads + i) % len(allowed)] for i in range(threads)}
+    mine = {cores[(rank * threads + i) % len(cores)] for i in range(threads)}
     os.sched_setaffinity(0, mine)
     return mine
 
 
 def _node_process(job: NodeJob, rank: int, port: int, results: Any, observed: bool = False,
-                  environ: dict[str, str] | None = None) -> None:
+                  environ: dict[str, str] | None = None, cores: list[int] | None = None) -> None:
     if environ is not None:
         # The forkserver's environment is the caller's as it was when the server started:
         # the node takes the caller's environment of now, as a spawned process would.
@@ -92,7 +100,7 @@ def _node_process(job: NodeJob, rank: int, port: int, results: Any, observed: bo
     torch.set_num_threads(job.config.threads or 1)  # N processes share the cores: 1 each by default
     device = resolve_device(job.config.device)
     if device.type == "cpu":
-        bind_to_cores(rank, job.config.threads or 1)
+        bind_to_cores(rank, job.config.nodes, job.config.threads or 1, cores)
     if device.type == "cuda":
         # Node N on GPU N (the fit checked there are enough: nccl refuses two ranks on one);
         # device "cuda" means the current GPU to torch and nccl alike.
@@ -145,9 +153,10 @@ def run_processes(job: NodeJob) -> FitResult:
     results = ctx.Queue()
     # The rendezvous store lives here, in the parent, listening on loopback only.
     store, port = host_loopback_store(job.config.timeout_s)
+    cores = callers_cores()  # the caller's of now: the fork server's may be older
     procs = [
-        ctx.Process(target=_node_process, args=(job, r, port, results, observers.active(), dict(os.environ)),
-                    name=f"meshtrain-node-{r}", daemon=True)
+        ctx.Process(target=_node_process, name=f"meshtrain-node-{r}", daemon=True,
+                    args=(job, r, port, results, observers.active(), dict(os.environ), cores))
         for r in range(n)
     ]
     try:
