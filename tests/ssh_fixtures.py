@@ -9,6 +9,7 @@ Where sshd or namespaces cannot be had, the tests skip and say why.
 
 from __future__ import annotations
 
+import codecs
 import os
 import selectors
 import shutil
@@ -361,15 +362,26 @@ def start_meshtrain(world: SshWorld, *args: str, cwd: Path) -> subprocess.Popen[
 
 
 def read_until(proc: subprocess.Popen[str], needles: list[str], timeout: float) -> str:
-    """Read ``proc``'s output until every needle appeared; fails the test on timeout."""
-    seen, deadline = "", time.monotonic() + timeout
+    """Read ``proc``'s output until every needle appeared, each with the rest of its line;
+    fails the test on timeout. Returns everything read (a caller that reads on gets the
+    output from there: ``seen + rest``).
+
+    It reads the pipe's descriptor itself, whatever has arrived, never through
+    ``proc.stdout``'s buffer: a buffered ``readline`` after ``select`` may pull two lines out
+    of the pipe and return one, and ``select`` then never reports the other (it sits in the
+    buffer, not in the pipe), so a test waiting for it timed out although it was printed."""
     assert proc.stdout is not None
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    while not all(n in seen for n in needles):
-        if time.monotonic() > deadline or proc.poll() is not None and not sel.select(0):
-            raise AssertionError(f"did not see {needles} in output:\n{seen}")
-        if sel.select(0.2):
-            line = proc.stdout.readline()
-            seen += line
-    return seen
+    fd = proc.stdout.fileno()
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    seen, deadline = "", time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while not all(n in seen and "\n" in seen[seen.index(n):] for n in needles):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"did not see {needles} in output:\n{seen}")
+            if sel.select(0.2):
+                chunk = os.read(fd, 65536)
+                if not chunk:  # the process closed its output: nothing more will come
+                    raise AssertionError(f"did not see {needles} in output:\n{seen}")
+                seen += decoder.decode(chunk)
+    return seen + decoder.decode(b"", final=True)
