@@ -377,11 +377,9 @@ def read_until(proc: subprocess.Popen[str], needles: list[str], timeout: float) 
     with selectors.DefaultSelector() as sel:
         sel.register(fd, selectors.EVENT_READ)
         while not all(n in seen and "\n" in seen[seen.index(n):] for n in needles):
-            if time.monotonic() > deadline:
+            chunk = os.read(fd, 65536) if sel.select(0.2) else None
+            # b"": the process closed its output, so nothing more will come
+            if time.monotonic() > deadline or chunk == b"":
                 raise AssertionError(f"did not see {needles} in output:\n{seen}")
-            if sel.select(0.2):
-                chunk = os.read(fd, 65536)
-                if not chunk:  # the process closed its output: nothing more will come
-                    raise AssertionError(f"did not see {needles} in output:\n{seen}")
-                seen += decoder.decode(chunk)
+            seen += decoder.decode(chunk or b"")
     return seen + decoder.decode(b"", final=True)

@@ -50,9 +50,16 @@ class TorchDistCommunicator(Communicator):
         """Post sending ``send`` to ``dst`` and receiving ``recv`` from ``src``, without
         waiting: the requests go to :attr:`_sends` and :attr:`_receives`. Messages between
         two ranks match in the order they are posted, so both sides post in one order."""
-        self._sends.append(dist.isend(send, dst))
-        self._receives.append(dist.irecv(recv, src))
-        self._finished_bytes += send.nbytes + recv.nbytes
+        self._post_send(send, dst)
+        self._post_receive(recv, src)
+
+    def _post_send(self, tensor: torch.Tensor, dst: int) -> None:
+        self._sends.append(dist.isend(tensor, dst))
+        self._finished_bytes += tensor.nbytes  # held by the request until it is retired
+
+    def _post_receive(self, tensor: torch.Tensor, src: int) -> None:
+        self._receives.append(dist.irecv(tensor, src))
+        self._finished_bytes += tensor.nbytes
 
     def _exchange_now(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
         self._exchange(send, dst, recv, src)
@@ -192,13 +199,13 @@ class TorchDistCommunicator(Communicator):
 
     def _broadcast(self, flat: torch.Tensor, src: int, members: list[int]) -> torch.Tensor:
         if self.rank == src:
-            self._sends += [dist.isend(flat, m) for m in members if m != src]
-            self._finished_bytes += flat.nbytes * (len(members) - 1)
+            for m in members:
+                if m != src:
+                    self._post_send(flat, m)
             self._settle()
             return flat
         out = torch.empty_like(flat)
-        self._receives.append(dist.irecv(out, src))
-        self._finished_bytes += out.nbytes
+        self._post_receive(out, src)
         self._settle()
         return out
 

@@ -80,7 +80,7 @@ def bind_to_cores(rank: int, nodes: int, threads: int, cores: list[int] | None) 
     the DDP benchmark (``benchmarks/runtimes.py``) took 1.8-2.1 s instead of 2.2-2.4 s. A
     run with cores to spare is left to the scheduler: two such runs side by side would
     otherwise both crowd onto the first cores."""
-    if cores is None or not hasattr(os, "sched_setaffinity"):
+    if cores is None:  # not Linux: no binding
         return None
     if threads >= len(cores) or nodes * threads < len(cores):
         os.sched_setaffinity(0, cores)
