@@ -4,7 +4,9 @@ Workload (issue 2): 4 nodes, an MLP 784-128-10 on 20k samples, batch 32 per node
 200 steps, for DDP and DiLoCo(H=20). Each meshtrain time is the whole ``fit`` call
 (start-up included: threads, or spawning processes and the gloo rendezvous). The
 baseline is one plain loop holding the 4 replicas and averaging them by hand: the
-physical limit of simulating 4 nodes in one process.
+physical limit of simulating 4 nodes in one process. The table also gives each further
+step's cost against the plain loop's (a fit less a 1-step fit, per step): what a longer run
+pays, without the run's start and its end (the run directory and loss.png).
 
     python benchmarks/runtimes.py            # a line per run, then a table
     python benchmarks/runtimes.py --steps 50 # quicker
@@ -81,10 +83,11 @@ def _plain_loop(data: TensorDataset, strategy: str, steps: int, H: int) -> float
         r.load_state_dict(base.state_dict())
     x, y = data.tensors
     shards = [torch.arange(i, SAMPLES, NODES) for i in range(NODES)]
+    # torch's list kernels, as meshtrain's nodes step on CPU (Optim.build): the same optimizer code.
     if strategy == "ddp":
-        opts = [torch.optim.AdamW(r.parameters(), lr=1e-3) for r in replicas]
+        opts = [torch.optim.AdamW(r.parameters(), lr=1e-3, foreach=True) for r in replicas]
     else:
-        opts = [torch.optim.AdamW(r.parameters(), lr=4e-4, weight_decay=0.1, betas=(0.9, 0.95))
+        opts = [torch.optim.AdamW(r.parameters(), lr=4e-4, weight_decay=0.1, betas=(0.9, 0.95), foreach=True)
                 for r in replicas]
         outer = [p.detach().clone() for p in base.parameters()]
         outer_opt = torch.optim.SGD(outer, lr=0.7, momentum=0.9, nesterov=True)
@@ -336,14 +339,14 @@ def main() -> None:
             scale(args.scale or 64, args.scale_steps, args.scale_batch, concurrent, args.scale_repeats)
         return
     data = make_data()
-    kinds: dict[str, Callable[[str], float]] = {
-        "plain": lambda strategy: plain_loop(data, strategy, args.steps)}
+    kinds: dict[str, Callable[[str, int], float]] = {
+        "plain": lambda strategy, steps: plain_loop(data, strategy, steps)}
     for value in args.concurrent_nodes.split(","):
         at_once = None if value == "auto" else int(value)
         name = "threads" if at_once is None else f"threads, {at_once} at once"
-        kinds[name] = lambda strategy, c=at_once: meshtrain_fit(data, strategy, "threads", args.steps, c)
+        kinds[name] = lambda strategy, steps, c=at_once: meshtrain_fit(data, strategy, "threads", steps, c)
     if not args.no_processes:
-        kinds["processes"] = lambda strategy: meshtrain_fit(data, strategy, "processes", args.steps)
+        kinds["processes"] = lambda strategy, steps: meshtrain_fit(data, strategy, "processes", steps)
     # Warm-up, not timed: first-use costs (lazy imports such as pyplot, the fork server's
     # start) would otherwise land in whichever sample comes first.
     print("warm-up", flush=True)
@@ -353,20 +356,28 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     wall: dict[tuple[str, str], float] = {}
     cpu: dict[tuple[str, str], float] = {}
+    per_step: dict[tuple[str, str], float] = {}  # (steps-step fit - 1-step fit) / (steps - 1)
     done, total = 0, 2 * args.repeats * len(kinds)
     for strategy in ("ddp", "diloco"):
         samples: dict[str, list[tuple[float, float]]] = {kind: [] for kind in kinds}
+        one_step: dict[str, list[float]] = {kind: [] for kind in kinds}
         # Interleaved (plain, threads, processes, plain, ...): on a loaded machine the ratios
         # then compare runs that saw the same load.
         for _ in range(args.repeats):
             for kind, run in kinds.items():
-                samples[kind].append(_timed(lambda run=run, strategy=strategy: run(strategy)))
+                samples[kind].append(_timed(lambda run=run, strategy=strategy: run(strategy, args.steps)))
+                # A 1-step fit: the run's start and end (threads or processes, the gloo group,
+                # the run directory and loss.png), which the plain loop does not have.
+                one_step[kind].append(run(strategy, 1))
                 done += 1
                 print(f"[{done}/{total}] {strategy} {kind}: {samples[kind][-1][0]:.2f} s "
-                      f"(CPU of this process {samples[kind][-1][1]:.2f} s)", flush=True)
+                      f"(CPU of this process {samples[kind][-1][1]:.2f} s; "
+                      f"1 step {one_step[kind][-1]:.2f} s)", flush=True)
         for kind in kinds:
             wall[strategy, kind] = statistics.median(w for w, _ in samples[kind])
             cpu[strategy, kind] = statistics.median(c for _, c in samples[kind])
+            start_and_end = statistics.median(one_step[kind])
+            per_step[strategy, kind] = (wall[strategy, kind] - start_and_end) / (args.steps - 1)
     table = Table(title=f"{NODES} nodes, MLP 784-128-10, batch {BATCH}, {args.steps} steps (median of "
                         f"{args.repeats} interleaved; 1 torch thread per replica or node; load average "
                         f"{load_before:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
@@ -376,6 +387,8 @@ def main() -> None:
     for kind in others:
         table.add_column(kind, justify="right")
         table.add_column(f"{kind} / plain", justify="right")
+    for kind in others:
+        table.add_column(f"per step: {kind} / plain", justify="right")
     table.add_column("CPU s: plain", justify="right")
     for kind in others:
         if kind.startswith("threads"):  # node processes' CPU is not this process's
@@ -385,6 +398,9 @@ def main() -> None:
         row = [strategy, f"{plain:.2f} s"]
         for kind in others:
             row += [f"{wall[strategy, kind]:.2f} s", f"{wall[strategy, kind] / plain:.2f}x"]
+        for kind in others:
+            row.append(f"{per_step[strategy, kind] / per_step[strategy, 'plain']:.2f}x "
+                       f"({per_step[strategy, kind] * 1e3:.2f} ms)")
         row.append(f"{cpu[strategy, 'plain']:.2f}")
         for kind in others:
             if kind.startswith("threads"):
@@ -395,6 +411,10 @@ def main() -> None:
     # On a loaded machine the scheduler gives 4 node threads more of the cores than one
     # plain thread, so wall ratios flatter the threads runtime; CPU seconds do not.
     print("CPU s: CPU time of this process (every thread); node processes are not counted.")
+    print(f"per step: a {args.steps}-step fit less a 1-step fit, over {args.steps - 1} steps (medians), "
+          "against the plain loop's the same way, with the ms per step: the cost of each further step, "
+          "without the run's start and end (threads or processes started, the gloo group, the run "
+          "directory and loss.png).")
     if args.scale:
         for concurrent in at_once:
             scale(args.scale, args.scale_steps, args.scale_batch, concurrent, args.scale_repeats)

@@ -47,6 +47,7 @@ from meshtrain.cluster import (
 from meshtrain.comm import CommRecord, ring_all_reduce_bytes
 from meshtrain.comm.buckets import BUCKET_BYTES
 from meshtrain.data import Collate, DataFactory, fetch, resolve_dataset, to_device
+from meshtrain.strategies.base import Optim
 
 #: Share of a step that may go to communication before a cheaper strategy is chosen.
 COMM_BUDGET = 0.10
@@ -249,7 +250,8 @@ def measure_step_times(model: nn.Module, data: Dataset | DataFactory, batch_size
     if size < 1:
         raise ValueError("the training data is empty: nothing to time")
     model.to(device)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    # Built as a node builds its optimizer (torch's list kernels on CPU): the step it times.
+    optimizer = Optim("adamw").build([p for p in model.parameters() if p.requires_grad], lr=1e-6)
     model.train()
     times: list[float] = []
     step = 0

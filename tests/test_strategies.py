@@ -23,6 +23,7 @@ from meshtrain.strategies import (
     SPARTADiLoCo,
     Strategy,
 )
+from meshtrain.strategies.base import OPTIMIZERS
 from meshtrain.strategies.demo import ChunkedDCT, dct_matrix
 
 COMMON = ["max_norm", "warmup_steps", "lr_schedule", "min_lr"]
@@ -101,6 +102,38 @@ def test_optim_builds_with_its_keyword_arguments():
     assert isinstance(opt, torch.optim.SGD)
     assert (opt.defaults["lr"], opt.defaults["momentum"], opt.defaults["nesterov"]) == (0.3, 0.9, True)
     assert repr(Optim("adamw", weight_decay=0.1)) == "Optim('adamw', weight_decay=0.1)"
+
+
+def test_optim_steps_cpu_parameters_with_torchs_list_kernels_unless_told_otherwise():
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    assert Optim("adamw").build(params, lr=0.1).defaults["foreach"] is True
+    assert Optim("adamw", foreach=False).build(params, lr=0.1).defaults["foreach"] is False
+    chosen = Optim("adam", fused=True).build(params, lr=0.1).defaults
+    assert (chosen["fused"], chosen["foreach"]) == (True, None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("optim", [Optim("adamw", weight_decay=0.1, betas=(0.9, 0.95)), Optim("adam"),
+                                   Optim("sgd", momentum=0.9, nesterov=True, weight_decay=1e-4)])
+def test_the_list_kernels_step_bit_for_bit_as_torchs_per_tensor_default(optim, dtype):
+    """What the default's comment claims: the same parameters and optimizer state, bit for
+    bit, as torch's own CPU default, over steps where some gradients are missing."""
+    def train(opt_for):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3)).to(dtype)
+        opt = opt_for(list(model.parameters()))
+        noise = torch.Generator().manual_seed(1)
+        for step in range(12):
+            for i, p in enumerate(model.parameters()):
+                p.grad = None if (step + i) % 5 == 0 else torch.randn(p.shape, generator=noise, dtype=dtype)
+            opt.step()
+        state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+        return [*model.parameters(), *state]
+
+    ours = train(lambda params: optim.build(params, lr=0.05))
+    torchs = train(lambda params: OPTIMIZERS[optim.name](params, lr=0.05, foreach=False, **optim.kwargs))
+    assert len(ours) == len(torchs)
+    assert all(torch.equal(a, b) for a, b in zip(ours, torchs, strict=True))
 
 
 def _schedule(**kw):

@@ -25,8 +25,9 @@ from torch import nn
 from meshtrain import Trainer
 from meshtrain.comm import ThreadCommunicator, ThreadHub
 from meshtrain.comm.stacked import StackedCommunicator
+from meshtrain.engine.runtimes import vmap as vmap_runtime
 from meshtrain.errors import InputError
-from meshtrain.strategies import DDP, SPARTA, DeMo, DiLoCo, FedAvg, SPARTADiLoCo, Strategy
+from meshtrain.strategies import DDP, SPARTA, DeMo, DiLoCo, FedAvg, Optim, SPARTADiLoCo, Strategy
 
 ATOL = 2e-5  # weights; see the module docstring
 LOSS_RTOL = 1e-5  # per-step mean losses
@@ -307,3 +308,22 @@ def test_chunks_keep_the_largest_activation_under_the_budget() -> None:
     assert _nodes_per_chunk(gpt, streams, None, torch.device("cuda"), 32) == 16
     mlp_streams = [(regression_data(8), None)] * 16
     assert _nodes_per_chunk(MLP(), mlp_streams, None, torch.device("cpu"), 32) == 16
+
+
+@pytest.mark.parametrize(("optim", "implementation"), [
+    (Optim("adamw"), (False, True)),  # unchosen: torch's fused kernel for the stacked tensors
+    (Optim("adamw", foreach=True), (True, None)),  # the user's choice stands
+])
+def test_vmap_steps_with_the_fused_kernel_unless_the_options_chose(optim, implementation, tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    bound: list[Strategy] = []
+    real = vmap_runtime._bound_strategy
+
+    def recording(*args, **kwargs):
+        bound.append(real(*args, **kwargs))
+        return bound[-1]
+
+    monkeypatch.setattr(vmap_runtime, "_bound_strategy", recording)
+    _fit(DDP(optim=optim, lr=1e-3), "vmap", tmp_path, "vmap", steps=2)
+    assert bound and bound[0].optimizer is not None
+    assert {(g["foreach"], g["fused"]) for g in bound[0].optimizer.param_groups} == {implementation}
