@@ -134,9 +134,11 @@ def _forward_backward(run: NodeRun, batch: Any, *, weight: float) -> float:
         with run.rng_guard() if run.rng_guard is not None else nullcontext(), \
                 memory.autocast(precision, run.device):
             loss = run.model(batch)
+        scale = run.scaler.scale if run.scaler else 1.0
         # A checkpointed backward pass reruns the forward's dropout: the node's stream again.
         with run.rng_guard() if run.rng_guard is not None and checkpointed else nullcontext():
-            (loss * weight * (run.scaler.scale if run.scaler else 1.0)).backward()
+            # Times 1 changes no bit: one batch in fp32 skips two operations and their backward.
+            (loss if weight == scale == 1.0 else loss * weight * scale).backward()
         return loss.item() * weight
 
 
