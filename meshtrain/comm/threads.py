@@ -32,7 +32,6 @@ from meshtrain.comm.communicator import (
     NodeAborted,
     ReduceOp,
     _clocked,
-    _unflatten_into,
     ring_reduce_position_,
     ring_reduce_rows_,
 )
@@ -279,6 +278,37 @@ def _shapes(flats: Sequence[torch.Tensor]) -> tuple[_Shape, ...]:
     return tuple((f.numel(), f.dtype, f.device) for f in flats)
 
 
+class _KeptBuckets:
+    """A node's bucket buffers, kept from step to step, and views of them and of the
+    all-reduce's results shaped like the bucket's tensors: filling the buffers and reading
+    the results back are then one list copy each, not a reshape and a view per tensor."""
+
+    def __init__(self, buffers: list[torch.Tensor], shapes: list[torch.Size], counts: list[int]) -> None:
+        self.buffers = buffers
+        self._shapes, self._counts = shapes, counts
+        self.filling = self._views(buffers)
+        self._results: tuple[list[int], list[torch.Tensor]] = ([], [])
+
+    def reading(self, results: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Views of ``results`` (one flat tensor per bucket) shaped like the bucket's tensors;
+        kept while the results are the same tensors (the hub keeps them round after round)."""
+        addresses = [r.data_ptr() for r in results]
+        if addresses != self._results[0]:
+            self._results = (addresses, self._views(results))
+        return self._results[1]
+
+    def _views(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
+        views: list[torch.Tensor] = []
+        shapes = iter(self._shapes)
+        for flat, count in zip(flats, self._counts, strict=True):
+            offset = 0
+            for shape in (next(shapes) for _ in range(count)):
+                n = shape.numel()
+                views.append(flat[offset : offset + n].view(shape))
+                offset += n
+        return views
+
+
 class ThreadCommunicator(Communicator):
     """A node's view of a :class:`ThreadHub`."""
 
@@ -286,7 +316,7 @@ class ThreadCommunicator(Communicator):
         super().__init__(rank, hub.world_size)
         self.hub = hub
         self._sequence: dict[tuple[int, ...], int] = {}
-        self._bucket_buffers: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        self._kept_buckets: dict[tuple[Any, ...], _KeptBuckets] = {}
 
     def _key(self, members: list[int]) -> tuple[tuple[int, ...], int]:
         group = tuple(members)
@@ -304,32 +334,33 @@ class ThreadCommunicator(Communicator):
         # from the same buffers every step, so the hub cuts them into ring chunks only once.
         started = time.perf_counter()
         members = self.members(group)
-        flats = self._bucket_buffers_for(buckets, members)
+        kept = self._kept_buckets_for(buckets, members)
         if len(members) > 1:
-            results = self.hub.all_reduce(self._key(members), self.rank, flats, op, kept=True)
-            for reduced, bucket in zip(results, buckets, strict=True):
-                _unflatten_into(reduced, bucket)
+            tensors = [t for bucket in buckets for t in bucket]
+            with torch.no_grad():
+                torch._foreach_copy_(kept.filling, tensors)
+                results = self.hub.all_reduce(self._key(members), self.rank, kept.buffers, op, kept=True)
+                torch._foreach_copy_(tensors, kept.reading(results))
         if record:
-            for flat in flats:
+            for flat in kept.buffers:
                 self.log.add(self._all_reduce_record(flat, members, self.step))
             self.log.seconds += time.perf_counter() - started
 
-    def _bucket_buffers_for(self, buckets: Sequence[Sequence[torch.Tensor]],
-                            members: list[int]) -> list[torch.Tensor]:
+    def _kept_buckets_for(self, buckets: Sequence[Sequence[torch.Tensor]],
+                          members: list[int]) -> _KeptBuckets:
         """This node's buffers for buckets shaped like ``buckets`` (its rows of the hub's,
-        :meth:`ThreadHub.bucket_rows`), filled with them."""
-        signature = (tuple(members), tuple(tuple((t.numel(), t.dtype, t.device) for t in bucket)
+        :meth:`ThreadHub.bucket_rows`), with views shaped like the bucket's tensors."""
+        signature = (tuple(members), tuple(tuple((t.shape, t.dtype, t.device) for t in bucket)
                                            for bucket in buckets))
-        buffers = self._bucket_buffers.get(signature)
-        if buffers is None:
+        kept = self._kept_buckets.get(signature)
+        if kept is None:
             shapes = tuple((sum(t.numel() for t in bucket), bucket[0].dtype, bucket[0].device)
                            for bucket in buckets)
-            buffers = self._bucket_buffers[signature] = (
-                self.hub.bucket_rows(tuple(members), self.rank, shapes) if len(members) > 1
-                else [torch.empty(n, dtype=dtype, device=device) for n, dtype, device in shapes])
-        for buffer, bucket in zip(buffers, buckets, strict=True):
-            torch.cat([t.detach().reshape(-1) for t in bucket], out=buffer)
-        return buffers
+            buffers = (self.hub.bucket_rows(tuple(members), self.rank, shapes) if len(members) > 1
+                       else [torch.empty(n, dtype=dtype, device=device) for n, dtype, device in shapes])
+            kept = self._kept_buckets[signature] = _KeptBuckets(
+                buffers, [t.shape for bucket in buckets for t in bucket], [len(bucket) for bucket in buckets])
+        return kept
 
     def _all_gather(self, flat: torch.Tensor, members: list[int]) -> list[torch.Tensor]:
         # The depositor may change its tensor once it returns: the result holds copies.
