@@ -21,7 +21,7 @@ from meshtrain.comm import (
     ring_reduce,
     threads,
 )
-from meshtrain.comm.communicator import ring_reduce_rows_
+from meshtrain.comm.communicator import ring_reduce_rows_, ring_rows_plan
 from meshtrain.engine.runtimes.processes import free_loopback_port
 
 
@@ -168,7 +168,8 @@ def test_buckets_in_one_meeting_equal_one_all_reduce_each(op, slots, monkeypatch
     world, sizes = 5, (1003, 7, 250, 3)  # uneven chunks, and a bucket smaller than the ring
     by_rows = []
     monkeypatch.setattr(threads, "ring_reduce_rows_",
-                        lambda out, rows, op: (by_rows.append(rows.shape), ring_reduce_rows_(out, rows, op)))
+                        lambda outs, rows, op, plan: (by_rows.extend(r.shape for r in rows),
+                                                      ring_reduce_rows_(outs, rows, op, plan)))
     xs = [[torch.randn(n, generator=torch.Generator().manual_seed(100 * r + n)) for n in sizes]
           for r in range(world)]
 
@@ -201,8 +202,25 @@ def test_ring_reduce_of_rows_is_the_ring_reduction_bit_for_bit(g, n, op):
     rows = torch.randn(g, n, generator=torch.Generator().manual_seed(g * n))
     rows[:, ::7] *= 1e8  # large and small values: a different order of additions shows
     out = torch.empty(n)
-    ring_reduce_rows_(out, rows, op)
+    ring_reduce_rows_([out], [rows], op)
     assert torch.equal(out, ring_reduce(list(rows), op))
+
+
+@pytest.mark.parametrize("op", ["sum", "mean", "max"])
+def test_ring_reduce_of_several_buffers_rows_at_once_is_each_ones_ring_reduction(op):
+    """Buffers of different sizes (one smaller than the ring) reduced in one pass, with
+    the plan's views made once and used again for new values, bit for bit."""
+    g, sizes = 6, (1003, 4, 6, 65_537)
+    rows = [torch.empty(g, n) for n in sizes]
+    outs = [torch.empty(n) for n in sizes]
+    plan = ring_rows_plan(outs, rows)
+    for seed in (1, 2):
+        for stacked in rows:
+            stacked.copy_(torch.randn(stacked.shape, generator=torch.Generator().manual_seed(seed)))
+            stacked[:, ::7] *= 1e8
+        ring_reduce_rows_(outs, rows, op, plan)
+        for out, stacked in zip(outs, rows, strict=True):
+            assert torch.equal(out, ring_reduce(list(stacked), op))
 
 
 def test_two_disjoint_groups_reduce_concurrently():

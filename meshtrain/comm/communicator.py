@@ -135,37 +135,62 @@ def ring_reduce_position_(outs: Sequence[torch.Tensor], chunks: Sequence[Sequenc
         torch._foreach_div_(list(outs), g)
 
 
-def ring_reduce_rows_(out: torch.Tensor, rows: torch.Tensor, op: ReduceOp) -> None:
-    """:func:`ring_reduce` of the members' buffers held as the rows of one tensor
-    (``rows[j]`` is member j's), written into ``out``: every chunk at once.
+#: :func:`ring_reduce_rows_`'s views, per ring step: (accumulators, pieces) of every buffer.
+RowsPlan = list[tuple[list[torch.Tensor], list[torch.Tensor]]]
+
+
+def ring_rows_plan(outs: Sequence[torch.Tensor], rows: Sequence[torch.Tensor]) -> RowsPlan:
+    """The views :func:`ring_reduce_rows_` adds, ring step by ring step, for buffers whose
+    members' copies are the rows of ``rows[b]`` and whose results go to ``outs[b]``.
 
     Chunk c adds member c, then c+1, ... (mod g), as :func:`ring_reduce_chunk_` does. At
     ring step k, the pieces to add (member (c + k) mod g, chunk c, for every c) lie on a
-    diagonal of ``rows``: a strided view per run of equal-sized chunks, split where the
-    member index wraps around. So a step is at most four tensor operations however many
-    members there are, instead of one per chunk, with the same additions in the same order
-    (bit for bit)."""
-    g, n = rows.shape
-    assert rows.stride() == (n, 1) and out.is_contiguous() and out.numel() == n
-    size, extra = divmod(n, g)
-    # torch.tensor_split's chunks: the first ``extra`` hold size + 1 elements, the rest size.
-    runs = [(0, extra, size + 1, 0), (extra, g, size, extra * (size + 1))]
-    for k in range(g):
-        for first, end, length, start in runs:
-            # chunks c in [first, end) of member c + k, or c + k - g once that passes g - 1
-            for lo, hi, shift in ((first, min(end, g - k), k), (max(first, g - k), end, k - g)):
-                if hi <= lo or length == 0:
-                    continue
-                at = start + (lo - first) * length  # chunk lo's first element
-                piece = rows.as_strided((hi - lo, length), (n + length, 1),
-                                        rows.storage_offset() + (lo + shift) * n + at)
-                acc = out.as_strided((hi - lo, length), (length, 1), out.storage_offset() + at)
-                if k == 0:
-                    acc.copy_(piece)
-                else:
-                    _combine_(acc, piece, op)
+    diagonal of the rows: a strided view per run of equal-sized chunks, split where the
+    member index wraps around. So a step is at most four views per buffer however many
+    members there are, instead of one per chunk."""
+    plan: RowsPlan = []
+    for out, stacked in zip(outs, rows, strict=True):
+        g, n = stacked.shape
+        assert stacked.stride() == (n, 1) and out.is_contiguous() and out.numel() == n
+        size, extra = divmod(n, g)
+        # torch.tensor_split's chunks: the first ``extra`` hold size + 1 elements, the rest size.
+        runs = [(0, extra, size + 1, 0), (extra, g, size, extra * (size + 1))]
+        while len(plan) < g:
+            plan.append(([], []))
+        for k in range(g):
+            accs, pieces = plan[k]
+            for first, end, length, start in runs:
+                # chunks c in [first, end) of member c + k, or c + k - g once that passes g - 1
+                for lo, hi, shift in ((first, min(end, g - k), k), (max(first, g - k), end, k - g)):
+                    if hi <= lo or length == 0:
+                        continue
+                    at = start + (lo - first) * length  # chunk lo's first element
+                    pieces.append(stacked.as_strided((hi - lo, length), (n + length, 1),
+                                                     stacked.storage_offset() + (lo + shift) * n + at))
+                    accs.append(out.as_strided((hi - lo, length), (length, 1), out.storage_offset() + at))
+    return plan
+
+
+def ring_reduce_rows_(outs: Sequence[torch.Tensor], rows: Sequence[torch.Tensor], op: ReduceOp,
+                      plan: RowsPlan | None = None) -> None:
+    """:func:`ring_reduce` of each buffer whose members' copies are the rows of one tensor
+    (``rows[b][j]`` is member j's), written into ``outs[b]``: every chunk of every buffer
+    at once, one list operation per ring step (:func:`ring_rows_plan`; pass its ``plan``
+    to reuse the views for the same tensors). The same additions in the same order as
+    chunk by chunk, bit for bit."""
+    for k, (accs, pieces) in enumerate(plan if plan is not None else ring_rows_plan(outs, rows)):
+        if not accs:
+            continue
+        if k == 0:
+            torch._foreach_copy_(accs, pieces)
+        elif op == "max":
+            for acc, piece in zip(accs, pieces, strict=True):
+                torch.maximum(acc, piece, out=acc)
+        else:
+            torch._foreach_add_(accs, pieces)
     if op == "mean":
-        out.div_(g)
+        for out, stacked in zip(outs, rows, strict=True):
+            out.div_(stacked.shape[0])
 
 
 def _combine_(acc: torch.Tensor, other: torch.Tensor, op: ReduceOp) -> None:

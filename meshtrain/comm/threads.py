@@ -31,9 +31,11 @@ from meshtrain.comm.communicator import (
     Group,
     NodeAborted,
     ReduceOp,
+    RowsPlan,
     _clocked,
     ring_reduce_position_,
     ring_reduce_rows_,
+    ring_rows_plan,
 )
 
 
@@ -64,6 +66,7 @@ class _Cut:
     # Buffers the members keep (:meth:`ThreadHub.bucket_rows`): bucket b of member j is
     # rows[b][j], so one member can reduce every chunk with a few strided operations.
     rows: list[torch.Tensor] | None = None
+    rows_plan: RowsPlan | None = None  # ring_reduce_rows_'s views of ``rows`` and ``results``
 
 
 class ThreadHub:
@@ -209,8 +212,9 @@ class ThreadHub:
             cut, buffers = rnd.cut, range(len(rnd.result))
             assert cut is not None
             if alone and cut.rows is not None and rnd.in_rows == g:
-                for result, stacked in zip(cut.results, cut.rows, strict=True):
-                    ring_reduce_rows_(result, stacked, op)
+                if cut.rows_plan is None:  # the same views round after round: made once
+                    cut.rows_plan = ring_rows_plan(cut.results, cut.rows)
+                ring_reduce_rows_(cut.results, cut.rows, op, cut.rows_plan)
                 mine = range(0)
             pieces = [rnd.pieces[m] for m in members]
             for c in mine:
