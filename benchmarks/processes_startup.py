@@ -47,20 +47,20 @@ def _timed(rank: int, name: str, function: Callable[..., Any], t0: float) -> Cal
     return phase
 
 
-def timed_node(job: Any, rank: int, port: int, results: Any, observed: bool = False,
-               environ: dict[str, str] | None = None, t0: float = 0.0) -> None:
-    """The node process's entry point, with its phases timed."""
+def timed_node(t0: float, job: Any, rank: int, *node_args: Any) -> None:
+    """The node process's entry point (:func:`processes._node_process`, whatever it takes
+    after ``job`` and ``rank``), with its phases timed."""
     import importlib
 
     if not t0:  # the warm-up fit: untimed
-        processes._node_process(job, rank, port, results, observed, environ)
+        processes._node_process(job, rank, *node_args)
         return
     print(f"  node {rank}: began              +{time.time() - t0:6.3f} s", flush=True)
     for module_name, names in PHASES.items():
         module = importlib.import_module(module_name)
         for name in names:
             setattr(module, name, _timed(rank, name, getattr(module, name), t0))
-    processes._node_process(job, rank, port, results, observed, environ)
+    processes._node_process(job, rank, *node_args)
 
 
 _context = processes.node_context()
@@ -70,7 +70,7 @@ class TimedProcess(_context.Process):  # type: ignore[misc,name-defined]
     """A node process that runs :func:`timed_node` and reports its own start."""
 
     def __init__(self, target: Any = None, args: tuple[Any, ...] = (), **kwargs: Any) -> None:
-        super().__init__(target=timed_node, args=(*args, _fit_started[0]), **kwargs)
+        super().__init__(target=timed_node, args=(_fit_started[0], *args), **kwargs)
 
     def start(self) -> None:
         began = time.time()
