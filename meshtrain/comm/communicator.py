@@ -185,7 +185,7 @@ def ring_reduce_rows_(outs: Sequence[torch.Tensor], rows: Sequence[torch.Tensor]
             torch._foreach_copy_(accs, pieces)
         elif op == "max":
             for acc, piece in zip(accs, pieces, strict=True):
-                torch.maximum(acc, piece, out=acc)
+                _combine_(acc, piece, op)
         else:
             torch._foreach_add_(accs, pieces)
     if op == "mean":

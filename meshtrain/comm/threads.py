@@ -287,9 +287,9 @@ class _KeptBuckets:
     all-reduce's results shaped like the bucket's tensors: filling the buffers and reading
     the results back are then one list copy each, not a reshape and a view per tensor."""
 
-    def __init__(self, buffers: list[torch.Tensor], shapes: list[torch.Size], counts: list[int]) -> None:
+    def __init__(self, buffers: list[torch.Tensor], shapes: list[list[torch.Size]]) -> None:
         self.buffers = buffers
-        self._shapes, self._counts = shapes, counts
+        self._shapes = shapes  # [b][i]: the shape of bucket b's tensor i
         self.filling = self._views(buffers)
         self._results: tuple[list[int], list[torch.Tensor]] = ([], [])
 
@@ -303,13 +303,11 @@ class _KeptBuckets:
 
     def _views(self, flats: list[torch.Tensor]) -> list[torch.Tensor]:
         views: list[torch.Tensor] = []
-        shapes = iter(self._shapes)
-        for flat, count in zip(flats, self._counts, strict=True):
+        for flat, shapes in zip(flats, self._shapes, strict=True):
             offset = 0
-            for shape in (next(shapes) for _ in range(count)):
-                n = shape.numel()
-                views.append(flat[offset : offset + n].view(shape))
-                offset += n
+            for shape in shapes:
+                views.append(flat[offset : offset + shape.numel()].view(shape))
+                offset += shape.numel()
         return views
 
 
@@ -363,7 +361,7 @@ class ThreadCommunicator(Communicator):
             buffers = (self.hub.bucket_rows(tuple(members), self.rank, shapes) if len(members) > 1
                        else [torch.empty(n, dtype=dtype, device=device) for n, dtype, device in shapes])
             kept = self._kept_buckets[signature] = _KeptBuckets(
-                buffers, [t.shape for bucket in buckets for t in bucket], [len(bucket) for bucket in buckets])
+                buffers, [[t.shape for t in bucket] for bucket in buckets])
         return kept
 
     def _all_gather(self, flat: torch.Tensor, members: list[int]) -> list[torch.Tensor]:
