@@ -333,3 +333,52 @@ def test_a_rank_whose_last_message_outlives_rank_0s_store_leaves_normally() -> N
     assert peer.add(LEFT_KEY, 0) == 0  # connected
     del server  # rank 0 exits: its store closes
     say_left(peer, 2)  # the last to leave; returns: no DistNetworkError
+
+
+def test_the_last_peers_left_is_in_the_store_when_say_left_returns() -> None:
+    """A launched rank's store traffic passes through its tunnel's relay thread, which dies
+    with the rank's process: a message still in the relay when the rank exits is lost. A
+    one-way "all left" lost that way left rank 0 waiting out LEAVE_GRACE_S (60 s at the end
+    of launches on a busy machine). Here a relay holds every chunk toward the store for 1 s
+    and is cut the moment say_left returns: the key must already be in the store."""
+    import threading
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from meshtrain.comm.torch_dist import ALL_LEFT_KEY, LEFT_KEY, host_loopback_store, say_left
+
+    server, port = host_loopback_store(10.0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    relay = {"delay": 0.0, "cut": threading.Event()}
+    sockets: list[socket.socket] = []
+
+    def forward(src: socket.socket, dst: socket.socket, held: bool) -> None:
+        try:
+            while chunk := src.recv(65536):
+                if held:
+                    time.sleep(relay["delay"])
+                if relay["cut"].is_set():
+                    return  # the rank's process has exited: what was in flight is gone
+                dst.sendall(chunk)
+        except OSError:
+            pass
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        store = socket.create_connection(("127.0.0.1", port))
+        sockets.extend((conn, store))
+        threading.Thread(target=forward, args=(conn, store, True), daemon=True).start()
+        threading.Thread(target=forward, args=(store, conn, False), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    peer = dist.TCPStore("127.0.0.1", listener.getsockname()[1], is_master=False,
+                         timeout=timedelta(seconds=10))
+    assert peer.add(LEFT_KEY, 0) == 0  # connected through the relay
+    relay["delay"] = 1.0
+    say_left(peer, 2)
+    relay["cut"].set()
+    for s in (*sockets, listener):
+        s.close()
+    assert server.check([ALL_LEFT_KEY])

@@ -341,4 +341,10 @@ def say_left(store: dist.Store, world: int) -> None:
     this rank's: it leaves normally."""
     with contextlib.suppress(dist.DistNetworkError):
         if store.add(LEFT_KEY, 1) == world - 1:
-            store.set(ALL_LEFT_KEY, "1")
+            # add, not set: torch's client sends a set and returns without an answer, and a
+            # launched rank's store traffic passes through its tunnel's relay thread
+            # (comm/rendezvous.py), which dies with the process. A set still in the relay
+            # when this rank exited never reached rank 0, which then waited out
+            # LEAVE_GRACE_S (60 s at the end of launches on a busy machine). add returns
+            # once the store has the key.
+            store.add(ALL_LEFT_KEY, 1)
