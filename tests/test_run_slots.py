@@ -120,3 +120,39 @@ def test_a_node_gives_its_slot_up_while_it_waits_for_its_peers():
     for t in threads:
         t.join(timeout=10)
     assert torch.equal(out[0], torch.full((4,), 3.0)) and torch.equal(out[1], out[0])
+
+
+def test_slots_are_handed_on_in_the_order_the_nodes_asked():
+    hub = ThreadHub(4, timeout_s=10, slots=1)
+    hub.take_slot(0)
+    order: list[int] = []
+    asked = [threading.Event() for _ in range(4)]
+
+    def node(rank: int) -> None:
+        asked[rank].set()
+        hub.take_slot(rank)
+        order.append(rank)
+        hub.give_slot(rank)
+
+    threads = []
+    for rank in (3, 1, 2):  # each asks once the one before is queued
+        threads.append(threading.Thread(target=node, args=(rank,)))
+        threads[-1].start()
+        asked[rank].wait(5)
+        while not hub.queued(rank):
+            time.sleep(0.001)
+    hub.give_slot(0)
+    for t in threads:
+        t.join(timeout=10)
+    assert order == [3, 1, 2]
+
+
+def test_a_node_that_gave_up_waiting_is_not_handed_a_slot():
+    """A node that timed out in the queue leaves it: the next slot goes to a node still there."""
+    hub = ThreadHub(3, timeout_s=0.2, slots=1)
+    hub.take_slot(0)
+    with pytest.raises(TimeoutError):
+        hub.take_slot(1)
+    assert not hub.queued(1)
+    hub.give_slot(0)
+    hub.take_slot(2)  # at once: the free slot was not handed to node 1

@@ -18,6 +18,7 @@ much as the arithmetic. Slots are handed on in the order nodes asked for them.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -76,59 +77,119 @@ class ThreadHub:
                  slots: int | None = None) -> None:
         self.world_size = world_size
         self.timeout_s = timeout_s
-        lock = threading.RLock()
-        self._cv = threading.Condition(lock)
+        # One lock for the hub's state, and a condition on it per node: whoever makes a
+        # node's wait end (a round complete, a slot handed on) wakes that node alone.
+        # Waking every waiter at each round's end cost more than the rounds themselves:
+        # each woken thread takes the lock and the interpreter lock, to go back to sleep.
+        self._lock = threading.RLock()
+        self._wakes = [threading.Condition(self._lock) for _ in range(world_size)]
+        self._waiting: dict[int, Callable[[], bool]] = {}  # node -> what it waits for
         self._rounds: dict[tuple[tuple[int, ...], int], _Round] = {}
         self._error: BaseException | None = None
-        # Run slots (None: every node runs whenever it can). A second condition on the same
-        # lock, so a freed slot wakes one waiting node, not every node waiting in a round.
+        # Run slots (None: every node runs whenever it can), handed on in the order the
+        # nodes became ready to run.
         self._slots = slots
         self._free_slots = slots or 0
-        self._slot_freed = threading.Condition(lock)
+        self._slot_queue: collections.deque[int] = collections.deque()
         self._holding: set[int] = set()
         self._cuts: dict[tuple[Any, ...], _Cut] = {}
 
     def abort(self, error: BaseException) -> None:
-        with self._cv:
+        with self._lock:
             if self._error is None:
                 self._error = error
-            self._cv.notify_all()
-            self._slot_freed.notify_all()
+            for wake in self._wakes:
+                wake.notify_all()
 
     def take_slot(self, rank: int) -> None:
         """Wait for a run slot for node ``rank`` (no-op without slots)."""
         if self._slots is None:
             return
-        with self._cv:
-            self._take_slot(rank)
+        with self._lock:
+            self._sleep(rank, lambda: True, set)
 
     def give_slot(self, rank: int) -> None:
         """Give node ``rank``'s run slot to the next node waiting for one (if it holds one)."""
-        with self._cv:
+        with self._lock:
             self._give_slot(rank)
 
-    def _take_slot(self, rank: int) -> None:
-        if self._slots is None or rank in self._holding:
-            return
-        self._wait_until(lambda: self._free_slots > 0, lambda: set(self._holding),
-                         self._slot_freed, waiting_for="a run slot, held by nodes")
-        self._free_slots -= 1
-        self._holding.add(rank)
+    def queued(self, rank: int) -> bool:
+        """Whether node ``rank`` is waiting for a run slot (ready to run, none free)."""
+        with self._lock:
+            return rank in self._slot_queue
 
     def _give_slot(self, rank: int) -> None:
-        if rank in self._holding:
-            self._holding.discard(rank)
+        if rank not in self._holding:
+            return
+        self._holding.discard(rank)
+        if self._slot_queue:
+            self._grant(self._slot_queue.popleft())
+        else:
             self._free_slots += 1
-            self._slot_freed.notify()
+
+    def _grant(self, rank: int) -> None:
+        """Node ``rank`` holds a slot from now on; wake it (holding the lock)."""
+        self._holding.add(rank)
+        self._wakes[rank].notify()
+
+    def _claim_slot(self, rank: int) -> None:
+        """Node ``rank`` is ready to run: take a free slot, or queue for the next one."""
+        if rank in self._holding or rank in self._slot_queue:
+            return
+        if self._free_slots > 0 and not self._slot_queue:
+            self._free_slots -= 1
+            self._holding.add(rank)
+        else:
+            self._slot_queue.append(rank)
+
+    def _poke(self, members: Sequence[int]) -> None:
+        """The rounds of ``members`` moved on: give each one whose wait is over a slot (or
+        its place in the queue for one) and wake it (holding the lock)."""
+        for m in members:
+            ready = self._waiting.get(m)
+            if ready is None or not ready():
+                continue
+            if self._slots is None:
+                self._wakes[m].notify()
+                continue
+            self._claim_slot(m)
+            if m in self._holding:
+                self._wakes[m].notify()
 
     def _await(self, rank: int, ready: Callable[[], bool], missing: Callable[[], set[int]]) -> None:
-        """Wait (holding ``self._cv``) until ``ready()``, giving this node's run slot to
+        """Wait (holding the lock) until ``ready()``, giving this node's run slot to
         another node meanwhile and taking one back before returning."""
         if ready():
             return
         self._give_slot(rank)
-        self._wait_until(ready, missing, self._cv)
-        self._take_slot(rank)
+        self._sleep(rank, ready, missing)
+
+    def _sleep(self, rank: int, ready: Callable[[], bool], missing: Callable[[], set[int]]) -> None:
+        """Sleep (holding the lock) until ``ready()`` and node ``rank`` holds a run slot;
+        raise on a failed peer, or on a timeout naming the ``missing()`` members (or the
+        holders of the slots)."""
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        self._waiting[rank] = ready
+        try:
+            while True:
+                self._check()
+                if ready():
+                    if self._slots is None:
+                        return
+                    self._claim_slot(rank)
+                    if rank in self._holding:
+                        return
+                if deadline is not None and time.monotonic() >= deadline:
+                    waiting_for = (f"a run slot, held by nodes {sorted(self._holding)}" if ready()
+                                   else f"nodes {sorted(missing())}")
+                    raise TimeoutError(f"collective waited more than {self.timeout_s:g} s for "
+                                       f"{waiting_for}")
+                wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
+                self._wakes[rank].wait(timeout=wait)
+        finally:
+            del self._waiting[rank]
+            if rank in self._slot_queue:  # a timeout or a failed peer: not waiting any more
+                self._slot_queue.remove(rank)
 
     def exchange(
         self,
@@ -139,7 +200,7 @@ class ThreadHub:
     ) -> Any:
         """Deposit ``payload``; return ``combine(payloads in member order)``, computed once."""
         members = key[0]
-        with self._cv:
+        with self._lock:
             self._check()
             rnd = self._rounds.setdefault(key, _Round(expected=len(members)))
             rnd.payloads[rank] = payload
@@ -153,11 +214,11 @@ class ThreadHub:
             except BaseException as exc:
                 self.abort(exc)
                 raise
-            with self._cv:
+            with self._lock:
                 rnd.result, rnd.done = result, True
-                self._cv.notify_all()
+                self._poke(members)
             return result
-        with self._cv:
+        with self._lock:
             self._await(rank, lambda: rnd.done, lambda: set(members) - set(rnd.payloads))
             return rnd.result
 
@@ -178,7 +239,7 @@ class ThreadHub:
         members = key[0]
         g = len(members)
         alone = self._slots is not None and self._slots < g
-        with self._cv:
+        with self._lock:
             self._check()
             rnd = self._rounds.setdefault(key, _Round(expected=g))
             if rnd.cut is None:
@@ -201,7 +262,7 @@ class ThreadHub:
             if last:
                 del self._rounds[key]
                 if not alone:  # members alone wait for the result only (rnd.done)
-                    self._cv.notify_all()
+                    self._poke(members)
             if alone and not last:
                 self._await(rank, lambda: rnd.done, lambda: set(members) - set(rnd.payloads))
                 return list(rnd.result)
@@ -223,11 +284,11 @@ class ThreadHub:
         except BaseException as exc:
             self.abort(exc)
             raise
-        with self._cv:
+        with self._lock:
             rnd.reduced.update(members if alone else [rank])
             if len(rnd.reduced) == g:
                 rnd.done = True
-                self._cv.notify_all()
+                self._poke(members)
             self._await(rank, lambda: rnd.done, lambda: set(members) - rnd.reduced)
         return list(rnd.result)
 
@@ -245,29 +306,16 @@ class ThreadHub:
         after round: its rows of one tensor per buffer that holds every member's. With fewer
         run slots than members the last member in then reduces every chunk of a buffer at
         once (:func:`ring_reduce_rows_`) instead of chunk by chunk."""
-        with self._cv:
+        with self._lock:
             cut = self._cut_for(members, shapes)
             if cut.rows is None:
                 cut.rows = [torch.empty(len(members), n, dtype=dtype, device=device)
                             for n, dtype, device in shapes]
             return [rows[members.index(rank)] for rows in cut.rows]
 
-    def _wait_until(self, ready: Callable[[], bool], missing: Callable[[], set[int]],
-                    condition: threading.Condition, waiting_for: str = "nodes") -> None:
-        """Wait on ``condition`` (holding ``self._cv``) until ``ready()``; raise on a failed
-        peer, or on a timeout naming the ``missing()`` members (or ``waiting_for``)."""
-        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
-        while not ready():
-            self._check()
-            if deadline is not None and time.monotonic() >= deadline:
-                raise TimeoutError(f"collective waited more than {self.timeout_s:g} s for "
-                                   f"{waiting_for} {sorted(missing())}")
-            wait = 1.0 if deadline is None else min(1.0, max(0.0, deadline - time.monotonic()))
-            condition.wait(timeout=wait)
-
     def check(self) -> None:
         """Raise :class:`NodeAborted` if a node of this cluster has failed."""
-        with self._cv:
+        with self._lock:
             self._check()
 
     def _check(self) -> None:
