@@ -97,10 +97,12 @@ def main() -> None:
         hubs[f"hub of {args.hub_from}"] = other_hub(args.hub_from)
     kinds: dict[str, Callable[[], tuple[float, float]]] = {
         "one after another": lambda: one_after_another(args.nodes, args.meetings, work)}
+    def timing(module: ModuleType, slots: int) -> Callable[[], tuple[float, float]]:
+        return lambda: meetings(module, args.nodes, slots, args.meetings, work)
+
     for name, module in hubs.items():
         for slots in (1, 2):
-            kinds[f"{name}, {slots} slot{'s' if slots > 1 else ''}"] = (
-                lambda module=module, slots=slots: meetings(module, args.nodes, slots, args.meetings, work))
+            kinds[f"{name}, {slots} slot{'s' if slots > 1 else ''}"] = timing(module, slots)
     for run in kinds.values():  # warm-up: first-use costs
         run()
     samples: dict[str, list[tuple[float, float]]] = {kind: [] for kind in kinds}
