@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import statistics
 import sys
 import threading
 import time
@@ -27,6 +26,7 @@ from types import ModuleType
 import torch
 from rich.console import Console
 from rich.table import Table
+from runtimes import medians
 
 import meshtrain.comm.threads as this_hub
 
@@ -113,10 +113,9 @@ def main() -> None:
                         f"(load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     for column in ("", "wall", "CPU s of the process", "per meeting beyond the work"):
         table.add_column(column, justify="right")
-    base = statistics.median(w for w, _ in samples["one after another"])
+    base, _ = medians(samples["one after another"])
     for kind, runs in samples.items():
-        wall = statistics.median(w for w, _ in runs)
-        cpu = statistics.median(c for _, c in runs)
+        wall, cpu = medians(runs)
         table.add_row(kind, f"{wall:.3f} s", f"{cpu:.3f}", f"{(wall - base) / args.meetings * 1e3:.3f} ms")
     Console(width=160).print(table)
 

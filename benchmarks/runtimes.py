@@ -134,6 +134,11 @@ def meshtrain_fit(data: TensorDataset, strategy: str, runtime: str, steps: int,
     return time.perf_counter() - start
 
 
+def medians(samples: list[tuple[float, float]]) -> tuple[float, float]:
+    """(median wall, median CPU seconds) of (wall, CPU) samples."""
+    return statistics.median(w for w, _ in samples), statistics.median(c for _, c in samples)
+
+
 def _timed(run: Callable[[], float]) -> tuple[float, float]:
     """(wall seconds as ``run`` measures them, CPU seconds of this process meanwhile)."""
     cpu = time.process_time()
@@ -298,8 +303,7 @@ def breakdown(data: TensorDataset, steps: int, repeats: int) -> None:
     for col in ("the all-reduce", "wall", "/ plain", "CPU s of the process"):
         table.add_column(col, justify="right")
     for name, runs in samples.items():
-        wall = statistics.median(w for w, _ in runs)
-        cpu = statistics.median(c for _, c in runs)
+        wall, cpu = medians(runs)
         table.add_row(name, f"{wall:.2f} s", f"{wall / base:.2f}x", f"{cpu:.2f}")
     Console(width=200).print(table)
 
@@ -374,8 +378,7 @@ def main() -> None:
                       f"(CPU of this process {samples[kind][-1][1]:.2f} s; "
                       f"1 step {one_step[kind][-1]:.2f} s)", flush=True)
         for kind in kinds:
-            wall[strategy, kind] = statistics.median(w for w, _ in samples[kind])
-            cpu[strategy, kind] = statistics.median(c for _, c in samples[kind])
+            wall[strategy, kind], cpu[strategy, kind] = medians(samples[kind])
             start_and_end = statistics.median(one_step[kind])
             per_step[strategy, kind] = (wall[strategy, kind] - start_and_end) / (args.steps - 1)
     table = Table(title=f"{NODES} nodes, MLP 784-128-10, batch {BATCH}, {args.steps} steps (median of "

@@ -18,14 +18,13 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import statistics
 import threading
 import time
 
 import torch
 from rich.console import Console
 from rich.table import Table
-from runtimes import _plain_loop, make_data
+from runtimes import _plain_loop, make_data, medians
 
 
 def one_copy(steps: int) -> tuple[float, float]:
@@ -77,14 +76,13 @@ def main() -> None:
         rows["one copy alone"].append(one_copy(args.steps))
         rows["two threads at once"] += two_threads(args.steps)
         rows["two processes at once"] += two_processes(args.steps)
-    alone = statistics.median(w for w, _ in rows["one copy alone"])
+    alone, _ = medians(rows["one copy alone"])
     table = Table(title=f"the plain 4-replica DDP loop, {args.steps} steps, 1 torch thread, median of "
                         f"{args.repeats} (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     for column in ("", "wall per copy", "CPU per copy", "speed-up of two at once"):
         table.add_column(column, justify="right")
     for name, samples in rows.items():
-        wall = statistics.median(w for w, _ in samples)
-        cpu = statistics.median(c for _, c in samples)
+        wall, cpu = medians(samples)
         speedup = "" if name == "one copy alone" else f"{2 * alone / wall:.2f}x"
         table.add_row(name, f"{wall:.2f} s", f"{cpu:.2f} s", speedup)
     Console(width=140).print(table)
