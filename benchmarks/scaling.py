@@ -268,7 +268,11 @@ def main() -> None:
     probes: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="meshtrain-scaling-") as tmp:
         folder = Path(tmp)
-        world = new_world(folder / "ssh")
+        try:
+            world = new_world(folder / "ssh")
+        except pytest.skip.Exception as exc:
+            ns.delete()
+            sys.exit(f"cannot run here: {exc}")
         world.client_netns = ns.client
         try:
             for i, host in enumerate(ns.hosts):  # host i on core i: its ranks inherit the affinity
@@ -313,6 +317,8 @@ def main() -> None:
                                   f"{run.moving:.2f} s; modelled wait {run.projected_wait:.2f} s) "
                                   f"(load {run.load:.1f})", flush=True)
                 print_table(cells, args.hosts, args.steps, probes)  # so far: a long run can be cut short
+        except pytest.skip.Exception as exc:  # a tool the world needs is missing (sshd, ssh-keygen)
+            sys.exit(f"cannot run here: {exc}")
         finally:
             for server in world.servers:
                 server.stop()
