@@ -281,10 +281,15 @@ def gloo_comm_worker(rank: int, world: int, port: int, results: object) -> None:
     results.put((rank, buf.getvalue()))
 
 
+#: Processes of gloo_retire_worker's group: 3, since with 2 a sum goes to gloo's own all-reduce
+#: (a + b == b + a) and posts no request of the communicator's.
+RETIRE_WORLD = 3
+
+
 def gloo_retire_worker(rank: int, port: int, results: object) -> None:
-    """One of 2 spawned processes: collectives back to back, small and larger than
-    ``RETIRED_BYTES``; reports each result's correctness and how many finished requests
-    the communicator keeps alive after it."""
+    """One of RETIRE_WORLD spawned processes: collectives back to back, small and larger
+    than ``RETIRED_BYTES``; reports each result's correctness and how many finished
+    requests the communicator keeps alive after it."""
     import torch.distributed as dist
 
     from meshtrain.comm import torch_dist
@@ -292,14 +297,15 @@ def gloo_retire_worker(rank: int, port: int, results: object) -> None:
     from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group
 
     torch.set_num_threads(1)
-    init_process_group(rank, 2, "127.0.0.1", port, torch.device("cpu"), 60.0)
+    init_process_group(rank, RETIRE_WORLD, "127.0.0.1", port, torch.device("cpu"), 60.0)
     comm = TorchDistCommunicator()
 
     report: list[tuple[str, bool, int]] = []
     try:
         large = torch_dist.RETIRED_BYTES // 4 + 1001  # float32 elements: above the bound
         for n in [1001, 65_536, large, 1001]:
-            xs = [torch.randn(n, generator=torch.Generator().manual_seed(10 * r + n % 7)) for r in range(2)]
+            xs = [torch.randn(n, generator=torch.Generator().manual_seed(10 * r + n % 7))
+                  for r in range(RETIRE_WORLD)]
             for _ in range(3):
                 mine = xs[rank].clone()
                 comm.all_reduce(mine, op="sum")

@@ -10,7 +10,7 @@ from queue import Empty
 
 import pytest
 import torch
-from helpers import ORDER_VALUES, comm_script, gloo_comm_worker, gloo_retire_worker
+from helpers import ORDER_VALUES, RETIRE_WORLD, comm_script, gloo_comm_worker, gloo_retire_worker
 from torch.testing import assert_close
 
 from meshtrain.comm import (
@@ -300,7 +300,11 @@ def test_unrecorded_collectives_leave_the_log_alone():
 # ------------------------------------------------------------------------- gloo
 @pytest.fixture(scope="module")
 def gloo_results():
-    world = 3
+    return comm_script_on_gloo(3)
+
+
+def comm_script_on_gloo(world: int) -> list[dict]:
+    """:func:`comm_script`'s results from ``world`` spawned gloo processes, by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_loopback_port()
@@ -353,6 +357,25 @@ def test_gloo_bit_identical_to_threads(gloo_results):
     assert gloo_results[1]["all_gather_int16"].dtype == torch.int16
 
 
+def test_two_gloo_processes_sum_with_gloos_all_reduce_bit_identical_to_threads():
+    """With two members each element of a sum is one addition, and a + b == b + a: the
+    gloo communicator then hands sums and means to gloo's own all-reduce (not one message
+    of its ring) and the results still equal the threads runtime's bit for bit. A max
+    still goes round the ring (torch.maximum's NaN rule, not gloo's)."""
+    gloo = comm_script_on_gloo(2)
+    threads = on_threads(2, comm_script)
+    for rank, (ours, thread) in enumerate(zip(gloo, threads, strict=True)):
+        for key in ("all_reduce_mean", "all_reduce_sum", "all_reduce_max", "group",
+                    "all_reduce_float64", "all_reduce_grown"):
+            assert torch.equal(ours[key], thread[key]), (rank, key)
+        assert all(torch.equal(x, y) for x, y in zip(ours["bucket"], thread["bucket"], strict=True))
+        mean, total, largest = ours["wire"][:3]
+        assert mean == total == (0, 0), rank  # gloo's all-reduce: no message of the ring
+        assert largest == ring_all_reduce_bytes(1001, 4, rank, 2), rank
+        assert ours["log"] == thread["log"], rank  # the same bytes recorded either way
+    assert torch.equal(gloo[0]["all_reduce_sum"], ring_reduce(inputs(2), "sum"))
+
+
 def test_gloo_recorded_bytes_are_the_bytes_on_the_wire(gloo_results):
     for rank, result in enumerate(gloo_results):
         recorded = [(s, r) for kind, s, r, _ in result["log"][:3]]  # the three all-reduces
@@ -369,7 +392,8 @@ def test_gloo_keeps_finished_requests_one_call_and_never_a_large_one():
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_loopback_port()
-    procs = [ctx.Process(target=gloo_retire_worker, args=(r, port, queue), daemon=True) for r in range(2)]
+    procs = [ctx.Process(target=gloo_retire_worker, args=(r, port, queue), daemon=True)
+             for r in range(RETIRE_WORLD)]
     for p in procs:
         p.start()
     try:

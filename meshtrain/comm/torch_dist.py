@@ -97,6 +97,15 @@ class TorchDistCommunicator(Communicator):
         if self.backend != "gloo":
             return self._ring_all_reduce_stepwise(flat, op, members)
         g = len(members)
+        if g == 2 == self.world_size and op != "max":
+            # With two members each element of the sum is one addition, and a + b == b + a
+            # bit for bit: gloo's own all-reduce gives the ring's result, in one C++ call
+            # instead of a Python loop of exchanges (on loopback, 4 MB: ~1.5x faster). Not
+            # for max: gloo's max need not propagate a NaN as torch.maximum does.
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            if op == "mean":
+                flat.div_(g)
+            return flat
         pos = members.index(self.rank)
         nxt, prv = members[(pos + 1) % g], members[(pos - 1) % g]
         # In place: every chunk, and every piece of it, is a view into ``flat``. A step of
