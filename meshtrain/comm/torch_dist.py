@@ -6,6 +6,9 @@ The ring is written with point-to-point send/recv on the default group, so
   change every round cost nothing to set up), and
 * chunks are summed in exactly the order :func:`ring_reduce` uses, which makes a
   run on processes or real hosts bit-identical to one on threads.
+
+With exactly two ranks, a sum or mean is gloo's own all-reduce instead: each element is one
+addition, and ``a + b == b + a`` bit for bit.
 """
 
 from __future__ import annotations
