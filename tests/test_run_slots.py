@@ -12,7 +12,7 @@ from helpers import MLP, regression_data
 from torch import nn
 
 from meshtrain import Trainer
-from meshtrain.comm import ThreadCommunicator, ThreadHub
+from meshtrain.comm import NodeAborted, ThreadCommunicator, ThreadHub
 from meshtrain.config.settings import SettingError
 from meshtrain.strategies import DDP, FedAvg
 
@@ -99,6 +99,27 @@ def test_a_failed_node_wakes_a_node_waiting_for_a_slot():
     hub.abort(RuntimeError("node 0 broke"))
     waiter.join(timeout=5)
     assert not waiter.is_alive() and "node 0 broke" in str(errors[0])
+
+
+def test_a_meeting_complete_before_a_peer_failed_still_gives_its_result():
+    """Node 0's exchange is complete, but node 1 holds the only slot and then fails: node 0
+    gets the exchange's result (as rank 0 must, to commit the checkpoint every node saved
+    before the failure) and stops at its next check, not inside the finished meeting."""
+    hub = ThreadHub(2, timeout_s=30, slots=1)
+    hub.take_slot(0)
+
+    def node_1() -> None:
+        hub.take_slot(1)  # granted when node 0 gives its slot up to wait in the exchange
+        assert hub.exchange(((0, 1), 0), 1, "b", list) == ["a", "b"]
+        assert hub.queued(0)  # node 0's wait is over; it waits for the slot node 1 holds
+        hub.abort(RuntimeError("node 1 broke a step later"))
+
+    peer = threading.Thread(target=node_1)
+    peer.start()
+    assert hub.exchange(((0, 1), 0), 0, "a", list) == ["a", "b"]
+    peer.join(timeout=10)
+    with pytest.raises(NodeAborted, match="node 1 broke a step later"):
+        hub.check()
 
 
 def test_a_node_gives_its_slot_up_while_it_waits_for_its_peers():

@@ -108,6 +108,7 @@ class ThreadHub:
             return
         with self._lock:
             self._sleep(rank, lambda: True, set)
+            self._check()  # a slot is no meeting's result: a failed peer ends the wait for one
 
     def give_slot(self, rank: int) -> None:
         """Give node ``rank``'s run slot to the next node waiting for one (if it holds one)."""
@@ -173,13 +174,16 @@ class ThreadHub:
         self._waiting[rank] = ready
         try:
             while True:
-                self._check()
                 if ready():
-                    if self._slots is None:
+                    # A wait that is over stays over when a peer fails afterwards: the node
+                    # gets what the meeting gave it (rank 0 commits the checkpoint all nodes
+                    # had saved) and stops at its next check, slot or no slot.
+                    if self._slots is None or self._error is not None:
                         return
                     self._claim_slot(rank)
                     if rank in self._holding:
                         return
+                self._check()
                 if deadline is not None and time.monotonic() >= deadline:
                     waiting_for = (f"a run slot, held by nodes {sorted(self._holding)}" if ready()
                                    else f"nodes {sorted(missing())}")
