@@ -259,70 +259,71 @@ def main() -> None:
     unknown = [x for x in links if x not in LINKS]
     if unknown:
         sys.exit(f"--links: unknown link {unknown[0]!r}; choose from {', '.join(LINKS)}")
-    cores = sorted(os.sched_getaffinity(0))
     try:
-        ns = make_namespaces(args.hosts)
-    except pytest.skip.Exception as exc:
+        measure(args, links)
+    except pytest.skip.Exception as exc:  # a tool the hosts need is missing (ip, sshd, ssh-keygen)
         sys.exit(f"cannot run here: {exc}")
+
+
+def measure(args: argparse.Namespace, links: list[str]) -> None:
+    """The benchmark proper: the namespace hosts and their sshds up, the runs, the table."""
+    cores = sorted(os.sched_getaffinity(0))
+    ns = make_namespaces(args.hosts)
     cells: list[Cell] = []
     probes: dict[str, float] = {}
-    with tempfile.TemporaryDirectory(prefix="meshtrain-scaling-") as tmp:
-        folder = Path(tmp)
-        try:
+    try:
+        with tempfile.TemporaryDirectory(prefix="meshtrain-scaling-") as tmp:
+            folder = Path(tmp)
             world = new_world(folder / "ssh")
-        except pytest.skip.Exception as exc:
-            ns.delete()
-            sys.exit(f"cannot run here: {exc}")
-        world.client_netns = ns.client
-        try:
-            for i, host in enumerate(ns.hosts):  # host i on core i: its ranks inherit the affinity
-                core = cores[i % len(cores)]
-                server = start_sshd(world.folder / f"sshd-{i}", world.user_key.with_suffix(".pub"),
-                                    address=ns.addresses[host], port=22, netns=host,
-                                    wrap=("taskset", "-c", str(core)))
-                world.servers.append(server)
-                world.trust(server)
-            data = folder / "text.txt"
-            write_text_data(data)
-            if args.profile_cpu:
-                invs = [inventory(world, folder, k, name, name_threads=True)
-                        for k, name in ((1, "one"), (args.hosts, "many"))]
-                profile_cpu(world, folder, invs, links, args.strategies.split(","), args.steps, args.repeats,
-                            data, ns)
-                return
-            one, many = inventory(world, folder, 1, "one"), inventory(world, folder, args.hosts, "many")
-            for link in links:
-                shape(ns, link)
-                cluster = folder / f"cluster-{link}.yaml"
-                meshtrain(world, "hosts", "bench", str(many), "--out", str(cluster), "--name", link,
-                          "--repeats", "7", "--task", "gpt", "--data", str(data), "--batch-size", "32",
-                          "--threads", "1", cwd=folder)
-                probes[link] = float(yaml.safe_load(cluster.read_text())["step_seconds"])
-                fitted = cluster.read_text()
-                keys = ("bandwidth", "latency", "step_seconds")
-                print(f"[{link}] cluster: " + ", ".join(x for x in fitted.splitlines() if x.startswith(keys)),
-                      flush=True)
-                for strategy in args.strategies.split(","):
-                    cell = Cell(link, strategy)
-                    cells.append(cell)
-                    for r in range(args.repeats):
-                        for inv, runs in ((one, cell.one), (many, cell.many)):
-                            run = launch(world, folder, inv, strategy, args.steps, data, cluster,
-                                         f"{link}-{strategy}-{inv.stem}-{r}")
-                            runs.append(run)
-                            print(f"[{link}] {strategy} {run.hosts} host(s) run {r + 1}: "
-                                  f"{run.step_seconds * args.steps:.2f} s per {args.steps} steps, "
-                                  f"communication measured {run.measured_comm:.2f} s, projected "
-                                  f"{run.projected_comm:.2f} s (waiting {run.waiting:.2f} s, moving "
-                                  f"{run.moving:.2f} s; modelled wait {run.projected_wait:.2f} s) "
-                                  f"(load {run.load:.1f})", flush=True)
-                print_table(cells, args.hosts, args.steps, probes)  # so far: a long run can be cut short
-        except pytest.skip.Exception as exc:  # a tool the world needs is missing (sshd, ssh-keygen)
-            sys.exit(f"cannot run here: {exc}")
-        finally:
-            for server in world.servers:
-                server.stop()
-            ns.delete()
+            world.client_netns = ns.client
+            try:
+                for i, host in enumerate(ns.hosts):  # host i on core i: its ranks inherit the affinity
+                    core = cores[i % len(cores)]
+                    server = start_sshd(world.folder / f"sshd-{i}", world.user_key.with_suffix(".pub"),
+                                        address=ns.addresses[host], port=22, netns=host,
+                                        wrap=("taskset", "-c", str(core)))
+                    world.servers.append(server)
+                    world.trust(server)
+                data = folder / "text.txt"
+                write_text_data(data)
+                if args.profile_cpu:
+                    invs = [inventory(world, folder, k, name, name_threads=True)
+                            for k, name in ((1, "one"), (args.hosts, "many"))]
+                    profile_cpu(world, folder, invs, links, args.strategies.split(","), args.steps,
+                                args.repeats, data, ns)
+                    return
+                one, many = inventory(world, folder, 1, "one"), inventory(world, folder, args.hosts, "many")
+                for link in links:
+                    shape(ns, link)
+                    cluster = folder / f"cluster-{link}.yaml"
+                    meshtrain(world, "hosts", "bench", str(many), "--out", str(cluster), "--name", link,
+                              "--repeats", "7", "--task", "gpt", "--data", str(data), "--batch-size", "32",
+                              "--threads", "1", cwd=folder)
+                    probes[link] = float(yaml.safe_load(cluster.read_text())["step_seconds"])
+                    fitted = cluster.read_text()
+                    keys = ("bandwidth", "latency", "step_seconds")
+                    shown = ", ".join(x for x in fitted.splitlines() if x.startswith(keys))
+                    print(f"[{link}] cluster: {shown}", flush=True)
+                    for strategy in args.strategies.split(","):
+                        cell = Cell(link, strategy)
+                        cells.append(cell)
+                        for r in range(args.repeats):
+                            for inv, runs in ((one, cell.one), (many, cell.many)):
+                                run = launch(world, folder, inv, strategy, args.steps, data, cluster,
+                                             f"{link}-{strategy}-{inv.stem}-{r}")
+                                runs.append(run)
+                                print(f"[{link}] {strategy} {run.hosts} host(s) run {r + 1}: "
+                                      f"{run.step_seconds * args.steps:.2f} s per {args.steps} steps, "
+                                      f"communication measured {run.measured_comm:.2f} s, projected "
+                                      f"{run.projected_comm:.2f} s (waiting {run.waiting:.2f} s, moving "
+                                      f"{run.moving:.2f} s; modelled wait {run.projected_wait:.2f} s) "
+                                      f"(load {run.load:.1f})", flush=True)
+                    print_table(cells, args.hosts, args.steps, probes)  # so far: a long run can be cut short
+            finally:
+                for server in world.servers:
+                    server.stop()
+    finally:
+        ns.delete()
 
 
 def profile_cpu(world: SshWorld, folder: Path, invs: list[Path], links: list[str], strategies: list[str],

@@ -107,17 +107,19 @@ def test_a_meeting_complete_before_a_peer_failed_still_gives_its_result():
     before the failure) and stops at its next check, not inside the finished meeting."""
     hub = ThreadHub(2, timeout_s=30, slots=1)
     hub.take_slot(0)
+    seen: dict[str, object] = {}
 
     def node_1() -> None:
         hub.take_slot(1)  # granted when node 0 gives its slot up to wait in the exchange
-        assert hub.exchange(((0, 1), 0), 1, "b", list) == ["a", "b"]
-        assert hub.queued(0)  # node 0's wait is over; it waits for the slot node 1 holds
+        seen["result"] = hub.exchange(((0, 1), 0), 1, "b", list)
+        seen["node 0 queued"] = hub.queued(0)  # its wait is over; it waits for node 1's slot
         hub.abort(RuntimeError("node 1 broke a step later"))
 
     peer = threading.Thread(target=node_1)
     peer.start()
     assert hub.exchange(((0, 1), 0), 0, "a", list) == ["a", "b"]
     peer.join(timeout=10)
+    assert seen == {"result": ["a", "b"], "node 0 queued": True}
     with pytest.raises(NodeAborted, match="node 1 broke a step later"):
         hub.check()
 
