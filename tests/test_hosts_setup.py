@@ -89,10 +89,7 @@ def installed(loopback_ssh: SshWorld, tmp_path_factory: pytest.TempPathFactory) 
     before = inventory.read_text()
     check_before = meshtrain_here("hosts", "check", str(inventory), cwd=folder)
     started = time.monotonic()
-    # --no-compile: pip skips byte-compiling torch's and transformers' thousands of modules
-    # (a large share of the install on 2 cores); the ranks compile what they import.
-    first = meshtrain_here("hosts", "setup", str(inventory), "--pip-arg=--no-compile", cwd=folder,
-                           timeout=900)
+    first = meshtrain_here("hosts", "setup", str(inventory), cwd=folder, timeout=900)
     seconds = time.monotonic() - started
     print(f"first hosts setup (clean host, real pip install): {seconds:.1f} s")
     # Later runs ship this very wheel (--wheel): a checkout edited meanwhile is another
@@ -121,6 +118,14 @@ def test_clean_host_is_set_up_then_checks_and_trains(loopback_ssh: SshWorld, ins
     assert "beta: installed: same machine and workdir as alpha" in result.stdout
     venv_python = installed.workdir / ".venv" / "bin" / "python"
     assert venv_python.is_file()
+    # pip compiled nothing (--no-compile); setup then imported what a rank imports, which wrote
+    # their bytecode, and only theirs.
+    site = next((installed.workdir / ".venv" / "lib").glob("python3*/site-packages"))
+    for module in ("torch/__init__", "torch/_dynamo/__init__", "meshtrain/cli/main",
+                   "transformers/models/whisper/modeling_whisper", "peft/__init__"):
+        folder, name = module.rsplit("/", 1)
+        assert list((site / folder / "__pycache__").glob(f"{name}.*.pyc")), module
+    assert not (site / "transformers/models/bert/__pycache__").exists()
 
     # The inventory's python now points at the new environment; comments and layout kept.
     expected = installed.inventory_before.replace(f"python: {BASE_PYTHON}", f"python: {venv_python}")

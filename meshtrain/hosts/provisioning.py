@@ -5,7 +5,8 @@ base ``python3`` that meshtrain supports, make (or reuse) a virtual environment 
 ``<workdir>/.venv``, ``pip install`` the exact versions of meshtrain's dependencies
 installed here (torch, transformers, peft, ...: the host needs access to a package
 index, or ``--pip-arg`` pointing at one), then ship this meshtrain as a wheel (SFTP,
-or ``cat`` over SSH without it) and install it without dependencies.
+or ``cat`` over SSH without it) and install it without dependencies. pip compiles no
+bytecode; importing what a rank imports then compiles just that (see COMPILE_IMPORTS).
 
 What was installed is recorded in ``<workdir>/.venv/meshtrain-setup.json``. The next
 run asks each host one short question (that manifest and the installed versions) and,
@@ -65,6 +66,20 @@ try:
 except Exception:
     ok = False
 print(json.dumps({"python": "%d.%d.%d" % sys.version_info[:3], "venv": ok}))
+"""
+
+# Run by the venv's interpreter after the install: import what a rank imports, which writes
+# their bytecode. pip installs with --no-compile: compiling every file of torch and
+# transformers took 55 of the 99 s of this machine's install (2 cores), and a rank imports
+# about a quarter of them. sys.dont_write_bytecode: written even where the host's shell sets
+# PYTHONDONTWRITEBYTECODE, or every rank's start would compile them again. An import that
+# fails fails the setup, with its last line.
+COMPILE_IMPORTS = r"""
+import sys
+sys.dont_write_bytecode = False
+import meshtrain.cli.main, torch._dynamo, matplotlib.backends.backend_agg
+from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration, WhisperTokenizer
+import jiwer, peft
 """
 
 # Run by the venv's interpreter: write the manifest (read from stdin) atomically.
@@ -201,7 +216,7 @@ def _provision(host: Host, local: LocalInstall, options: SetupOptions,
                   f"creating {_venv(host)} with {options.base_python}")
         py = HostPath(venv_python(host))
         pip = [py, "-m", "pip", "install", "--disable-pip-version-check", "--no-input", "--progress-bar",
-               "off", "-q", *options.pip_args]
+               "off", "-q", "--no-compile", *options.pip_args]
         names = [p.split("==")[0] for p in local.pins]
         shown = ", ".join(p.replace("==", " ") for p in local.pins[:3])
         more = f" + {len(local.pins) - 3} more" if len(local.pins) > 3 else ""
@@ -217,6 +232,9 @@ def _provision(host: Host, local: LocalInstall, options: SetupOptions,
         _must(client, shell_line(*pip, "--no-deps", "--force-reinstall",
                                  HostPath(folder + "/" + local.wheel.name)),
               "pip install of the meshtrain wheel", timeout=PIP_STALL_TIMEOUT)
+        stage("compiling the modules a rank imports")
+        _must(client, shell_line(py, "-c", COMPILE_IMPORTS), "importing meshtrain and its dependencies",
+              timeout=PIP_STALL_TIMEOUT)
         stage("recording what was installed")
         text = json.dumps(manifest(local, python), indent=2) + "\n"
         _must(client, shell_line(py, "-c", WRITE_MANIFEST, HostPath(_venv(host) + "/" + MANIFEST)),
