@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from cli_process import run_cli
+from in_process import meshtrain_here
 from speech_fixtures import SpeechAssets, speech_fixture  # noqa: F401 (the fixture)
 
 from meshtrain.config.layers import parse_set, resolve_spec
@@ -47,7 +48,7 @@ def test_whisper_tiny_lora_profile_says_what_the_issue_asks() -> None:
 
 
 def test_profiles_command_lists_whisper_profiles_with_descriptions(tmp_path: Path) -> None:
-    proc = run_cli("profiles", cwd=tmp_path)
+    proc = run_cli("profiles", cwd=tmp_path)  # a fresh interpreter: its table is 200 columns wide
     assert proc.returncode == 0, proc.stderr
     found = list_profiles()
     for name in WHISPER_PROFILES:
@@ -57,10 +58,10 @@ def test_profiles_command_lists_whisper_profiles_with_descriptions(tmp_path: Pat
 
 
 def test_simulate_whisper_lora_profile_end_to_end(speech: SpeechAssets, tmp_path: Path) -> None:
-    proc = run_cli("simulate", "--profile", "whisper-tiny-random-lora", "--nodes", "2",
-                   "--data", str(speech.data), "--set", f"task_options.model={speech.model}",
-                   "--set", "task_options.save_merged=true", "--val-interval", "10",
-                   "--out", str(tmp_path / "runs"), "--run-id", "w", "--no-progress", cwd=ROOT)
+    proc = meshtrain_here("simulate", "--profile", "whisper-tiny-random-lora", "--nodes", "2",
+                          "--data", str(speech.data), "--set", f"task_options.model={speech.model}",
+                          "--set", "task_options.save_merged=true", "--val-interval", "10",
+                          "--out", str(tmp_path / "runs"), "--run-id", "w", "--no-progress", cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run = tmp_path / "runs" / "w"
     summary = json.loads((run / "summary.json").read_text())
@@ -76,8 +77,8 @@ def test_simulate_whisper_lora_profile_end_to_end(speech: SpeechAssets, tmp_path
 
 
 def test_whisper_hub_model_offline_is_one_line_exit_2(speech: SpeechAssets, tmp_path: Path) -> None:
-    proc = run_cli("simulate", "--profile", "whisper-tiny-lora", "--data", str(speech.data),
-                   "--out", str(tmp_path / "runs"), "--no-progress", cwd=ROOT)
+    proc = meshtrain_here("simulate", "--profile", "whisper-tiny-lora", "--data", str(speech.data),
+                          "--out", str(tmp_path / "runs"), "--no-progress", cwd=ROOT)
     if proc.returncode == 0:
         pytest.skip("this machine can reach the Hugging Face hub")
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -86,7 +87,8 @@ def test_whisper_hub_model_offline_is_one_line_exit_2(speech: SpeechAssets, tmp_
 
 
 def test_missing_data_folder_is_one_line_exit_2(speech: SpeechAssets, tmp_path: Path) -> None:
-    proc = run_cli("simulate", "--profile", "whisper-tiny-random-lora", "--data", str(tmp_path / "nope"),
-                   "--set", f"task_options.model={speech.model}", "--no-progress", cwd=tmp_path)
+    proc = meshtrain_here("simulate", "--profile", "whisper-tiny-random-lora",
+                          "--data", str(tmp_path / "nope"), "--set", f"task_options.model={speech.model}",
+                          "--no-progress", cwd=tmp_path)
     assert proc.returncode == 2
     assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_process import run_cli
+from in_process import meshtrain_here
 from speech_fixtures import (  # noqa: F401 (the fixtures)
     SpeechAssets,
     english_model_fixture,
@@ -130,9 +130,9 @@ def test_a_generate_setting_transformers_refuses_fails_before_training(
 def test_cli_bad_language_is_one_line_exit_2_before_any_run(
     english_model: Path, speech: SpeechAssets, tmp_path: Path,
 ) -> None:
-    proc = run_cli("simulate", "--profile", "whisper-tiny-random-lora", "--data", str(speech.data),
-                   "--set", f"task_options.model={english_model}", "--set", "task_options.language=fr",
-                   "--out", str(tmp_path / "runs"), "--no-progress", cwd=tmp_path)
+    proc = meshtrain_here("simulate", "--profile", "whisper-tiny-random-lora", "--data", str(speech.data),
+                          "--set", f"task_options.model={english_model}", "--set", "task_options.language=fr",
+                          "--out", str(tmp_path / "runs"), "--no-progress", cwd=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "English-only" in proc.stderr and "'fr'" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
@@ -141,10 +141,10 @@ def test_cli_bad_language_is_one_line_exit_2_before_any_run(
 def test_cli_english_only_with_profile_language_en_finishes(
     english_model: Path, speech: SpeechAssets, tmp_path: Path,
 ) -> None:
-    proc = run_cli("simulate", "--profile", "whisper-tiny-random-lora", "--data", str(speech.data),
-                   "--set", f"task_options.model={english_model}", "--set", "task_options.language=en",
-                   "--set", "steps=4", "--out", str(tmp_path / "runs"), "--run-id", "en", "--no-progress",
-                   cwd=tmp_path)
+    proc = meshtrain_here("simulate", "--profile", "whisper-tiny-random-lora", "--data", str(speech.data),
+                          "--set", f"task_options.model={english_model}",
+                          "--set", "task_options.language=en", "--set", "steps=4",
+                          "--out", str(tmp_path / "runs"), "--run-id", "en", "--no-progress", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     summary = json.loads((tmp_path / "runs" / "en" / "summary.json").read_text())
     assert 0 <= summary["final_wer"] < float("inf")

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_process import run_cli
+from in_process import meshtrain_here
 from speech_fixtures import SpeechAssets, speech_fixture, whisper_options  # noqa: F401 (the fixture)
 
 from meshtrain.hf import SpeechDataset, feature_extractor_for, find_splits, load_tokenizer
@@ -23,10 +23,11 @@ from meshtrain.tasks.whisper import TASK
 def test_each_phase_before_training_has_a_line_before_the_first_step(speech: SpeechAssets,
                                                                       tmp_path: Path) -> None:
     cache = tmp_path / "features"  # empty: this run computes every clip's features
-    proc = run_cli("simulate", "--profile", "whisper-tiny-random-lora", "--nodes", "2", "--steps", "6",
-                   "--data", str(speech.data), "--set", f"task_options.model={speech.model}",
-                   "--set", f"task_options.feature_cache={cache}", "--set", "task_options.val_fraction=0.25",
-                   "--batch-size", "2", "--val-interval", "3", "--out", str(tmp_path / "runs"), cwd=tmp_path)
+    proc = meshtrain_here("simulate", "--profile", "whisper-tiny-random-lora", "--nodes", "2", "--steps", "6",
+                          "--data", str(speech.data), "--set", f"task_options.model={speech.model}",
+                          "--set", f"task_options.feature_cache={cache}",
+                          "--set", "task_options.val_fraction=0.25", "--batch-size", "2",
+                          "--val-interval", "3", "--out", str(tmp_path / "runs"), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 import torch
-from cli_process import run_cli
 from helpers import Clips, Windows, tiny_gpt, tiny_whisper
+from in_process import meshtrain_here
 
 from meshtrain import Trainer
 from meshtrain.engine.memory import LossScaler, autocast
@@ -92,8 +92,8 @@ def test_fp16_on_cpu_and_checkpointing_a_model_without_it_are_refused(tmp_path: 
     with pytest.raises(SettingError, match="gradient_checkpointing: model Sequential has no"):
         Trainer(torch.nn.Sequential(torch.nn.Linear(2, 1)), Clips()).fit(
             nodes=2, max_steps=1, batch_size=4, gradient_checkpointing=True, out_dir=tmp_path)
-    proc = run_cli("simulate", "--steps", "2", "--set", "precision=fp16", "--out", str(tmp_path),
-                   cwd=tmp_path)
+    proc = meshtrain_here("simulate", "--steps", "2", "--set", "precision=fp16", "--out", str(tmp_path),
+                          cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: precision fp16 needs a GPU (device cuda or mps): CPUs have no fast fp16; use "

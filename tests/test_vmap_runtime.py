@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_process import run_cli
 from helpers import MLP, FunctionalDropoutMLP, regression_data
+from in_process import meshtrain_here
 from torch import nn
 
 from meshtrain import Trainer
@@ -220,12 +220,12 @@ def test_what_vmap_cannot_do_is_refused_before_training(strategy, model, setting
 
 def test_cli_runs_vmap_from_a_profile_and_refuses_with_exit_2(tmp_path: Path) -> None:
     (tmp_path / "vmap.yaml").write_text("strategy: ddp\nruntime: vmap\nnodes: 4\nsteps: 5\n")
-    ok = run_cli("simulate", "--profile", "vmap.yaml", "--no-progress", "--out", "runs", cwd=tmp_path)
+    ok = meshtrain_here("simulate", "--profile", "vmap.yaml", "--no-progress", "--out", "runs", cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr
     [run] = (tmp_path / "runs").iterdir()
     assert "runtime: vmap" in (run / "config.yaml").read_text()
-    refused = run_cli("simulate", "--runtime", "vmap", "--strategy", "demo", "--steps", "5",
-                      "--no-progress", "--out", "runs2", cwd=tmp_path)
+    refused = meshtrain_here("simulate", "--runtime", "vmap", "--strategy", "demo", "--steps", "5",
+                             "--no-progress", "--out", "runs2", cwd=tmp_path)
     assert refused.returncode == 2
     assert "runtime vmap: strategy demo does not support the vmap runtime" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
