@@ -6,7 +6,8 @@ its own and reads the group's CPU time around every test, so whatever the test s
 `meshtrain` subprocess, a launch's ranks under the session's sshd, pip) counts towards it:
 those are born inside their worker's group. cgroup v2 (``cpu.stat``'s ``usage_usec``) where
 the unified hierarchy is mounted at /sys/fs/cgroup or /sys/fs/cgroup/unified, else v1's
-``cpuacct.usage``. A test's figure also holds what the worker's session-wide processes (the
+``cpuacct.usage`` (accounting only: tests/cpu_limits.py's groups set quotas, and need the
+cpu controller). A test's figure also holds what the worker's session-wide processes (the
 shared sshd worlds) used meanwhile, which is small.
 
     PYTHONPATH=benchmarks python -m pytest -p suite_cpu      # writes suite-cpu/<worker>.jsonl
@@ -36,6 +37,7 @@ class WorkerGroup:
     """A cgroup holding this pytest process (and so everything it starts from now on)."""
 
     def __init__(self, name: str) -> None:
+        self.name = name
         v2 = next((root for root in V2_ROOTS
                    if (root / "cgroup.procs").is_file() and (root / "cpu.stat").is_file()), None)
         if v2 is not None:
@@ -82,8 +84,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     before = _group.cpu_seconds()
     yield
     record = {"test": item.nodeid, "cpu": _group.cpu_seconds() - before}
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    with open(OUT / f"{worker}.jsonl", "a") as f:
+    with open(OUT / f"{_group.name}.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
 
 
