@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,14 @@ from meshtrain.hf.audio import SpeechDataError
 
 #: Bumped when the way features are computed changes, so old entries are not reused.
 FORMAT = 1
+
+#: One ``np.load`` at a time in a process: it reads the file's header with ``ast.literal_eval``,
+#: and CPython 3.11 keeps the AST constructor's recursion depth per interpreter, not per
+#: thread. When a garbage collection inside one parse runs a finalizer and the node threads
+#: switch, another parse moves that count and the first fails with "SystemError: AST
+#: constructor recursion depth mismatch" (a clean-clone suite run, 2026-11-28, a Whisper run
+#: in the threads runtime).
+_LOADING = threading.Lock()
 
 
 def default_cache_dir() -> Path:
@@ -73,7 +82,8 @@ class FeatureCache:
         """The cached features, or None when absent or unreadable (then they are recomputed)."""
         path = self.path(key)
         try:
-            return np.load(path, allow_pickle=False)
+            with _LOADING:
+                return np.load(path, allow_pickle=False)
         except (OSError, ValueError, EOFError):
             return None
 
