@@ -239,12 +239,15 @@ class StatusReporter:
         keeps one (see :func:`last_sync_step`).
         """
         now = self.clock()
-        if self._stepped and not final and now - self._sent_at < self.interval:
+        due = self._sent_at is None or now - self._sent_at >= self.interval
+        if self._stepped and not final and not due:
             return False
         self._stepped = True
         return self._send(step, loss, bytes_sent, strategy, now)
 
     def _send(self, step: int, loss: float | None, bytes_sent: int, strategy: Any, now: float) -> bool:
+        if self.fd < 0:
+            return False  # nobody listens any more
         rate = cpu = None
         cpu_now = time.process_time()
         if self._sent_at is not None and now > self._sent_at:
@@ -258,7 +261,7 @@ class StatusReporter:
         try:
             os.write(self.fd, status.encode())
         except OSError:
-            self.fd = -1  # nobody listens any more: stop trying, quietly
+            self.fd = -1  # nobody listens any more: stop trying, quietly (training goes on)
             return False
         self._sent_at, self._sent_step, self._cpu_at = now, step, cpu_now
         return True

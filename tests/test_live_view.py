@@ -161,6 +161,23 @@ def test_slow_steps_each_send_a_status() -> None:
                                                                        (3, None, 0.5)]
 
 
+def test_a_status_pipe_closed_before_the_first_step_never_stops_training() -> None:
+    """The launcher's end of the status pipe gone at once (before the announcement): every
+    later step's report returns False quietly. It once raised TypeError on the second step
+    (the time since a status that was never sent)."""
+    now = [0.0]
+    read_fd, write_fd = os.pipe()
+    os.close(read_fd)  # nobody listens: writing raises BrokenPipeError (Python ignores SIGPIPE)
+    try:
+        reporter = StatusReporter(write_fd, 5, interval=0.5, clock=lambda: now[0])
+        reporter.announce(0)
+        for step in range(1, 6):
+            now[0] += 2.0
+            assert reporter.step_done(step, 1.0, 0, final=step == 5) is False
+    finally:
+        os.close(write_fd)
+
+
 def test_last_sync_step_where_the_strategy_keeps_one() -> None:
     from meshtrain.strategies import DDP, DiLoCo
 
