@@ -139,10 +139,10 @@ def _number(path: Path, data: dict[str, Any], key: str, expected: str, *, allow_
             default: float | None = None) -> float:
     value = data.get(key, default)
     # bool is an int in Python: `bandwidth: yes` is a mistake, not 1 byte per second.
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not allow_zero):
-        raise ClusterFileError(f"{path}: {key}: expected {expected}, got {value!r}")
-    return float(value)
+    if (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            and value >= 0 and (value > 0 or allow_zero)):
+        return float(value)
+    raise ClusterFileError(f"{path}: {key}: expected {expected}, got {value!r}")
 
 
 def _flag(path: Path, data: dict[str, Any], key: str) -> bool:

@@ -254,7 +254,7 @@ def summarise(folder: Path, runs: list[FinishedRun], target_loss: float | None =
     rows = [row_for(run, target, reference) for run in runs]
     plots = plot_runs(runs, folder, target)
     document = {"target_loss": target, "target_rule": rule,
-                "nodes": sorted({r.summary.get("nodes") for r in runs}),
+                "nodes": sorted({n for r in runs if (n := r.summary.get("nodes")) is not None}),
                 "tasks": sorted({r.task for r in runs}),
                 "plots": [p.name for p in plots], "runs": rows}
     atomic_write_text(folder / "comparison.json", json.dumps(document, indent=2) + "\n")
@@ -271,8 +271,9 @@ def choose_target(runs: list[FinishedRun], target_loss: float | None) -> tuple[f
     if target_loss is not None:
         return target_loss, "given (--target-loss)"
     finals = {r.strategy: r.summary.get("final_val_loss") for r in runs}
-    if finals.get("ddp") is not None:
-        return TARGET_FACTOR * finals["ddp"], f"{TARGET_FACTOR} x DDP's final val loss"
+    ddp = finals.get("ddp")
+    if ddp is not None:
+        return TARGET_FACTOR * ddp, f"{TARGET_FACTOR} x DDP's final val loss"
     known = [v for v in finals.values() if v is not None]
     if not known:
         raise ValueError("no run has a final validation loss to set a target from")

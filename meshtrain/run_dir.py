@@ -38,7 +38,7 @@ METRIC_COLUMNS = [
 ]
 
 
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
     """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it into place.
 
     The file gets the mode the user's umask gives (0644 under the usual 022), like every
@@ -142,9 +142,9 @@ class RunDirectory:
 
     def write_model(self, model: torch.nn.Module) -> None:
         """``save_pretrained`` models (Hugging Face) save a folder; others a state dict."""
-        if hasattr(model, "save_pretrained"):
-            target = self.partial / "model"
-            model.save_pretrained(str(target))
+        save_pretrained = getattr(model, "save_pretrained", None)
+        if callable(save_pretrained):
+            save_pretrained(str(self.partial / "model"))
         else:
             atomic_write(self.partial / "model.pt", lambda tmp: torch.save(model.state_dict(), tmp))
 

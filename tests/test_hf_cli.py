@@ -92,3 +92,19 @@ def test_missing_data_folder_is_one_line_exit_2(speech: SpeechAssets, tmp_path: 
                           "--no-progress", cwd=tmp_path)
     assert proc.returncode == 2
     assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ("task_options.lora.bias=some", "lora.bias must be one of none, all, lora_only, got 'some'"),
+    ("task_options.lora.r=0", "lora.r must be >= 1, got 0"),
+    ("task_options.lora.rank=4", "lora has no setting 'rank'"),
+])
+def test_a_bad_lora_setting_is_one_line_exit_2(speech: SpeechAssets, tmp_path: Path, setting: str,
+                                               message: str) -> None:
+    proc = meshtrain_here("simulate", "--profile", "whisper-tiny-random-lora", "--data", str(speech.data),
+                          "--set", f"task_options.model={speech.model}", "--set", setting,
+                          "--out", str(tmp_path / "runs"), "--no-progress", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

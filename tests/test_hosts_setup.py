@@ -251,13 +251,13 @@ def test_inventory_edit_keeps_comments_and_says_what_it_cannot_do(tmp_path: Path
     path = tmp_path / "inv.yaml"
     path.write_text("# lab\ndefaults:\n  python: /usr/bin/python3  # old\n  workdir: ~/w\nhosts:\n"
                     "  - {name: a, host: h1}   # rank 0\n  - name: b\n    host: h2\n    python: '/opt/py'\n")
-    os.chmod(path, 0o644)
+    os.chmod(path, 0o640)  # not what the umask gives a new file: kept by the edit
     edit = set_python(path, {"a": "~/w/.venv/bin/python", "b": "~/w/.venv/bin/python"})
     assert edit.written and edit.changed == ["a", "b"]
     assert path.read_text() == ("# lab\ndefaults:\n  python: ~/w/.venv/bin/python  # old\n  workdir: ~/w\n"
                                 "hosts:\n  - {name: a, host: h1}   # rank 0\n  - name: b\n    host: h2\n"
                                 "    python: '~/w/.venv/bin/python'\n")
-    assert path.stat().st_mode & 0o777 == 0o644
+    assert path.stat().st_mode & 0o777 == 0o640
     assert not set_python(path, {"a": "~/w/.venv/bin/python", "b": "~/w/.venv/bin/python"}).changed
 
     # Two hosts inheriting the defaults but wanting different interpreters: a key to add, by hand.

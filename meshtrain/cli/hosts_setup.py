@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import typer
 from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
@@ -23,6 +25,8 @@ from meshtrain.hosts.inventory import Host, InventoryError, load_inventory
 from meshtrain.hosts.inventory_edit import set_python
 from meshtrain.hosts.local_install import LocalInstallError, local_install, make_workdir
 from meshtrain.hosts.provisioning import FAILED, INSTALLED, UP_TO_DATE, SetupOptions, provision_hosts
+
+T = TypeVar("T")
 
 
 def hosts_setup(
@@ -104,7 +108,7 @@ def setup_hosts(inventory: Path, *, base_python: str = "python3", pip_arg: list[
                   f"check with: meshtrain hosts check {inventory}", highlight=False)
 
 
-def _with_progress(hosts: tuple[Host, ...], work):  # noqa: ANN001, ANN202 - a thin wrapper
+def _with_progress(hosts: tuple[Host, ...], work: Callable[[Callable[[Host, str], None]], T]) -> T:
     """Run ``work(on_stage)`` under a rich progress row per host."""
     progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.fields[host]}"),
                         TextColumn("{task.description}"), TimeElapsedColumn(), console=console,

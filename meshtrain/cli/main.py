@@ -301,7 +301,7 @@ def list_settings() -> None:
     for f in dataclasses.fields(RunSpec):
         if f.name in ("extra_config",):
             continue
-        default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
+        default = f.default_factory() if callable(f.default_factory) else f.default
         flag = f.metadata.get("flag")
         shown = f"{', '.join(flag.names)} ({', '.join(flag.commands)})" if flag else "-"
         table.add_row(f.name, shown, escape(_show_default(default)), escape(f.metadata.get("help", "")))

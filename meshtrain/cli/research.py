@@ -76,8 +76,8 @@ def comparison_table(rows: list[dict[str, Any]], target: float, rule: str) -> Ta
     """The table `meshtrain compare` prints, one row per run."""
     clusters = sorted({str(r["cluster"]) for r in rows})
     compute = {r.get("step_seconds") for r in rows}
-    per_step = f" at {compute.pop() * 1e3:.2f} ms of compute per step" \
-        if len(compute) == 1 and None not in compute else ""
+    (step_seconds,) = compute if len(compute) == 1 else (None,)
+    per_step = f" at {step_seconds * 1e3:.2f} ms of compute per step" if step_seconds is not None else ""
     table = Table(title=f"{len(rows)} strategies: same seed, data, nodes and steps", box=box.SIMPLE_HEAD,
                   pad_edge=False, collapse_padding=True,  # fits 80 columns
                   caption=f"target val loss {target:.4f} ({rule}); projected on "

@@ -15,7 +15,7 @@ import copy
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import nn
@@ -23,6 +23,8 @@ from torch import nn
 from meshtrain.errors import InputError
 
 ADAPTER_CONFIG = "adapter_config.json"
+#: What peft may train besides the adapters: no biases, every bias, or the adapted layers' biases.
+LoraBias = Literal["none", "all", "lora_only"]
 
 
 class ModelLoadError(InputError):
@@ -38,7 +40,7 @@ class LoRA:
     alpha: float = 32
     dropout: float = 0.1
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
-    bias: str = "none"
+    bias: LoraBias = "none"
 
     @classmethod
     def from_options(cls, options: dict[str, Any] | bool | None) -> LoRA | None:
@@ -59,12 +61,17 @@ class LoRA:
             lora.target_modules = [lora.target_modules]
         if lora.r < 1:
             raise ModelLoadError(f"lora.r must be >= 1, got {lora.r}")
+        if lora.bias not in get_args(LoraBias):
+            choices = ", ".join(get_args(LoraBias))
+            raise ModelLoadError(f"lora.bias must be one of {choices}, got {lora.bias!r}")
         return lora
 
     def peft_config(self) -> Any:
         from peft import LoraConfig
 
-        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
+        # peft annotates lora_alpha as int; a float scales the same (alpha / r).
+        alpha: Any = self.alpha
+        return LoraConfig(r=self.r, lora_alpha=alpha, lora_dropout=self.dropout,
                           target_modules=list(self.target_modules), bias=self.bias)
 
 
@@ -93,7 +100,9 @@ class HFModel(nn.Module):
         save_merged: bool = False,
     ) -> None:
         super().__init__()
-        self.model = model
+        # A transformers PreTrainedModel or a peft PeftModel: their own methods (generate,
+        # save_pretrained, get_base_model, ...) are called on it, which nn.Module's type hides.
+        self.model: Any = model
         self.tokenizer = tokenizer
         self.feature_extractor = feature_extractor
         self.wer = wer
@@ -116,6 +125,7 @@ class HFModel(nn.Module):
         """Load by hub id or local folder (fp32, also on MPS). A folder this class saved
         with LoRA (``adapter_config.json``) loads its base model plus the adapter."""
         path = Path(name_or_path)
+        model: nn.Module
         if is_adapter_folder(name_or_path):
             if lora is not None:
                 raise ModelLoadError(f"{name_or_path} already holds a LoRA adapter; do not pass lora")
@@ -146,7 +156,7 @@ class HFModel(nn.Module):
         return self.model.config
 
     @property
-    def base(self) -> nn.Module:
+    def base(self) -> Any:
         """The underlying transformers model (inside the peft wrapper, if any)."""
         return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
 
@@ -318,7 +328,7 @@ def _load_pretrained(name_or_path: str) -> nn.Module:
         raise ModelLoadError(f"cannot load model {name_or_path!r} as a {where}: {first}") from exc
 
 
-def _model_class(config: Any) -> type:
+def _model_class(config: Any) -> type[Any]:
     import transformers
 
     for name in getattr(config, "architectures", None) or []:
@@ -328,7 +338,8 @@ def _model_class(config: Any) -> type:
     autos = ([transformers.AutoModelForSpeechSeq2Seq, transformers.AutoModelForSeq2SeqLM]
              if config.is_encoder_decoder else [transformers.AutoModelForCausalLM])
     for auto in autos:
-        if type(config) in auto._model_mapping:
+        mapping: Any = auto._model_mapping  # config class -> model class, as the auto class holds it
+        if type(config) in mapping:
             return auto
     raise ModelLoadError(f"no model class for a {config.model_type!r} config that returns a loss; "
                          "set config.architectures")

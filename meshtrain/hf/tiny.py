@@ -42,7 +42,7 @@ SENTENCES = [
     "rain falls on the roof",
 ]
 
-TINY_CONFIG = dict(
+TINY_CONFIG: dict[str, Any] = dict(
     d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
     decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256, num_mel_bins=80,
     max_source_positions=150, max_target_positions=64,

@@ -74,8 +74,13 @@ def set_python(path: Path, wanted: dict[str, str], *, write: bool = True) -> Inv
     if not _only_python_changed(inventory, new_text, path, wanted):
         edit.by_hand = [f"host {n}: set python: {wanted[n]}" for n in edit.changed]
         return edit
-    mode = path.stat().st_mode & 0o777  # kept: a temporary file starts as 0600
-    atomic_write(path, lambda tmp: (tmp.write_text(new_text), tmp.chmod(mode)))
+    mode = path.stat().st_mode & 0o777  # kept (a new file would get the umask's mode)
+
+    def write_with_mode(tmp: Path) -> None:
+        tmp.write_text(new_text)
+        tmp.chmod(mode)
+
+    atomic_write(path, write_with_mode)
     edit.written = True
     return edit
 

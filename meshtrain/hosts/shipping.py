@@ -281,7 +281,7 @@ def _send(host: Host, client: paramiko.SSHClient, names: list[str], blobs: dict[
     elif files:
         raise ShipError([f"{host.name} ({host.label}): cannot ship: the host has neither an sftp server "
                          "nor tar"])
-    answer = {"bad": [], "absent": []}
+    answer: dict[str, list[str]] = {"bad": [], "absent": []}
     if not plan.trees_ok:
         answer = _host_call(host, client, "finish", {"token": plan.token, "trees": _trees(shipments)},
                             QUERY_TIMEOUT + sum(f.size for f in files) / HASH_RATE, set(blobs))

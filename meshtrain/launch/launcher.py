@@ -18,6 +18,7 @@ is left out and the others continue without it, renumbered in inventory order.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import signal
@@ -341,7 +342,7 @@ def preflight(inventory: Inventory, options: LaunchOptions) -> list[paramiko.SSH
             if c is not None:
                 c.close()
         raise PreflightError(problems)
-    return clients  # type: ignore[return-value]
+    return clients
 
 
 def _check_required_paths(client: paramiko.SSHClient, host: Host, options: LaunchOptions) -> None:
@@ -545,7 +546,7 @@ def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], option
     try:
         for r in ranks:
             command = rank_command(inventory, r.host, options.run_id, argv, training=training)
-            r.process = RemoteProcess(r.client, command, lambda line, row=r.row: output.line(row, line))
+            r.process = RemoteProcess(r.client, command, functools.partial(output.line, r.row))
             r.heartbeat = Heartbeat(r.client)
             output.watch(r.row, r.process)  # the live view shows its heartbeats
     except Exception as exc:  # noqa: BLE001 - a host dropped while starting: stop the others

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -26,7 +26,7 @@ from torch import nn
 from meshtrain.comm import Communicator
 from meshtrain.comm.buckets import GradientBuckets
 
-OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
+OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
     "adam": torch.optim.Adam,
     "adamw": torch.optim.AdamW,

@@ -209,16 +209,14 @@ class DeMo(Strategy):
             by_dtype.setdefault(idx.dtype, []).append(i)
         if len(by_dtype) == 1:
             return self.comm.all_gather(torch.cat(sent_idx))
-        per_node: list[list[torch.Tensor | None]] = [
-            [None] * len(sent_idx) for _ in range(self.comm.size)  # alive nodes
-        ]
+        per_node: list[dict[int, torch.Tensor]] = [{} for _ in range(self.comm.size)]  # alive nodes
         for members in by_dtype.values():
             gathered = self.comm.all_gather(torch.cat([sent_idx[i] for i in members]))
             for node, flat in enumerate(gathered):
                 pieces = flat.split([sent_idx[i].numel() for i in members])
                 for i, piece in zip(members, pieces, strict=True):
                     per_node[node][i] = piece
-        return [torch.cat([x.long() for x in row]) for row in per_node]  # type: ignore[misc]
+        return [torch.cat([row[i].long() for i in range(len(sent_idx))]) for row in per_node]
 
     def state_dict(self) -> dict[str, Any]:
         return {"deltas": [d.clone() for d in self.deltas], "modules": []}
