@@ -30,12 +30,12 @@ from meshtrain.config.hosts import (
     HostsCheckSettings,
     HostsDiscoverSettings,
 )
-from meshtrain.config.settings import Options, SettingError, from_flags
-from meshtrain.errors import InputError
+from meshtrain.config.settings import Options, from_flags
+from meshtrain.errors import InputError, SettingError
 from meshtrain.hosts import discovery as d
 from meshtrain.hosts.bench import model_seconds
 from meshtrain.hosts.checks import CHECKS, check_hosts
-from meshtrain.hosts.inventory import Inventory, InventoryError, load_inventory
+from meshtrain.hosts.inventory import Inventory, InventoryError, load_inventory, parse_inventory
 from meshtrain.launch.benchmark import BenchmarkFailed, benchmark_hosts, probe_note
 from meshtrain.launch.launcher import (
     PreflightError,
@@ -223,7 +223,7 @@ def hosts_discover(**options: Any) -> None:
     raw = d.inventory_dict(found, user=user, python=python, identity_file=identity_file,
                            known_hosts=known_hosts)
     try:
-        inv = d.parse_inventory(raw, where)
+        inv = parse_inventory(raw, where)
     except InventoryError as exc:
         raise fail_on(exc) from None
     checks = d.check_keys(inv) if check_keys else None

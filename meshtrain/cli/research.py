@@ -17,8 +17,9 @@ from rich.table import Table
 from meshtrain.cli.console import console, fail, fail_on
 from meshtrain.cli.flags import takes_settings
 from meshtrain.compare import CompareSpec, plan, run_comparison
-from meshtrain.config.settings import SettingError, check_flag
+from meshtrain.config.settings import check_flag
 from meshtrain.config.spec import RunSpec
+from meshtrain.errors import SettingError
 from meshtrain.plots import plot_runs
 from meshtrain.progress import human_bytes
 from meshtrain.runs import FinishedRun, RunError, list_runs, load_run

@@ -43,7 +43,7 @@ from meshtrain.guided import (
     profile_text,
 )
 from meshtrain.hosts import discovery as d
-from meshtrain.hosts.inventory import Host, Inventory, InventoryError
+from meshtrain.hosts.inventory import Host, Inventory, InventoryError, parse_inventory
 from meshtrain.planning import SOURCES
 from meshtrain.run_dir import atomic_write_text
 
@@ -209,7 +209,7 @@ def _ask(question: str, default: bool = True) -> bool:
 
 def _parse(raw: dict[str, Any], where: Path) -> Inventory:
     try:
-        return d.parse_inventory(raw, where)
+        return parse_inventory(raw, where)
     except InventoryError as exc:
         raise fail_on(exc) from None
 

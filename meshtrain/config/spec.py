@@ -16,7 +16,8 @@ from typing import Any
 import yaml
 
 from meshtrain import yaml12
-from meshtrain.config.settings import ALL, BOTH, WHAT, Flag, SettingError, TrainConfig
+from meshtrain.config.settings import ALL, BOTH, WHAT, Flag, TrainConfig
+from meshtrain.errors import SettingError
 from meshtrain.strategies import STRATEGIES
 
 

@@ -27,11 +27,11 @@ from meshtrain.checkpoint import fewer_nodes_refusal
 from meshtrain.cluster import get_cluster, probe_label
 from meshtrain.config.launching import LaunchSettings
 from meshtrain.config.resume import resume_conflict
-from meshtrain.config.settings import SettingError, check_flag, check_run_id
+from meshtrain.config.settings import check_flag, check_run_id
 from meshtrain.config.spec import ConfigError, RunSpec, load_settings_file, settings_file_text
 from meshtrain.config.strategy_options import build_strategy
 from meshtrain.engine.balance import check_strategy as check_strategy_balance
-from meshtrain.errors import InputError
+from meshtrain.errors import InputError, SettingError
 from meshtrain.hosts.bench import BenchError, parse_size
 from meshtrain.hosts.inventory import Inventory, load_inventory
 from meshtrain.hosts.safe_copy import CopyLimits

@@ -14,9 +14,9 @@ from typing import Any
 from torch import nn
 from torch.utils.data import Dataset
 
-from meshtrain.config.settings import SettingError, check_value
+from meshtrain.config.settings import check_value
 from meshtrain.data import Collate, DataFactory
-from meshtrain.errors import InputError
+from meshtrain.errors import InputError, SettingError
 from meshtrain.progress import Status
 
 
