@@ -21,12 +21,12 @@ Collate = Callable[[list[Any]], Any]
 class DataFactory(Protocol):
     """Builds one node's dataset inside that node: ``f(rank, nodes, split)``, split "train"/"val"."""
 
-    def __call__(self, rank: int, nodes: int, split: str) -> Dataset: ...
+    def __call__(self, rank: int, nodes: int, split: str) -> Dataset[Any]: ...
 
 
 def resolve_dataset(
-    data: Dataset | DataFactory, rank: int, nodes: int, split: str
-) -> tuple[Dataset, bool]:
+    data: Dataset[Any] | DataFactory, rank: int, nodes: int, split: str
+) -> tuple[Dataset[Any], bool]:
     """The dataset a node reads, and whether it still has to be sharded."""
     if isinstance(data, Dataset):
         return data, True
@@ -35,7 +35,7 @@ def resolve_dataset(
     raise TypeError(f"{split} data must be a torch Dataset or a factory f(rank, nodes, split)")
 
 
-def fetch(dataset: Dataset, indices: Sequence[int], collate_fn: Collate | None) -> Any:
+def fetch(dataset: Dataset[Any], indices: Sequence[int], collate_fn: Collate | None) -> Any:
     """Collate the samples at ``indices`` (one tensor index for a TensorDataset)."""
     if collate_fn is None and isinstance(dataset, TensorDataset):
         idx = torch.as_tensor(indices)
@@ -53,7 +53,7 @@ class NodeBatches:
 
     def __init__(
         self,
-        dataset: Dataset,
+        dataset: Dataset[Any],
         *,
         rank: int,
         nodes: int,

@@ -220,7 +220,7 @@ def trainable_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def measure_step_seconds(model: nn.Module, data: Dataset | DataFactory, batch_size: int,
+def measure_step_seconds(model: nn.Module, data: Dataset[Any] | DataFactory, batch_size: int,
                          collate_fn: Collate | None = None, *, warmup: int = 3, min_steps: int = 5,
                          max_steps: int = 50, seconds: float = 2.0,
                          device: torch.device | None = None) -> float:
@@ -237,7 +237,7 @@ def measure_step_seconds(model: nn.Module, data: Dataset | DataFactory, batch_si
                                                 device=device))
 
 
-def measure_step_times(model: nn.Module, data: Dataset | DataFactory, batch_size: int,
+def measure_step_times(model: nn.Module, data: Dataset[Any] | DataFactory, batch_size: int,
                        collate_fn: Collate | None = None, *, warmup: int = 3, min_steps: int = 5,
                        max_steps: int = 50, seconds: float = 2.0,
                        device: torch.device | None = None) -> list[float]:

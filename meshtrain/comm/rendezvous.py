@@ -48,6 +48,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 SECRET_FILE_ENV = "MESHTRAIN_SECRET_FILE"
 #: The launcher's private folder for one rank's secret starts with this (removed once read).
@@ -215,11 +216,11 @@ class _Listener:
                 continue
             threading.Thread(target=self.serve, args=(conn, peer), daemon=True).start()
 
-    def welcome(self, conn: socket.socket, peer: tuple) -> bool:
+    def welcome(self, conn: socket.socket, peer: tuple[Any, ...]) -> bool:
         """Whether to serve a connection just accepted (False: it is closed at once)."""
         return True
 
-    def serve(self, conn: socket.socket, peer: tuple) -> None:  # pragma: no cover - abstract
+    def serve(self, conn: socket.socket, peer: tuple[Any, ...]) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def close(self) -> None:
@@ -265,7 +266,7 @@ class Gate(_Listener):
         self._strangers: set[str] = set()  # addresses already reported as not in the inventory
         super().__init__(sock)
 
-    def welcome(self, conn: socket.socket, peer: tuple) -> bool:
+    def welcome(self, conn: socket.socket, peer: tuple[Any, ...]) -> bool:
         address = _canonical(peer[0])
         with self._lock:
             if self.peers is not None and address not in self.peers:
@@ -282,7 +283,7 @@ class Gate(_Listener):
             self._pending[address] += 1
             return True
 
-    def serve(self, conn: socket.socket, peer: tuple) -> None:
+    def serve(self, conn: socket.socket, peer: tuple[Any, ...]) -> None:
         address = _canonical(peer[0])
         try:
             conn.settimeout(GATE_HANDSHAKE_TIMEOUT_S)
@@ -345,7 +346,7 @@ class Tunnel(_Listener):
     reaches the gate, authenticated. After that connection the tunnel stops listening:
     no other local process can borrow the rank's admission."""
 
-    def welcome(self, conn: socket.socket, peer: tuple) -> bool:
+    def welcome(self, conn: socket.socket, peer: tuple[Any, ...]) -> bool:
         if not _from_this_process(peer[1], self.port):
             print(f"meshtrain: refused a local connection to the rendezvous tunnel from port {peer[1]}: "
                   "another process on this machine (not this rank)", file=sys.stderr, flush=True)
@@ -361,7 +362,7 @@ class Tunnel(_Listener):
         self.timeout_s = timeout_s
         super().__init__(sock)
 
-    def serve(self, conn: socket.socket, peer: tuple) -> None:
+    def serve(self, conn: socket.socket, peer: tuple[Any, ...]) -> None:
         # The listener is closed now, so the store client cannot retry through it: the
         # tunnel waits for the gate itself (rank 0 may still be starting).
         deadline = time.monotonic() + self.timeout_s

@@ -23,8 +23,8 @@ class NodeJob:
     """What every node needs to train (picklable for the processes runtime)."""
 
     model: nn.Module
-    train_data: Dataset | DataFactory
-    val_data: Dataset | DataFactory | None
+    train_data: Dataset[Any] | DataFactory
+    val_data: Dataset[Any] | DataFactory | None
     collate_fn: Collate | None
     strategy: Strategy
     config: TrainConfig

@@ -55,8 +55,8 @@ class Trainer:
     def __init__(
         self,
         model: nn.Module,
-        train_data: Dataset | DataFactory,
-        val_data: Dataset | DataFactory | None = None,
+        train_data: Dataset[Any] | DataFactory,
+        val_data: Dataset[Any] | DataFactory | None = None,
         collate_fn: Collate | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):

@@ -149,7 +149,7 @@ def find_splits(
 
 
 # ------------------------------------------------------------------------- dataset
-class SpeechDataset(Dataset):
+class SpeechDataset(Dataset[dict[str, Any]]):
     """Clips as ``{"input_features": (mels, frames) float, "labels": (tokens,) long}``.
 
     Everything that can be wrong with a clip is found here, before training: transcripts

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import paramiko
 
@@ -207,8 +207,8 @@ def _host_source() -> str:
     return inspect.getsource(blobstore)
 
 
-def _host_call(host: Host, client: paramiko.SSHClient, op: str, request: dict, timeout: float,
-               known: set[str]) -> dict:
+def _host_call(host: Host, client: paramiko.SSHClient, op: str, request: dict[str, Any], timeout: float,
+               known: set[str]) -> dict[str, Any]:
     """Run :mod:`blobstore` on the host with ``request``; its answer, whose file lists
     may name only the files in ``known``."""
     request = {**request, "workdir": host.workdir}

@@ -128,7 +128,7 @@ class DeMo(Strategy):
         super().__init__("sgd", lr, **common)
 
     @classmethod
-    def parameters(cls) -> dict:
+    def parameters(cls) -> dict[str, Any]:
         found = super().parameters()
         found.pop("optim")  # DeMo is its own optimizer
         return found

@@ -40,8 +40,8 @@ class TaskBundle:
     """A built task: what :class:`meshtrain.Trainer` takes."""
 
     model: nn.Module
-    train_data: Dataset | DataFactory
-    val_data: Dataset | DataFactory | None = None
+    train_data: Dataset[Any] | DataFactory
+    val_data: Dataset[Any] | DataFactory | None = None
     collate_fn: Collate | None = None
 
 

@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 from meshtrain.tasks import Task, TaskBundle, TaskError, TaskOptions, require_positive
 
 
-class CharWindows(Dataset):
+class CharWindows(Dataset[tuple[torch.Tensor, torch.Tensor]]):
     """(input, target) pairs: ``block_size`` characters and the same shifted by one."""
 
     def __init__(self, ids: torch.Tensor, block_size: int) -> None:
