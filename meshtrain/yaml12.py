@@ -31,5 +31,10 @@ YAMLError = yaml.YAMLError
 
 
 def load(text: str) -> Any:
-    """Parse one YAML document safely (no Python objects), YAML 1.2 floats included."""
-    return yaml.load(text, Loader=Loader)  # noqa: S506 - Loader is a SafeLoader subclass
+    """Parse one YAML document safely (no Python objects), YAML 1.2 floats included.
+    A bad document raises :data:`YAMLError`, one nested deeper than the parser can follow too
+    (PyYAML's parser recurses: it would raise RecursionError)."""
+    try:
+        return yaml.load(text, Loader=Loader)  # noqa: S506 - Loader is a SafeLoader subclass
+    except RecursionError:
+        raise YAMLError("nested too deeply to read") from None

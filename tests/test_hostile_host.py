@@ -308,6 +308,11 @@ def test_host_answers_are_bounded_and_listings_strict(hostile: HostileHost, tmp_
         assert common_checkpoint([_Rank(host, client, 0)], LaunchOptions(run_id="c1")) == 12
         with pytest.raises(OutputTooLarge):  # 2 MiB where 1 MiB may come: not read on
             run(client, f"{PYTHON} -c 'print(\"x\" * (2 << 20))'", max_output=1 << 20)
+        # The same on stderr, while stdout stays open: SSH's one window per channel once stalled
+        # this until the timeout (the stdout read waited for an end that a blocked writer never sent).
+        with pytest.raises(OutputTooLarge):
+            run(client, f"{PYTHON} -c 'import sys; sys.stderr.write(\"x\" * (8 << 20)); print(1)'",
+                max_output=1 << 20, timeout=30)
     finally:
         client.close()
 
@@ -329,3 +334,73 @@ def test_a_malformed_shipping_answer_is_one_line(hostile: HostileHost, tmp_path:
             _host_call(host, client, "query", {"blobs": {"ab": 1}, "trees": {}}, 10, {"ab"})
     finally:
         client.close()
+
+
+# --------------------------------------------------------------------------- the hosts commands' probes
+#: What a compromised host's interpreter may print where `hosts check` and `hosts setup` expect
+#: their probe's one line of JSON.
+HOSTILE_ANSWERS = {
+    "nested too deeply for the parser": '{"python": "3.11.7", "x": ' + "[" * 5000 + "]" * 5000 + "}",
+    "not an object": "[1, 2, 3]",
+    "fields of the wrong type": '{"python": ["3"], "venv": "yes", "manifest": 5, "installed": [],'
+                                ' "meshtrain": {"a": 1}, "torch": 7}',
+    "escape sequences": '{"python": "3.11.7\\u001b[2J", "venv": true, "meshtrain": "\\u001b]0;pwned\\u0007",'
+                        ' "torch": "2\\u001b[31m"}',
+    "a flood": None,  # 64 MiB of output on one line
+}
+
+
+def fake_python(folder: Path, answer: str | None) -> Path:
+    """An executable that prints ``answer`` (or floods) whatever it is asked to run."""
+    fake = folder / "python3"
+    if answer is None:
+        fake.write_text(f"#!/bin/sh\nexec {PYTHON} -c 'import sys; sys.stdout.write(\"x\" * (64 << 20))'\n")
+    else:
+        (folder / "answer.json").write_text(answer + "\n")
+        fake.write_text(f"#!/bin/sh\nexec cat {folder / 'answer.json'}\n")
+    fake.chmod(0o755)
+    return fake
+
+
+@pytest.mark.parametrize("answer", list(HOSTILE_ANSWERS))
+def test_hosts_check_reads_a_hostile_probe_answer_as_one_line(hostile: HostileHost, tmp_path: Path,
+                                                              answer: str) -> None:
+    fake = fake_python(tmp_path, HOSTILE_ANSWERS[answer])
+    done = meshtrain_here("hosts", "check", str(box2(hostile, tmp_path, python=str(fake))), cwd=tmp_path)
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output
+    assert "Traceback" not in output and not any(ch in output for ch in "\x1b\x07"), output[-3000:]
+    assert "box2" in output
+    if answer == "a flood":
+        assert "the host answered with more than 1048576 bytes" in output, output
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This meshtrain as a wheel, packed from its installed files (no build for each test)."""
+    from meshtrain.hosts.local_install import installed_distribution, repack_installed
+
+    return repack_installed(installed_distribution(), tmp_path_factory.mktemp("wheel"))
+
+
+@pytest.mark.parametrize("answer", list(HOSTILE_ANSWERS))
+def test_hosts_setup_reads_a_hostile_probe_answer_as_one_line(hostile: HostileHost, tmp_path: Path,
+                                                              wheel: Path, answer: str) -> None:
+    """The host's base interpreter answers the setup's probe (no venv there yet), then, as
+    the venv's interpreter, the status probe: each answer is refused with one line."""
+    fake = fake_python(tmp_path, HOSTILE_ANSWERS[answer])
+    workdir = tmp_path / "remote"
+    (workdir / ".venv" / "bin").mkdir(parents=True)
+    inv = box2(hostile, tmp_path, python=str(fake), workdir=str(workdir))
+    for venv_python in (False, True):
+        (workdir / ".venv" / "bin" / "python").unlink(missing_ok=True)
+        if venv_python:
+            (workdir / ".venv" / "bin" / "python").symlink_to(fake)
+        done = meshtrain_here("hosts", "setup", str(inv), "--base-python", str(fake), "--wheel", str(wheel),
+                              cwd=tmp_path)
+        output = done.stdout + done.stderr
+        assert done.returncode == 1, output
+        assert "Traceback" not in output and not any(ch in output for ch in "\x1b\x07"), output[-3000:]
+        assert "box2" in output
+        if answer == "a flood":
+            assert "the host answered with more than 1048576 bytes" in output, output

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from meshtrain import yaml12
 from meshtrain.cli.main import app
 from meshtrain.cluster import load_cluster_file
-from meshtrain.hosts.inventory import load_inventory
+from meshtrain.hosts.inventory import InventoryError, load_inventory
 
 runner = CliRunner()
 
@@ -69,3 +69,15 @@ def test_exponent_floats_in_an_inventory(tmp_path: Path) -> None:
                     "hosts:\n  - {name: a, host: 127.0.0.1}\n")
     inventory = load_inventory(path)
     assert inventory.rendezvous.timeout == 30.0 and inventory.rendezvous.heartbeat_timeout == 15.0
+
+
+def test_a_file_nested_deeper_than_the_parser_follows_is_one_line(tmp_path: Path) -> None:
+    """PyYAML's parser recurses: 5,000 nested lists raised RecursionError, a traceback from
+    every command that reads YAML. It is a bad file like any other, named in one line."""
+    deep = "[" * 5000 + "]" * 5000
+    with pytest.raises(yaml12.YAMLError, match="nested too deeply"):
+        yaml12.load(f"a: {deep}\n")
+    path = tmp_path / "inv.yaml"
+    path.write_text(f"defaults: {{user: alice}}\nhosts: {deep}\n")
+    with pytest.raises(InventoryError, match=f"^{path}: not valid YAML$"):
+        load_inventory(path)

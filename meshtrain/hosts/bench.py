@@ -45,6 +45,7 @@ from meshtrain.config.environment import (
 from meshtrain.devices import DEVICES, resolve_device
 from meshtrain.errors import InputError
 from meshtrain.heartbeat import start_heartbeat
+from meshtrain.hosts.host_output import host_json
 from meshtrain.run_dir import atomic_write_text
 
 ELEMENT_BYTES = 4  # the buffers are float32, like gradients
@@ -237,9 +238,6 @@ def samples_from_json(text: str, source: str) -> list[Sample]:
     if len(text) > MAX_RESULT_BYTES:
         raise BenchError(f"{source}: not a benchmark result (larger than {MAX_RESULT_BYTES} bytes)")
 
-    def refuse(constant: str) -> None:
-        raise ValueError(f"{constant} is not a number")
-
     def whole(row: dict[str, Any], key: str) -> int:
         value = row[key]
         if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**53:
@@ -247,7 +245,7 @@ def samples_from_json(text: str, source: str) -> list[Sample]:
         return value
 
     try:
-        rows = json.loads(text, parse_constant=refuse)["samples"]
+        rows = host_json(text)["samples"]
         if not isinstance(rows, list) or len(rows) > MAX_SAMPLES:
             raise ValueError(f"'samples' must be a list of at most {MAX_SAMPLES}")
         samples = []
@@ -330,11 +328,8 @@ def probe_to_json(spec: ProbeSpec, seconds: Sequence[float], jitter: Sequence[fl
 def probe_from_json(text: str, source: str, world_size: int) -> dict[str, Any] | None:
     """The ``probe`` of bench.json (None if it has none), checked strictly like the samples:
     a task name, whole batch and threads, one finite positive time per rank."""
-    def refuse(constant: str) -> None:
-        raise ValueError(f"{constant} is not a number")
-
     try:
-        probe = json.loads(text, parse_constant=refuse).get("probe")
+        probe = host_json(text).get("probe")
         if probe is None:
             return None
         task, batch, threads = probe["task"], probe["batch_size"], probe["threads"]

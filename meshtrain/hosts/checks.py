@@ -9,7 +9,7 @@ subsystem is off); and the rendezvous port on rank 0 can be reached from every h
 
 from __future__ import annotations
 
-import json
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -18,14 +18,27 @@ import paramiko
 import torch
 
 import meshtrain
+from meshtrain.hosts.host_output import host_json, visible
 from meshtrain.hosts.inventory import Host, Inventory
-from meshtrain.hosts.ssh import HostPath, RemoteProcess, Shell, SSHError, connect, run, sh, shell_line
+from meshtrain.hosts.ssh import (
+    HostPath,
+    OutputTooLarge,
+    RemoteProcess,
+    Shell,
+    SSHError,
+    connect,
+    run,
+    sh,
+    shell_line,
+)
 from meshtrain.hosts.transfer import has_sftp, has_tar
 
 CHECKS = ("ssh", "python", "meshtrain", "torch", "device", "workdir", "sftp", "rendezvous")
 
 # Run on each host by its interpreter: versions, device and workdir, as one JSON line.
 PROBE_MAX_BYTES = 1 << 20  # a host's answer to a check: a few lines of JSON
+#: A version (``3.11.7``, ``2.13.0+cpu``, ``0.1.0.dev3``) or a device (``cuda:0``) as a probe reports it.
+VERSION_LIKE = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+:_-]{0,63}")
 PROBE = r"""
 import json, os, sys, tempfile
 out = {"python": sys.version.split()[0]}
@@ -124,8 +137,17 @@ def check_hosts(inventory: Inventory, *, accept_new_host_keys: bool = False,
             return
         clients[report.host.rank] = client
         report.checks["ssh"] = Check(True, "ok")
-        report.checks["sftp"] = _transfer_check(client)
-        _probe_host(client, report, timeout)
+        python = report.host.python
+        try:
+            report.checks["sftp"] = _transfer_check(client)
+            _probe_host(client, report, timeout)
+        except OutputTooLarge:
+            report.checks["python"] = Check(False, "broken", f"{python}: the host answered with more than "
+                                                             f"{PROBE_MAX_BYTES} bytes")
+        except (OSError, EOFError, paramiko.SSHException) as exc:  # the host went away mid-check
+            why = visible(str(exc)) or type(exc).__name__
+            report.checks["python"] = Check(False, "failed", f"{python}: the connection failed during the "
+                                                             f"check ({why})")
 
     try:
         with ThreadPoolExecutor(max_workers=min(16, inventory.world_size)) as pool:
@@ -148,12 +170,22 @@ def _probe_host(client: paramiko.SSHClient, report: HostReport, timeout: float) 
         report.checks["python"] = Check(False, "not found", f"{host.python} is not an executable on "
                                         "the host: set 'python' to the absolute path (`which python3` there)")
         return
-    try:
-        info = json.loads(result.stdout.strip().splitlines()[-1])
-        if not isinstance(info, dict) or not isinstance(info.get("python"), str):
-            raise ValueError("not the probe's answer")  # a host's answer is checked before it is used
+    try:  # a host's answer is checked before it is used
+        info = host_json(result.stdout.strip().splitlines()[-1])
+        if not isinstance(info.get("python"), str):
+            raise ValueError("no 'python'")
+        for key in ("python", "meshtrain", "torch", "device"):  # versions and a device name
+            if key in info and not (isinstance(info[key], str) and VERSION_LIKE.fullmatch(info[key])):
+                raise ValueError(f"{key!r} is not a version")
+        for key in ("workdir", "meshtrain_error", "torch_error", "workdir_error"):  # free text, shown
+            if not isinstance(info.get(key, ""), str):
+                raise ValueError(f"{key!r} is not text")
+            if key in info:
+                info[key] = visible(info[key])
+        if "device_ok" in info and (not isinstance(info["device_ok"], bool) or "device" not in info):
+            raise ValueError("'device_ok' without a device")
     except (ValueError, IndexError):
-        error = (result.stderr.strip().splitlines() or ["no output"])[-1]
+        error = visible((result.stderr.strip().splitlines() or ["no output"])[-1])
         report.checks["python"] = Check(False, "broken", f"{host.python} failed: {error}")
         return
     report.checks["python"] = Check(True, info["python"])

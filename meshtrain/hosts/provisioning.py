@@ -18,6 +18,7 @@ Hosts sharing a machine and workdir share one environment: it is set up once.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,9 +28,20 @@ import paramiko
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from meshtrain.errors import RunFailure
+from meshtrain.hosts.host_output import host_json, visible
 from meshtrain.hosts.inventory import Host, Inventory
 from meshtrain.hosts.local_install import LocalInstall, public_version
-from meshtrain.hosts.ssh import HostPath, Shell, SSHError, connect, run, sh, shell_line
+from meshtrain.hosts.ssh import (
+    HostPath,
+    OutputTooLarge,
+    Result,
+    Shell,
+    SSHError,
+    connect,
+    run,
+    sh,
+    shell_line,
+)
 from meshtrain.hosts.transfer import TransferError, has_sftp, put_files
 
 VENV = ".venv"
@@ -37,6 +49,9 @@ MANIFEST = "meshtrain-setup.json"
 WHEELS = "meshtrain-wheels"  # inside the venv: the shipped wheel, kept for the record
 INSTALLED, UP_TO_DATE, FAILED = "installed", "up to date", "failed"
 QUESTION_TIMEOUT = 60.0
+PROBE_MAX_BYTES = 1 << 20  # the status and base-python probes answer with one line of JSON
+COMMAND_MAX_BYTES = 16 << 20  # what pip and setup's own steps print (pip runs with -q)
+PYTHON_VERSION = re.compile(r"[0-9]+\.[0-9]+\.[0-9]+[0-9a-z+]{0,16}")  # 3.11.7, 3.14.0rc1
 # Seconds pip may go without printing (a slow download of torch on a slow link).
 PIP_STALL_TIMEOUT = 1800.0
 
@@ -265,29 +280,42 @@ def _status(client: paramiko.SSHClient, host: Host, local: LocalInstall) -> tupl
     script = shell_line(Shell("if ["), "-x", py, Shell("]; then exec"), py, "-c", STATUS,
                         HostPath(_venv(host) + "/" + MANIFEST), *names,
                         Shell("; elif ["), "-e", venv, Shell("]; then exit 43; else exit 42; fi"))
-    result = run(client, sh(script), timeout=QUESTION_TIMEOUT)
+    result = _ask(client, script, f"{_venv(host)}'s status")
     if result.status == 42:
         return "missing", {}
-    try:
-        status = json.loads(result.stdout.strip().splitlines()[-1])
+    try:  # the host's answer is checked before it is used
+        status = host_json(result.stdout.strip().splitlines()[-1])
+        if not (isinstance(status.get("python"), str) and PYTHON_VERSION.fullmatch(status["python"])):
+            raise ValueError("no 'python' version")
     except (ValueError, IndexError):
         return "broken", {}  # 43, or an interpreter that no longer runs (its base python went away)
     return "ok", status
 
 
+def _ask(client: paramiko.SSHClient, script: str, what: str) -> Result:
+    """Run a probe on the host; its output is bounded (a host may answer anything)."""
+    try:
+        return run(client, sh(script), timeout=QUESTION_TIMEOUT, max_output=PROBE_MAX_BYTES)
+    except OutputTooLarge:
+        raise SetupFailed(f"{what}: the host answered with more than {PROBE_MAX_BYTES} bytes") from None
+
+
 def _check_base_python(client: paramiko.SSHClient, host: Host, local: LocalInstall, base: str,
                        stage: Callable[[str], None]) -> str:
     stage(f"checking {base}")
-    result = run(client, sh(shell_line("command", "-v", _program(base), Shell(">/dev/null 2>&1 || exit 41;"),
-                                       "exec", _program(base), "-c", BASE_PROBE)), timeout=QUESTION_TIMEOUT)
+    result = _ask(client, shell_line("command", "-v", _program(base), Shell(">/dev/null 2>&1 || exit 41;"),
+                                     "exec", _program(base), "-c", BASE_PROBE), f"--base-python {base}")
     if result.status == 41:
         raise SetupFailed(f"--base-python {base}: not found on the host (give its absolute path, "
                           "e.g. /opt/homebrew/bin/python3)")
-    try:
-        info = json.loads(result.stdout.strip().splitlines()[-1])
+    try:  # the host's answer is checked before it is used
+        info = host_json(result.stdout.strip().splitlines()[-1])
+        version = info.get("python")
+        if not (isinstance(version, str) and PYTHON_VERSION.fullmatch(version)) \
+                or not isinstance(info.get("venv"), bool):
+            raise ValueError("not the probe's answer")
     except (ValueError, IndexError):
         raise SetupFailed(f"--base-python {base} does not run: {_last_line(result.stderr)}") from None
-    version = str(info["python"])
     try:
         supported = SpecifierSet(local.requires_python).contains(version)
     except InvalidSpecifier:
@@ -303,14 +331,18 @@ def _check_base_python(client: paramiko.SSHClient, host: Host, local: LocalInsta
 
 def _must(client: paramiko.SSHClient, command: str, what: str, *, timeout: float = QUESTION_TIMEOUT,
           stdin: bytes | None = None) -> None:
-    result = run(client, sh(command), timeout=timeout, stdin=stdin)
+    try:
+        result = run(client, sh(command), timeout=timeout, stdin=stdin, max_output=COMMAND_MAX_BYTES)
+    except OutputTooLarge:
+        raise SetupFailed(f"{what}: the host printed more than {COMMAND_MAX_BYTES} bytes") from None
     if result.status != 0:
         raise SetupFailed(f"{what} failed: {_last_line(result.stderr or result.stdout)}")
 
 
 def _last_line(text: str) -> str:
-    """pip's last ERROR line (not its warnings), else the last line of output."""
+    """pip's last ERROR line (not its warnings), else the last line of output; control
+    characters made visible (the host's output reaches this terminal)."""
     lines = [x.strip() for x in text.splitlines() if x.strip()]
     errors = [x for x in lines if x.startswith("ERROR:")]
-    return (errors or lines or ["no output"])[-1]
+    return visible((errors or lines or ["no output"])[-1])
 

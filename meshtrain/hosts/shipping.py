@@ -37,6 +37,7 @@ import paramiko
 
 from meshtrain.errors import InputError
 from meshtrain.hosts import blobstore
+from meshtrain.hosts.host_output import host_json
 from meshtrain.hosts.inventory import Host
 from meshtrain.hosts.ssh import HostPath, OutputTooLarge, Shell, run, sh, shell_line
 from meshtrain.hosts.transfer import has_sftp, has_tar, sftp_path
@@ -223,9 +224,7 @@ def _host_call(host: Host, client: paramiko.SSHClient, op: str, request: dict[st
         last = (done.stderr.strip().splitlines() or ["no message"])[-1]
         raise ShipError([f"{where} failed: {last}"])
     try:  # the host's answer is hostile input: its shape is checked before any of it is used
-        answer = json.loads(done.stdout)
-        if not isinstance(answer, dict):
-            raise ValueError("not an object")
+        answer = host_json(done.stdout)
         absent = [key for key in ANSWER_KEYS.get(op, ()) if key not in answer]
         if absent:
             raise ValueError(f"no {absent[0]!r}")

@@ -238,6 +238,10 @@ def run(client: paramiko.SSHClient, command: str, *, timeout: float = 60.0,
     is echoed, and nothing appears on any command line). With ``max_output``, more than
     that many bytes on stdout or stderr raises :class:`OutputTooLarge` (a hostile host's
     answer is read in bounded memory).
+
+    stderr is read in a second thread while this one reads stdout: SSH's flow control is one
+    window per channel, so a command that fills one stream while the other is not read
+    stops until ``timeout`` (a 2 MiB flood on either used to stall a question for a minute).
     """
     transport = client.get_transport()
     if transport is None or not transport.is_active():
@@ -250,7 +254,27 @@ def run(client: paramiko.SSHClient, command: str, *, timeout: float = 60.0,
             channel.sendall(stdin)
             channel.shutdown_write()
         limit = -1 if max_output is None else max_output + 1
-        out, err = channel.makefile("rb").read(limit), channel.makefile_stderr("rb").read(limit)
+        errors: list[bytes | BaseException] = []
+
+        def read_stderr() -> None:
+            try:
+                errors.append(data := channel.makefile_stderr("rb").read(limit))
+                if max_output is not None and len(data) > max_output:
+                    channel.close()  # a flood: the stdout read below ends too
+            except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+                errors.append(exc)
+
+        reader = threading.Thread(target=read_stderr, name="meshtrain-ssh-stderr", daemon=True)
+        reader.start()
+        out = channel.makefile("rb").read(limit)
+        if max_output is not None and len(out) > max_output:
+            channel.close()  # a flood: the stderr read ends at once
+        reader.join(timeout)
+        if not errors:
+            raise TimeoutError(f"no end of stderr within {timeout:g} s from {command[:60]!r}")
+        err = errors[0]
+        if isinstance(err, BaseException):
+            raise err
         if max_output is not None and max(len(out), len(err)) > max_output:
             raise OutputTooLarge(f"more than {max_output} bytes of output from {command[:60]!r}")
         return Result(channel.recv_exit_status(), out.decode(errors="replace"), err.decode(errors="replace"))

@@ -38,6 +38,7 @@ from meshtrain.config.launching import RESTART_WAIT_S
 from meshtrain.config.settings import check_run_id
 from meshtrain.errors import InputError
 from meshtrain.heartbeat import EXIT_GRACE_S, HEARTBEAT_FD, heartbeat_interval
+from meshtrain.hosts.host_output import host_json
 from meshtrain.hosts.inventory import Host, Inventory
 from meshtrain.hosts.safe_copy import CopyLimits, UnsafeRunDirectory
 from meshtrain.hosts.shipping import ShipError, Shipment, ship_to_hosts
@@ -531,12 +532,11 @@ def _record_restarts(run_dir: Path, restarts: list[dict[str, object]]) -> None:
     summary_file = run_dir / "summary.json"
     if summary_file.is_file() and summary_file.stat().st_size < SUMMARY_MAX_BYTES:
         try:  # written by rank 0's host: a summary that is not a JSON object is left as it came
-            summary = json.loads(summary_file.read_text())
+            summary = host_json(summary_file.read_text())
         except (ValueError, UnicodeDecodeError):
             return
-        if isinstance(summary, dict):
-            summary["restarts"] = restarts
-            atomic_write_text(summary_file, json.dumps(summary, indent=2) + "\n")
+        summary["restarts"] = restarts
+        atomic_write_text(summary_file, json.dumps(summary, indent=2) + "\n")
 
 
 def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], options: LaunchOptions,
