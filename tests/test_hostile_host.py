@@ -314,6 +314,8 @@ def test_host_answers_are_bounded_and_listings_strict(hostile: HostileHost, tmp_
         with pytest.raises(OutputTooLarge):
             run(client, f"{PYTHON} -c 'import sys; sys.stderr.write(\"x\" * (8 << 20)); print(1)'",
                 max_output=1 << 20, timeout=30)
+        with pytest.raises(OutputTooLarge):  # every question is bounded, not only those that say so
+            run(client, f"{PYTHON} -c 'print(\"x\" * (2 << 20))'")
     finally:
         client.close()
 
@@ -405,3 +407,18 @@ def test_hosts_setup_reads_a_hostile_probe_answer_as_one_line(hostile: HostileHo
         done = meshtrain_here("hosts", "setup", str(inv), "--base-python", str(fake), "--wheel", str(wheel),
                               cwd=tmp_path)
         assert_refused_in_one_line(done, answer)
+
+
+def test_what_a_host_says_in_a_launch_failure_reaches_the_terminal_as_text(hostile: HostileHost,
+                                                                         tmp_path: Path) -> None:
+    """The host's interpreter fails writing the launch secret and says why with escape
+    sequences: the one-line failure quotes it with the control characters written out."""
+    fake = tmp_path / "python3"
+    fake.write_text("#!/bin/sh\nprintf 'no\\033[2J\\033]0;pwned\\007 way\\n' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    done = meshtrain_here("launch", str(box2(hostile, tmp_path, python=str(fake))), "--plain",
+                          "--out", str(tmp_path / "out"), "--", "true", cwd=tmp_path)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0 and "Traceback" not in output, output
+    assert "no\\x1b[2J\\x1b]0;pwned\\x07 way" in output, output
+    assert not any(ch in output for ch in "\x1b\x07"), output

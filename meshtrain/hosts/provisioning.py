@@ -110,7 +110,11 @@ os.replace(path + ".tmp", path)
 
 
 class SetupFailed(RunFailure):
-    """One host could not be set up; the message is one line with the reason."""
+    """One host could not be set up; the message is one line with the reason (what the host
+    said is quoted with its control characters written out)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(visible(message))
 
 
 @dataclass(frozen=True)

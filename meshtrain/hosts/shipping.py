@@ -37,7 +37,7 @@ import paramiko
 
 from meshtrain.errors import InputError
 from meshtrain.hosts import blobstore
-from meshtrain.hosts.host_output import host_json
+from meshtrain.hosts.host_output import host_json, visible
 from meshtrain.hosts.inventory import Host
 from meshtrain.hosts.ssh import HostPath, OutputTooLarge, Shell, run, sh, shell_line
 from meshtrain.hosts.transfer import has_sftp, has_tar, sftp_path
@@ -59,6 +59,7 @@ class ShipError(InputError, RuntimeError):
     """Shipping failed before any rank started: one line per problem."""
 
     def __init__(self, problems: list[str]) -> None:
+        problems = [visible(p) for p in problems]  # a problem may quote what a host said
         super().__init__("\n".join(problems))
         self.problems = problems
 

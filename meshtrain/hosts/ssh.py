@@ -39,10 +39,11 @@ BLOCKED_PRINT = 1.0  # seconds printing a chunk of output may take before we cou
 
 
 class SSHError(RunFailure):
-    """Connecting to or running on a host failed; the message is one line with the fix."""
+    """Connecting to or running on a host failed; the message is one line with the fix.
+    It may quote what the host said: control characters are written out (:func:`visible`)."""
 
     def __init__(self, host: Host, message: str) -> None:
-        super().__init__(f"{host.name} ({host.label}): {message}")
+        super().__init__(visible(f"{host.name} ({host.label}): {message}"))
         self.host = host
 
 
@@ -230,14 +231,18 @@ class OutputTooLarge(RunFailure, ConnectionError):
     """A host answered a question with more output than it may send."""
 
 
+#: What a question to a host may print (on stdout, and on stderr), unless its caller allows more.
+ANSWER_LIMIT = 1 << 20
+
+
 def run(client: paramiko.SSHClient, command: str, *, timeout: float = 60.0,
-        stdin: bytes | None = None, max_output: int | None = None) -> Result:
+        stdin: bytes | None = None, max_output: int = ANSWER_LIMIT) -> Result:
     """Run ``command`` (a POSIX shell line) and wait for it; no pty, separate stderr.
 
     ``stdin`` is written to the command's standard input, then closed (no pty: nothing
-    is echoed, and nothing appears on any command line). With ``max_output``, more than
-    that many bytes on stdout or stderr raises :class:`OutputTooLarge` (a hostile host's
-    answer is read in bounded memory).
+    is echoed, and nothing appears on any command line). More than ``max_output`` bytes on
+    stdout or stderr raises :class:`OutputTooLarge`: a host's answer is read in bounded
+    memory, whatever its shell's start-up files print.
 
     stderr is read in a second thread while this one reads stdout: SSH's flow control is one
     window per channel, so a command that fills one stream while the other is not read
@@ -253,13 +258,13 @@ def run(client: paramiko.SSHClient, command: str, *, timeout: float = 60.0,
         if stdin is not None:
             channel.sendall(stdin)
             channel.shutdown_write()
-        limit = -1 if max_output is None else max_output + 1
+        limit = max_output + 1
         errors: list[bytes | BaseException] = []
 
         def read_stderr() -> None:
             try:
                 errors.append(data := channel.makefile_stderr("rb").read(limit))
-                if max_output is not None and len(data) > max_output:
+                if len(data) > max_output:
                     channel.close()  # a flood: the stdout read below ends too
             except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
                 errors.append(exc)
@@ -267,7 +272,7 @@ def run(client: paramiko.SSHClient, command: str, *, timeout: float = 60.0,
         reader = threading.Thread(target=read_stderr, name="meshtrain-ssh-stderr", daemon=True)
         reader.start()
         out = channel.makefile("rb").read(limit)
-        if max_output is not None and len(out) > max_output:
+        if len(out) > max_output:
             channel.close()  # a flood: the stderr read ends at once
         reader.join(timeout)
         if not errors:
@@ -275,7 +280,7 @@ def run(client: paramiko.SSHClient, command: str, *, timeout: float = 60.0,
         err = errors[0]
         if isinstance(err, BaseException):
             raise err
-        if max_output is not None and max(len(out), len(err)) > max_output:
+        if max(len(out), len(err)) > max_output:
             raise OutputTooLarge(f"more than {max_output} bytes of output from {command[:60]!r}")
         return Result(channel.recv_exit_status(), out.decode(errors="replace"), err.decode(errors="replace"))
     finally:
