@@ -148,6 +148,16 @@ def test_finished_run_directories_and_bad_ones(tmp_path: Path) -> None:
     (result.run_dir / "summary.json").write_text("{not json")
     with pytest.raises(RunDirError, match=r"summary.json: unreadable"):
         state.add_run_directory(result.run_dir)
+    # Nested deeper than the parsers follow (a launched run's files come from a host): named, no
+    # RecursionError.
+    deep = "[" * 5000 + "]" * 5000
+    (result.run_dir / "summary.json").write_text('{"a": ' + deep + "}")
+    with pytest.raises(RunDirError, match=r"summary.json: unreadable"):
+        state.add_run_directory(result.run_dir)
+    (result.run_dir / "summary.json").write_text("{}")
+    (result.run_dir / "config.yaml").write_text(f"a: {deep}\n")
+    with pytest.raises(RunDirError, match=r"config.yaml: unreadable \(nested too deeply"):
+        state.add_run_directory(result.run_dir)
 
 
 def test_rows_show_cpu_gpu_memory_and_each_nodes_share_live_and_finished(tmp_path: Path) -> None:

@@ -68,6 +68,10 @@ def test_wrong_kind_and_undecodable_files_are_named(tmp_path: Path) -> None:
     plotted = runner.invoke(app, ["plot", str(broken), "--out", str(tmp_path / "plots")])
     assert plotted.exit_code == 2
     assert plotted.output.startswith(f"error: {broken / 'summary.json'}: not valid JSON (line 1: ")
+    (broken / "summary.json").write_text('{"a": ' + "[" * 5000 + "]" * 5000 + "}")  # deeper than json follows
+    plotted = runner.invoke(app, ["plot", str(broken), "--out", str(tmp_path / "plots")])
+    assert plotted.exit_code == 2 and "Traceback" not in plotted.output
+    assert plotted.output.startswith(f"error: {broken / 'summary.json'}: unreadable (maximum recursion depth")
     (broken / "summary.json").write_bytes(b"\xff\xfe\x00garbage")
     plotted = runner.invoke(app, ["plot", str(broken), "--out", str(tmp_path / "plots")])
     assert plotted.output.strip() == (f"error: {broken / 'summary.json'}: not UTF-8 text (damaged?); "

@@ -18,8 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
 
-import yaml
-
+from meshtrain import yaml12
 from meshtrain.errors import InputError
 from meshtrain.observers import STARTING, NodeRow, NodeUpdate
 
@@ -324,17 +323,17 @@ def read_run_directory(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any], l
         summary = json.loads(summary_file.read_text())
     except FileNotFoundError:
         raise RunDirError(f"{summary_file}: missing (not a finished run directory)") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # a launched run's came from its rank 0's host
         raise RunDirError(f"{summary_file}: unreadable ({exc})") from None
     if not isinstance(summary, dict):
         raise RunDirError(f"{summary_file}: expected a JSON object")
     config: dict[str, Any] = {}
     try:
-        loaded = yaml.safe_load((run_dir / "config.yaml").read_text())
+        loaded = yaml12.load((run_dir / "config.yaml").read_text())
         config = loaded if isinstance(loaded, dict) else {}
     except FileNotFoundError:
         pass
-    except (OSError, yaml.YAMLError) as exc:
+    except (OSError, yaml12.YAMLError) as exc:
         raise RunDirError(f"{run_dir / 'config.yaml'}: unreadable ({exc})") from None
     try:
         with open(metrics_file, newline="") as f:
