@@ -152,6 +152,59 @@ def test_iface_and_network_filters(lan: Lan, tmp_path: Path) -> None:
     assert lan.address[1] not in result.stdout and lan.address[2] not in result.stdout
 
 
+#: Runs in a host namespace: announces ``_ssh._tcp`` for the name in argv[1] with raw mDNS
+#: answers (as any program on the LAN can; zeroconf itself refuses to register such a name),
+#: every 0.2 s until killed.
+CRAFTED = """
+import socket, sys, time
+from zeroconf import DNSAddress, DNSOutgoing, DNSPointer, DNSService, DNSText, const
+name, address = sys.argv[1], sys.argv[2]
+full = f"{name}._ssh._tcp.local."
+out = DNSOutgoing(const._FLAGS_QR_RESPONSE | const._FLAGS_AA)
+unique = const._CLASS_IN | const._CLASS_UNIQUE
+out.add_answer_at_time(DNSPointer("_ssh._tcp.local.", const._TYPE_PTR, const._CLASS_IN, 120, full), 0)
+out.add_answer_at_time(DNSService(full, const._TYPE_SRV, unique, 120, 0, 0, 22, "evil.local."), 0)
+out.add_answer_at_time(DNSText(full, const._TYPE_TXT, unique, 120, b"\\x00"), 0)
+out.add_answer_at_time(DNSAddress("evil.local.", const._TYPE_A, unique, 120, socket.inet_aton(address)), 0)
+sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(address))
+print("sending", flush=True)
+while True:
+    for packet in out.packets():
+        sock.sendto(packet, ("224.0.0.251", 5353))
+    time.sleep(0.2)
+"""
+
+
+@pytest.mark.parametrize("name", ["E\n  - {name: inj, host: 10.200.0.99}\x1b[2J[red]x[/red]",
+                                  "Plain [red]x[/red] [link=http://example.com]y[/link]"])
+def test_a_strangers_announcement_is_shown_as_text_or_ignored(lan: Lan, tmp_path: Path, name: str) -> None:
+    """Anyone on the LAN may announce any name. One that zeroconf refuses (control characters:
+    a newline, then an inventory entry, an escape sequence) once raised from `hosts discover`;
+    it is ignored. One it accepts, with rich markup, is listed as text, and the inventory
+    written from it holds exactly the machine that announced it."""
+    announce = [PYTHON, "-c", CRAFTED, name, lan.address[3]]
+    proc = subprocess.Popen(["ip", "netns", "exec", lan.ns.hosts[3], *announce], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "sending"
+        target = tmp_path / "mine.yaml"
+        result = discover(lan, "--network", f"{lan.address[3]}/32", "--write", str(target), cwd=tmp_path)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output and "\x1b" not in output and "inj" not in output, output
+    if "\n" in name:  # refused by zeroconf: as if never announced
+        assert result.returncode == 1 and "nothing found, nothing written" in output, output
+        assert not target.exists()
+        return
+    assert result.returncode == 0, output
+    assert "Plain [red]x[/red] [link=http://example.com]y[/link]" in output, output
+    inv = load_inventory(target)
+    assert [(h.name, h.hostname) for h in inv.hosts] == [("evil", lan.address[3])], target.read_text()
+
+
 # ---------------------------------------------------------------- bad input: one line, exit 2
 runner = CliRunner()
 

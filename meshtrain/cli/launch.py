@@ -241,7 +241,9 @@ def hosts_discover(**options: Any) -> None:
         if checks is not None:
             status = checks[entry["name"]].status
             key = Text(status, style="green" if status == d.ACCEPTED else "bold red")
-        table.add_row(entry["name"], f"{f.service}\n{f.server}", "\n".join(f.addresses), str(f.port), key)
+        # Text, not markup: an advertised name is a stranger's ("[link=...]" stays text).
+        advertised = Text(f"{f.service}\n{f.server}")
+        table.add_row(entry["name"], advertised, "\n".join(f.addresses), str(f.port), key)
     console.print(table)
     for c in (checks or {}).values():
         if c.status != d.ACCEPTED:

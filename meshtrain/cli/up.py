@@ -223,7 +223,7 @@ def _show_found(found: list[d.Found], hosts: tuple[Host, ...], timeout: float) -
     for column in ("name", "advertised as", "address"):
         table.add_column(column)
     for f, h in zip(found, hosts, strict=True):
-        table.add_row(h.name, f.service, f"{h.hostname}:{h.port}")
+        table.add_row(h.name, Text(f.service), f"{h.hostname}:{h.port}")  # a stranger's name: not markup
     console.print(table)
 
 

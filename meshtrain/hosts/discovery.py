@@ -26,6 +26,7 @@ import yaml
 
 from meshtrain import yaml12
 from meshtrain.errors import InputError
+from meshtrain.hosts.host_output import visible
 from meshtrain.hosts.inventory import Host, Inventory, parse_inventory
 
 SERVICE = "_ssh._tcp.local."
@@ -137,15 +138,21 @@ def browse(timeout: float, *, iface: str | None = None,
 
 
 def _resolve(zc: Any, zc_mod: Any, name: str) -> Found | None:
-    info = zc_mod.ServiceInfo(SERVICE, name)
-    if not info.request(zc, RESOLVE_MS) or not info.port:
-        return None  # announced, then gone (or never answered): nothing to log in to
+    try:
+        info = zc_mod.ServiceInfo(SERVICE, name)
+        if not info.request(zc, RESOLVE_MS) or not info.port:
+            return None  # announced, then gone (or never answered): nothing to log in to
+    except zc_mod.Error:
+        return None  # a name zeroconf refuses (control characters, too long): a stranger's, ignored
     addresses = info.parsed_scoped_addresses()
     if not addresses:
         return None
     addresses.sort(key=lambda a: ipaddress.ip_address(a.split("%")[0]).version)  # IPv4 first
-    service = name[: -len(SERVICE) - 1] if name.endswith("." + SERVICE) else name
-    server = (info.server or "").rstrip(".") or service
+    # Anyone on the LAN may announce anything: control characters (a newline would end the
+    # inventory comment that quotes the name, an escape sequence would reach the terminal)
+    # are written out before the names are used anywhere.
+    service = visible(name[: -len(SERVICE) - 1] if name.endswith("." + SERVICE) else name)
+    server = visible((info.server or "").rstrip(".")) or service
     return Found(service=service, server=server, addresses=tuple(addresses), port=int(info.port))
 
 
@@ -203,7 +210,9 @@ def inventory_text(raw: dict[str, Any], found: list[Found], checks: dict[str, Ke
         "hosts:",
     ]
     for entry, f in zip(raw["hosts"], found, strict=True):
-        note = f"{f.service} ({f.server}, {', '.join(f.addresses)})"
+        # One comment line whatever was announced (Found's names are already visible(); this
+        # holds for a Found made elsewhere too).
+        note = visible(f"{f.service} ({f.server}, {', '.join(f.addresses)})")
         if checks is not None:
             note += f", key {checks[entry['name']].status}"
         lines.append(f"  # {note}")
