@@ -21,6 +21,7 @@ import meshtrain
 from meshtrain.hosts.host_output import host_json, visible
 from meshtrain.hosts.inventory import Host, Inventory
 from meshtrain.hosts.ssh import (
+    ANSWER_LIMIT,
     HostPath,
     OutputTooLarge,
     RemoteProcess,
@@ -35,10 +36,11 @@ from meshtrain.hosts.transfer import has_sftp, has_tar
 
 CHECKS = ("ssh", "python", "meshtrain", "torch", "device", "workdir", "sftp", "rendezvous")
 
-# Run on each host by its interpreter: versions, device and workdir, as one JSON line.
-PROBE_MAX_BYTES = 1 << 20  # a host's answer to a check: a few lines of JSON
 #: A version (``3.11.7``, ``2.13.0+cpu``, ``0.1.0.dev3``) or a device (``cuda:0``) as a probe reports it.
 VERSION_LIKE = re.compile(r"[0-9A-Za-z][0-9A-Za-z.+:_-]{0,63}")
+
+# Run on each host by its interpreter: versions, device and workdir, as one JSON line
+# (its answer, like every question's, is at most ANSWER_LIMIT bytes).
 PROBE = r"""
 import json, os, sys, tempfile
 out = {"python": sys.version.split()[0]}
@@ -143,7 +145,7 @@ def check_hosts(inventory: Inventory, *, accept_new_host_keys: bool = False,
             _probe_host(client, report, timeout)
         except OutputTooLarge:
             report.checks["python"] = Check(False, "broken", f"{python}: the host answered with more than "
-                                                             f"{PROBE_MAX_BYTES} bytes")
+                                                             f"{ANSWER_LIMIT} bytes")
         except (OSError, EOFError, paramiko.SSHException) as exc:  # the host went away mid-check
             why = visible(str(exc)) or type(exc).__name__
             report.checks["python"] = Check(False, "failed", f"{python}: the connection failed during the "
@@ -165,7 +167,7 @@ def _probe_host(client: paramiko.SSHClient, report: HostReport, timeout: float) 
     py = HostPath(host.python)
     result = run(client, sh(shell_line("test", "-x", py, Shell("|| exit 41;"), "exec", py, "-c", PROBE,
                                        host.device, host.workdir)),
-                 timeout=max(60.0, timeout), max_output=PROBE_MAX_BYTES)
+                 timeout=max(60.0, timeout))
     if result.status == 41:
         report.checks["python"] = Check(False, "not found", f"{host.python} is not an executable on "
                                         "the host: set 'python' to the absolute path (`which python3` there)")
@@ -256,7 +258,7 @@ def _check_rendezvous(inventory: Inventory, reports: list[HostReport],
                 return
             connector = shell_line(HostPath(report.host.python), "-c", CONNECTOR, master.advertise,
                                    str(port), "5")
-            out = run(client, sh(connector), timeout=30.0, max_output=PROBE_MAX_BYTES).stdout.strip()
+            out = run(client, sh(connector), timeout=30.0).stdout.strip()
             if out.startswith("CONNECTED"):
                 report.checks["rendezvous"] = Check(True, "reached")
             else:

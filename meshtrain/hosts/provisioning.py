@@ -32,6 +32,7 @@ from meshtrain.hosts.host_output import host_json, visible
 from meshtrain.hosts.inventory import Host, Inventory
 from meshtrain.hosts.local_install import LocalInstall, public_version
 from meshtrain.hosts.ssh import (
+    ANSWER_LIMIT,
     HostPath,
     OutputTooLarge,
     Result,
@@ -49,7 +50,6 @@ MANIFEST = "meshtrain-setup.json"
 WHEELS = "meshtrain-wheels"  # inside the venv: the shipped wheel, kept for the record
 INSTALLED, UP_TO_DATE, FAILED = "installed", "up to date", "failed"
 QUESTION_TIMEOUT = 60.0
-PROBE_MAX_BYTES = 1 << 20  # the status and base-python probes answer with one line of JSON
 COMMAND_MAX_BYTES = 16 << 20  # what pip and setup's own steps print (pip runs with -q)
 PYTHON_VERSION = re.compile(r"[0-9]+\.[0-9]+\.[0-9]+[0-9a-z+]{0,16}")  # 3.11.7, 3.14.0rc1
 # Seconds pip may go without printing (a slow download of torch on a slow link).
@@ -299,9 +299,9 @@ def _status(client: paramiko.SSHClient, host: Host, local: LocalInstall) -> tupl
 def _ask(client: paramiko.SSHClient, script: str, what: str) -> Result:
     """Run a probe on the host; its output is bounded (a host may answer anything)."""
     try:
-        return run(client, sh(script), timeout=QUESTION_TIMEOUT, max_output=PROBE_MAX_BYTES)
+        return run(client, sh(script), timeout=QUESTION_TIMEOUT)  # at most ANSWER_LIMIT bytes
     except OutputTooLarge:
-        raise SetupFailed(f"{what}: the host answered with more than {PROBE_MAX_BYTES} bytes") from None
+        raise SetupFailed(f"{what}: the host answered with more than {ANSWER_LIMIT} bytes") from None
 
 
 def _check_base_python(client: paramiko.SSHClient, host: Host, local: LocalInstall, base: str,
