@@ -37,6 +37,10 @@ def one_line_exit_2(result, message: str) -> None:  # noqa: ANN001 - click's Res
         (["--set", "steps="], "--set steps=: empty value; give steps=VALUE"),
         (["--set", "steps= "], "--set steps=: empty value"),
         (["--threads", "100000"], "threads must be <= 1024, got 100000"),
+        # torch raised "Overflow when unpacking long long" (no setting named) past 2**64 - 1.
+        (["--seed", "99999999999999999999999"],
+         "seed must be <= 9223372036854775807, got 99999999999999999999999"),
+        (["--seed", "-1"], "seed must be >= 0, got -1"),
         (["--set", "diloco.H=5"], "--set diloco.H: the STRATEGY.KEY form belongs to `meshtrain compare`; "
                                   "for this run give --strategy diloco --set H=5"),
     ],

@@ -25,6 +25,8 @@ RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 #: Most intra-op threads a node may ask for: more than any machine meshtrain runs on has
 #: cores, and far below what exhausts memory when torch creates the pool (100000 did).
 MAX_THREADS = 1024
+#: The largest seed: torch's generators take up to 2**64 - 1, and the tasks add small offsets.
+MAX_SEED = 2**63 - 1
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -95,8 +97,8 @@ class TrainConfig:
                                 flag=Flag(("--batch-size", "-b"), WHAT, BOTH))
     microbatch_size: int | None = setting(None, "Accumulate gradients in pieces of this size.",
                                            minimum=1, flag=Flag(("--microbatch-size",), WHAT, BOTH))
-    seed: int = setting(0, "Seed of weights, data order and shared random choices.",
-                         flag=Flag(("--seed",), WHAT, ALL))
+    seed: int = setting(0, "Seed of weights, data order and shared random choices (0 to 2**63 - 1).",
+                         minimum=0, maximum=MAX_SEED, flag=Flag(("--seed",), WHAT, ALL))
     device: str = setting("cpu", "cpu, cuda, mps or auto.", flag=Flag(("--device",), CLUSTER, BOTH))
     precision: str = setting("fp32", "Forward-pass precision: fp32, or bf16/fp16 autocast (mixed "
                                      "precision: less memory for activations; weights, gradients "
@@ -294,13 +296,18 @@ def check_value(label: str, value: Any, annotation: Any, meta: Any = None) -> No
     if isinstance(value, float) and not math.isfinite(value):
         raise SettingError(f"{label} must be a finite number, got {value!r}")
     if meta.get("minimum") is not None and value < meta["minimum"]:
-        raise SettingError(f"{label} must be >= {meta['minimum']:g}, got {value!r}")
+        raise SettingError(f"{label} must be >= {_limit(meta['minimum'])}, got {value!r}")
     if meta.get("maximum") is not None and value > meta["maximum"]:
-        raise SettingError(f"{label} must be <= {meta['maximum']:g}, got {value!r}")
+        raise SettingError(f"{label} must be <= {_limit(meta['maximum'])}, got {value!r}")
     if meta.get("above") is not None and value <= meta["above"]:
-        raise SettingError(f"{label} must be > {meta['above']:g}, got {value!r}")
+        raise SettingError(f"{label} must be > {_limit(meta['above'])}, got {value!r}")
     if meta.get("choices") and value not in meta["choices"]:
         raise SettingError(f"{label} must be one of {', '.join(meta['choices'])}; got {value!r}")
+
+
+def _limit(bound: float) -> str:
+    """A limit as written: integers in full (a seed's 9223372036854775807, not 9.22337e+18)."""
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
 
 
 def _types_of(annotation: Any) -> tuple[type, ...]:
