@@ -94,15 +94,11 @@ def load_cluster_file(path: Path) -> Cluster:
     and the compute probe's ``step_seconds``, ``step_jitter`` and ``probe`` are optional. Raises
     :class:`ClusterFileError`."""
     try:
-        text = path.read_text()
+        data = yaml12.read(path)
     except OSError as exc:
         raise ClusterFileError(f"{path}: cannot read the cluster file ({exc.strerror or exc})") from None
-    try:
-        data = yaml12.load(text)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise ClusterFileError(f"{path}: not valid YAML{where}") from None
+        raise ClusterFileError(f"{path}: {yaml12.problem(exc)}") from None
     if not isinstance(data, dict):
         raise ClusterFileError(f"{path}: expected a mapping of cluster keys, got "
                                f"{type(data).__name__}")

@@ -41,6 +41,12 @@ def one_line_exit_2(result, message: str) -> None:  # noqa: ANN001 - click's Res
         (["--seed", "99999999999999999999999"],
          "seed must be <= 9223372036854775807, got 99999999999999999999999"),
         (["--seed", "-1"], "seed must be >= 0, got -1"),
+        # An empty text was taken as "not given": `--resume "$RUN"` with RUN unset trained from
+        # scratch, `--out ""` wrote into the current folder.
+        (["--resume", ""], "resume must not be empty"),
+        (["--out", ""], "out_dir must not be empty"),
+        (["--wandb", " "], "wandb must not be empty"),
+        (["--task", ""], "task must not be empty"),
         (["--set", "diloco.H=5"], "--set diloco.H: the STRATEGY.KEY form belongs to `meshtrain compare`; "
                                   "for this run give --strategy diloco --set H=5"),
     ],

@@ -156,7 +156,11 @@ def test_finished_run_directories_and_bad_ones(tmp_path: Path) -> None:
         state.add_run_directory(result.run_dir)
     (result.run_dir / "summary.json").write_text("{}")
     (result.run_dir / "config.yaml").write_text(f"a: {deep}\n")
-    with pytest.raises(RunDirError, match=r"config.yaml: unreadable \(nested too deeply"):
+    with pytest.raises(RunDirError, match=r"config.yaml: not valid YAML \(nested too deeply to read\)$"):
+        state.add_run_directory(result.run_dir)
+    # Bytes that are not text (UnicodeDecodeError escaped this reader: a traceback in the server).
+    (result.run_dir / "config.yaml").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(RunDirError, match=r"config.yaml: not UTF-8 text \(byte 0: a binary file\?\)$"):
         state.add_run_directory(result.run_dir)
 
 

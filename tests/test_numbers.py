@@ -79,5 +79,43 @@ def test_a_file_nested_deeper_than_the_parser_follows_is_one_line(tmp_path: Path
         yaml12.load(f"a: {deep}\n")
     path = tmp_path / "inv.yaml"
     path.write_text(f"defaults: {{user: alice}}\nhosts: {deep}\n")
-    with pytest.raises(InventoryError, match=f"^{path}: not valid YAML$"):
+    with pytest.raises(InventoryError, match=rf"^{path}: not valid YAML \(nested too deeply to read\)$"):
         load_inventory(path)
+
+
+def test_a_key_given_twice_is_named_with_its_lines(tmp_path: Path) -> None:
+    """YAML keys are unique; PyYAML kept the last value silently (a profile with lr twice
+    trained with the second). Every YAML a user writes is read by one loader, so one rule."""
+    with pytest.raises(yaml12.YAMLError) as info:
+        yaml12.load("lr: 1e-3\nsteps: 5\nlr: 1e-2\n")
+    assert yaml12.problem(info.value) == "key 'lr' is given twice (lines 1 and 3)"
+    # '<<' merges may override on purpose; unique keys and nested mappings are untouched.
+    assert yaml12.load("base: &b {a: 1, b: 2}\nrun:\n  <<: *b\n  a: 3\n")["run"] == {"a": 3, "b": 2}
+
+    profile = tmp_path / "twice.yaml"
+    profile.write_text("task: digits\nsteps: 5\nsteps: 6\n")
+    result = runner.invoke(app, ["simulate", "--profile", str(profile), "--out", str(tmp_path / "runs")])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == f"error: profile {profile}: key 'steps' is given twice (lines 2 and 3)"
+    assert not (tmp_path / "runs").exists()
+
+    inventory = tmp_path / "inv.yaml"
+    inventory.write_text("hosts:\n  - {name: a, host: 127.0.0.1, host: 10.0.0.1}\n")
+    with pytest.raises(InventoryError, match=rf"^{inventory}: key 'host' is given twice \(line 2\)$"):
+        load_inventory(inventory)
+    cluster = tmp_path / "lab.yaml"
+    cluster.write_text("bandwidth: 1e9\nlatency: 1e-4\nbandwidth: 1e8\n")
+    with pytest.raises(ValueError, match=rf"^{cluster}: key 'bandwidth' is given twice \(lines 1 and 3\)$"):
+        load_cluster_file(cluster)
+
+
+def test_a_file_that_is_not_text_is_one_line(tmp_path: Path) -> None:
+    """An inventory or cluster file of other bytes (a binary, or UTF-16) raised
+    UnicodeDecodeError: a traceback from `meshtrain launch`."""
+    binary = tmp_path / "inv.yaml"
+    binary.write_bytes(b"\xff\xfehosts: []\n")
+    result = runner.invoke(app, ["launch", str(binary)])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == f"error: {binary}: not UTF-8 text (byte 0: a binary file?)"
+    with pytest.raises(ValueError, match=rf"^{binary}: not UTF-8 text \(byte 0: a binary file\?\)$"):
+        load_cluster_file(binary)

@@ -60,7 +60,7 @@ def load_profile(name: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError(f"profile {path}: cannot read it ({exc.strerror or exc})") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"profile {path}: not valid YAML ({exc.__class__.__name__})") from exc
+        raise ConfigError(f"profile {path}: {yaml12.problem(exc)}") from None
     if raw is None:
         raise ConfigError(f"profile {path}: the file is empty; give settings as key: value lines "
                           "(`meshtrain settings` lists them)")

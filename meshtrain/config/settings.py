@@ -293,6 +293,10 @@ def check_value(label: str, value: Any, annotation: Any, meta: Any = None) -> No
     if not _is_instance(value, allowed):
         names = " or ".join(_type_name(t) for t in allowed if t is not type(None))
         raise SettingError(f"{label} must be {names}, got {value!r}")
+    # Text is never empty but where a setting says so: `--resume "$RUN"` with RUN unset must
+    # not train from scratch, nor `--out ""` write into the current folder.
+    if isinstance(value, str) and not value.strip() and not meta.get("may_be_empty"):
+        raise SettingError(f"{label} must not be empty")
     if isinstance(value, float) and not math.isfinite(value):
         raise SettingError(f"{label} must be a finite number, got {value!r}")
     if meta.get("minimum") is not None and value < meta["minimum"]:

@@ -30,7 +30,8 @@ class RunSpec(TrainConfig):
     """Every setting of a run (the keys of a profile): what to train, with which strategy,
     plus every :class:`~meshtrain.config.settings.TrainConfig` setting."""
 
-    description: str = field(default="", metadata={"help": "What this run is for (profiles)."})
+    description: str = field(default="", metadata={"help": "What this run is for (profiles).",
+                                                    "may_be_empty": True})
     task: str = field(default="digits", metadata={
         "help": "What to train: `meshtrain tasks` lists the tasks.",
         "flag": Flag(("--task", "-t"), WHAT, ALL)})
@@ -80,9 +81,11 @@ def settings_file_text(spec: RunSpec, comment: str) -> str:
 def load_settings_file(path: str) -> dict[str, Any]:
     """The settings of a file :func:`settings_file_text` wrote; :class:`ConfigError` names it."""
     try:
-        raw = yaml12.load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise ConfigError(f"settings file {path}: cannot read it ({type(exc).__name__})") from None
+        raw = yaml12.read(Path(path))
+    except OSError as exc:
+        raise ConfigError(f"settings file {path}: cannot read it ({exc.strerror or exc})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"settings file {path}: {yaml12.problem(exc)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"settings file {path}: expected a mapping of settings")
     return raw

@@ -329,12 +329,14 @@ def read_run_directory(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any], l
         raise RunDirError(f"{summary_file}: expected a JSON object")
     config: dict[str, Any] = {}
     try:
-        loaded = yaml12.load((run_dir / "config.yaml").read_text())
+        loaded = yaml12.read(run_dir / "config.yaml")
         config = loaded if isinstance(loaded, dict) else {}
     except FileNotFoundError:
         pass
-    except (OSError, yaml12.YAMLError) as exc:
+    except OSError as exc:
         raise RunDirError(f"{run_dir / 'config.yaml'}: unreadable ({exc})") from None
+    except yaml12.YAMLError as exc:  # a launched run's came from its rank 0's host
+        raise RunDirError(f"{run_dir / 'config.yaml'}: {yaml12.problem(exc)}") from None
     try:
         with open(metrics_file, newline="") as f:
             history = [dict(row) for row in csv.DictReader(f)]

@@ -107,11 +107,9 @@ def load_inventory(path: str | os.PathLike[str]) -> Inventory:
     if not path.is_file():
         raise InventoryError(f"{path}: inventory file not found")
     try:
-        raw = yaml12.load(path.read_text())
+        raw = yaml12.read(path)
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise InventoryError(f"{path}: not valid YAML{where}") from None
+        raise InventoryError(f"{path}: {yaml12.problem(exc)}") from None
     return parse_inventory(raw, path)
 
 
