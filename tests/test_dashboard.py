@@ -5,8 +5,10 @@ drives the page in a real browser)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -286,6 +288,30 @@ def test_server_listens_on_loopback_and_refuses_a_wrong_or_missing_token(server:
     assert status == 200 and headers["Cache-Control"] == "no-store"
     assert json.loads(body)["runs"][0]["nodes"][0]["name"] == "alpha"
     assert _get(base + "/api/state", {TOKEN_HEADER: server.token})[0] == 200
+
+
+def test_requests_that_are_not_http_get_400_and_print_nothing(server: DashboardServer,
+                                                               caplog: pytest.LogCaptureFixture,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whoever reaches the port may send anything. aiohttp logged each request its parser
+    refused with a traceback, which Python printed into the run's terminal; they are answered
+    400 and not logged. The server's own errors still are."""
+    caplog.set_level(logging.DEBUG)
+    junk = [b"GET / HTTP/1.1\r\nConnection: close\r\n\r\n",  # no Host header
+            b"GET / HTTP/1.1\r\nHost: x\r\nX: " + b"a" * 200_000 + b"\r\n\r\n",  # a huge header line
+            b"GARBAGE\r\n\r\n", b"\xff\xfe\x00" * 1000]
+    for raw in junk:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+            conn.sendall(raw)
+            assert conn.recv(64).startswith(b"HTTP/1.0 400 Bad Request"), raw[:20]
+    assert _get(f"http://127.0.0.1:{server.port}/api/state?token={server.token}")[0] == 200
+    assert not [r for r in caplog.records if r.name.startswith(("meshtrain.dashboard", "aiohttp"))]
+
+    def broken() -> dict[str, object]:
+        raise RuntimeError("a bug of the server's own")
+    monkeypatch.setattr(server.state, "snapshot", broken)
+    assert _get(f"http://127.0.0.1:{server.port}/api/state?token={server.token}")[0] == 500
+    assert any(r.exc_info and "a bug of the server's own" in str(r.exc_info[1]) for r in caplog.records)
 
 
 def test_the_page_is_self_contained(server: DashboardServer) -> None:

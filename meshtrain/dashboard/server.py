@@ -8,7 +8,10 @@ or the launcher's reader threads) goes on undisturbed. Security:
   compared in constant time; anything else gets 403 before a route is looked at;
 * the page is self-contained (its script and style inlined, nothing from the network) and
   served with a Content-Security-Policy that allows only them and requests to this server,
-  and no Referer is ever sent (the token is in the URL).
+  and no Referer is ever sent (the token is in the URL);
+* a request that is not HTTP (a header line of 200 KB, no Host, random bytes) is answered 400
+  and not logged: anyone who can reach the port could otherwise print tracebacks into the
+  terminal of the run the dashboard shows.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import secrets
 import socket
 import threading
@@ -23,11 +27,26 @@ from importlib import resources
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from meshtrain.dashboard.state import DashboardState
 
 LOCALHOST = "127.0.0.1"
 TOKEN_HEADER = "X-Meshtrain-Token"
+
+
+class _NotClientErrors(logging.Filter):
+    """Drops the records of requests a client got wrong (aiohttp's parser refused them and
+    answered 400); the server's own errors are still logged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not isinstance(error, HttpProcessingError)
+
+
+#: The logger aiohttp's request handlers report to (instead of its shared "aiohttp.server").
+SERVER_LOG = logging.getLogger("meshtrain.dashboard.server")
+SERVER_LOG.addFilter(_NotClientErrors())
 
 
 def new_token() -> str:
@@ -117,7 +136,8 @@ class DashboardServer:
         return self
 
     async def _serve(self) -> None:
-        self._runner = web.AppRunner(build_app(self.state, self.token), access_log=None)
+        self._runner = web.AppRunner(build_app(self.state, self.token), access_log=None,
+                                     logger=SERVER_LOG)
         await self._runner.setup()
         await web.SockSite(self._runner, self._sock).start()
 
