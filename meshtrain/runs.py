@@ -101,7 +101,8 @@ def load_run(path: str | Path) -> FinishedRun:
     except json.JSONDecodeError as exc:
         raise RunError(f"{folder / name}: not valid JSON (line {exc.lineno}: {exc.msg}); not a "
                        "finished run") from None
-    except (OSError, ValueError, RecursionError, yaml.YAMLError) as exc:  # it may have come from a host
+    # It may have come from a host: any bytes, a field over csv's 128 KiB limit, nesting too deep.
+    except (OSError, ValueError, RecursionError, csv.Error, yaml.YAMLError) as exc:
         raise RunError(f"{folder / name}: unreadable ({exc}); not a finished run") from None
     if not isinstance(summary, dict) or not isinstance(config, dict) or not metrics:
         raise RunError(f"{folder}: not a finished run (summary, config or metrics are empty)")

@@ -242,6 +242,9 @@ def test_what_excel_and_finder_leave_behind(speech: SpeechAssets, tmp_path: Path
     (folder / "metadata.csv").write_bytes(b"\x00\xff\xfe binary \x81\x82")
     with pytest.raises(TaskError, match=r"metadata.csv: not UTF-8 text \(save it as CSV UTF-8"):
         build_task(folder, speech.model)
+    (folder / "metadata.csv").write_text(f"file_name,transcription\n{clips[0].name},{'a' * 200_000}\n")
+    with pytest.raises(TaskError, match=r"metadata.csv: not a CSV file that can be read \(field larger"):
+        build_task(folder, speech.model)
 
     (tmp_path / "outside.wav").write_bytes(clips[0].read_bytes())
     write_metadata(folder, [(clips[0].name, "a"), ("../outside.wav", "b")])

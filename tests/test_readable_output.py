@@ -76,3 +76,11 @@ def test_wrong_kind_and_undecodable_files_are_named(tmp_path: Path) -> None:
     plotted = runner.invoke(app, ["plot", str(broken), "--out", str(tmp_path / "plots")])
     assert plotted.output.strip() == (f"error: {broken / 'summary.json'}: not UTF-8 text (damaged?); "
                                       "not a finished run")
+    # A field longer than csv reads (131,072 characters) raised _csv.Error: a traceback.
+    shutil.copy(tmp_path / "runs" / "r" / "summary.json", broken / "summary.json")
+    with (broken / "metrics.csv").open("a") as f:
+        f.write("9," + "1" * 200_000 + "\n")
+    plotted = runner.invoke(app, ["plot", str(broken), "--out", str(tmp_path / "plots")])
+    assert plotted.exit_code == 2 and plotted.output.strip() == (
+        f"error: {broken / 'metrics.csv'}: unreadable (field larger than field limit (131072)); "
+        "not a finished run")

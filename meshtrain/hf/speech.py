@@ -80,6 +80,8 @@ def read_metadata(folder: Path, text_column: str = "transcription") -> list[Clip
     except UnicodeDecodeError:
         raise SpeechDataError(f"{meta}: not UTF-8 text (save it as CSV UTF-8, with columns "
                               f"file_name,{text_column})") from None
+    except csv.Error as exc:  # a field over csv's 128 KiB limit, say
+        raise SpeechDataError(f"{meta}: not a CSV file that can be read ({exc})") from None
     for column in ("file_name", text_column):
         if column not in columns:
             raise SpeechDataError(f"{meta}: no {column!r} column (columns: {', '.join(columns)})")
