@@ -17,12 +17,14 @@ from typing import Any
 
 import yaml
 
+from meshtrain.errors import InputError
+
 # YAML 1.2 core schema floats with an exponent and no dot (the forms YAML 1.1 misses), plus
 # Python's digit separators; forms with a dot are already floats under YAML 1.1.
 _EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
 
 
-class DuplicateKey(yaml.constructor.ConstructorError):
+class DuplicateKey(yaml.constructor.ConstructorError, InputError):
     """A mapping that gives one key twice: YAML requires keys to be unique, and PyYAML would
     keep the last value silently (an ``lr`` given twice in a profile trained with the second)."""
 
@@ -61,7 +63,7 @@ def load(text: str) -> Any:
         raise YAMLError("nested too deeply to read") from None
 
 
-class NotText(yaml.YAMLError):
+class NotText(yaml.YAMLError, InputError):
     """A YAML file whose bytes are not UTF-8 text (a binary file, or another encoding)."""
 
 
