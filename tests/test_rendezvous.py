@@ -183,6 +183,12 @@ def test_the_gate_closes_strangers_before_any_handshake_and_keeps_slots_for_rank
                 time.sleep(0.1)
         waited = time.monotonic() - started
         assert waited < rendezvous.GATE_HANDSHAKE_TIMEOUT_S + 2, waited
+        # The gate admits the rank to the store. Waiting for that before the store closes
+        # keeps the gate's thread from finding the store gone after this test has ended (its
+        # "could not admit" line then went to the next test's closed capture).
+        store.settimeout(10)
+        admitted, _ = store.accept()
+        admitted.close()
         rank.close()
         for s in silent:
             s.close()
