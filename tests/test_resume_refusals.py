@@ -67,6 +67,15 @@ def test_a_checkpoint_folder_without_its_spec_is_refused(stopped: Path, tmp_path
     shutil.copytree(stopped / "stopped" / "r.checkpoints", bare)
     (bare / "spec.yaml").unlink()
     refused(["--resume", str(bare)], f"{bare / 'spec.yaml'} is missing, so the run's settings are unknown")
+    # A damaged one is named the same way (YAML's ParserError was a traceback; other bytes
+    # than UTF-8 a line that named no file).
+    (bare / "spec.yaml").write_text("lr: [0.1\n")
+    refused(["--resume", str(bare)],
+            f"{bare / 'spec.yaml'}: not valid YAML (line 2), so the run's settings are unknown")
+    (bare / "spec.yaml").write_bytes(b"\xff\xfe")
+    refused(["--resume", str(bare)],
+            f"{bare / 'spec.yaml'}: not UTF-8 text (byte 0: a binary file?), so the run's settings "
+            "are unknown")
 
 
 def test_what_may_change_still_resumes(stopped: Path, tmp_path: Path) -> None:

@@ -127,6 +127,12 @@ def simulate(
         if not spec_file.is_file():  # without it nothing says which run the state belongs to
             raise fail(f"--resume {resume}: {spec_file} is missing, so the run's settings are "
                        "unknown; resume from a <run-id>.checkpoints folder as the run wrote it")
+        try:
+            checkpointed = yaml12.read(spec_file)
+        except (OSError, yaml12.YAMLError) as exc:
+            problem = yaml12.problem(exc) if isinstance(exc, yaml12.YAMLError) else exc.strerror
+            raise fail(f"--resume {resume}: {spec_file}: {problem}, so the run's settings are "
+                       "unknown") from None
         if profile is None and settings_file is None:
             profile = str(spec_file)
         # <out>/<id>.checkpoints while a run goes, <out>/<id>/checkpoints once it finished.
@@ -144,8 +150,7 @@ def simulate(
     # Everything is checked before the first step: up to here, an error is bad input (2).
     try:
         if resume:  # the settings must be the checkpointed run's, but for what may change
-            conflict = resume_conflict(yaml12.load(spec_file.read_text(encoding="utf-8")),
-                                       resolve_run(flags, set_, launched)[0], found.step)
+            conflict = resume_conflict(checkpointed, resolve_run(flags, set_, launched)[0], found.step)
             if conflict:
                 raise fail(f"--resume {resume}: {conflict}")
         spec, bundle, strat = build_run(flags, set_, launched)
