@@ -38,6 +38,7 @@ from meshtrain.hosts.bench import (
     parse_size,
     probe_from_json,
     probe_to_json,
+    result_text,
     samples_from_json,
     samples_to_json,
     step_spread,
@@ -91,7 +92,7 @@ def test_fit_refuses_what_cannot_give_a_cluster() -> None:
         fit_alpha_beta([Sample(4096, 2, 1e-3), Sample(2**20, 3, 1e-2)])
 
 
-def test_sizes_and_timings_json() -> None:
+def test_sizes_and_timings_json(tmp_path: Path) -> None:
     assert [parse_size(t) for t in ("4096", "64KB", "16MiB", "1.5mb")] == [4096, 64_000, 2**24, 1_500_000]
     with pytest.raises(BenchError, match="'lots' is not a size"):
         parse_size("lots")
@@ -110,6 +111,18 @@ def test_sizes_and_timings_json() -> None:
             samples_from_json('{"samples": [' + bad + "]}", "box0:bench.json")
     with pytest.raises(BenchError, match="larger than 1048576 bytes"):
         samples_from_json(" " * (2 << 20), "box0:bench.json")
+    # The copied-back file itself: its size is checked before it is read, and bytes that are
+    # not UTF-8 are one line (read_text raised UnicodeDecodeError: a traceback from hosts bench).
+    copied = tmp_path / "bench.json"
+    copied.write_bytes(b'{"samples": []}')
+    assert result_text(copied, "box0:bench.json") == '{"samples": []}'
+    copied.write_bytes(b'{"samples": ["\xff"]}')
+    with pytest.raises(BenchError, match=r"^box0:bench.json: not a benchmark result \(not UTF-8 text at "
+                                         r"byte 14\)$"):
+        result_text(copied, "box0:bench.json")
+    copied.write_bytes(b" " * (2 << 20))
+    with pytest.raises(BenchError, match="larger than 1048576 bytes"):
+        result_text(copied, "box0:bench.json")
 
 
 # --------------------------------------------------------------------------- cluster files

@@ -229,6 +229,18 @@ MAX_RESULT_BYTES = 1 << 20  # bench.json as rank 0's host sends it back: a few K
 MAX_SAMPLES = 1000
 
 
+def result_text(path: Path, source: str) -> str:
+    """The text of a benchmark result copied back from rank 0's host (``source`` names it):
+    its size is checked before it is read, and its bytes must be UTF-8; :class:`BenchError`
+    otherwise."""
+    if path.stat().st_size > MAX_RESULT_BYTES:
+        raise BenchError(f"{source}: not a benchmark result (larger than {MAX_RESULT_BYTES} bytes)")
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BenchError(f"{source}: not a benchmark result (not UTF-8 text at byte {exc.start})") from None
+
+
 def samples_from_json(text: str, source: str) -> list[Sample]:
     """Read what :func:`samples_to_json` wrote; raises :class:`BenchError` naming ``source``.
 

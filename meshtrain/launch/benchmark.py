@@ -26,6 +26,7 @@ from meshtrain.hosts.bench import (
     fitted_cluster,
     parse_size,
     probe_from_json,
+    result_text,
     samples_from_json,
 )
 from meshtrain.hosts.inventory import Inventory
@@ -89,7 +90,8 @@ def benchmark_hosts(inventory: Path, inv: Inventory, how: HostsBenchSettings) ->
             raise BenchmarkFailed("the benchmark did not finish; no cluster file was written",
                                   result.failures, result.exit_code or 1)
         try:
-            text, source = timings.read_text(), f"{inv.hosts[0].name}:{BENCH_FILE}"
+            source = f"{inv.hosts[0].name}:{BENCH_FILE}"
+            text = result_text(timings, source)
             samples = samples_from_json(text, source)
             probed = probe_from_json(text, source, inv.world_size) if probe else None
             fit = fit_alpha_beta(samples)
