@@ -46,11 +46,10 @@ from meshtrain.cluster import (
 )
 from meshtrain.comm import CommRecord, ring_all_reduce_bytes
 from meshtrain.comm.buckets import BUCKET_BYTES
+from meshtrain.config.plan import COMM_BUDGET
 from meshtrain.data import Collate, DataFactory, fetch, resolve_dataset, to_device
 from meshtrain.strategies.base import Optim
 
-#: Share of a step that may go to communication before a cheaper strategy is chosen.
-COMM_BUDGET = 0.10
 #: Inner steps between DiLoCo syncs that the planner considers (the paper uses 500).
 DILOCO_H = (5, 10, 20, 50, 100, 200, 500)
 SPARTA_P = 0.005

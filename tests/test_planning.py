@@ -153,10 +153,16 @@ def test_plan_command_prints_the_winner_first_and_why() -> None:
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--hosts", "0"], "--hosts must be >= 1"),
+    (["--hosts", "0"], "--hosts must be >= 1, got 0"),
     (["--cluster", "nosuch"], "unknown cluster 'nosuch'"),
-    (["--budget", "1.5"], "--budget must be between 0 and 1"),
-    (["--step-seconds", "-1"], "--step-seconds must be > 0"),
+    (["--budget", "1.5"], "--budget must be <= 1, got 1.5"),
+    (["--budget", "0"], "--budget must be > 0, got 0.0"),
+    (["--step-seconds", "-1"], "--step-seconds must be > 0, got -1.0"),
+    # Accepted before the options were the settings' one definition: a batch of 0 samples,
+    # an infinite step, an empty data path.
+    (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["--step-seconds", "inf"], "--step-seconds must be a finite number, got inf"),
+    (["--data", ""], "--data must not be empty"),
 ])
 def test_plan_command_refuses_bad_input_in_one_line(args: list[str], message: str) -> None:
     from typer.testing import CliRunner
@@ -165,7 +171,8 @@ def test_plan_command_refuses_bad_input_in_one_line(args: list[str], message: st
 
     result = CliRunner().invoke(app, ["plan", *args])
     assert result.exit_code == 2
-    assert message in result.output
+    assert result.output.strip() == f"error: {message}" or message in result.output, result.output
+    assert len(result.output.strip().splitlines()) == 1, result.output
 
 
 def _auto_run(tmp_path: Path, *args: str) -> tuple[str, dict]:

@@ -25,6 +25,7 @@ from meshtrain.build import resolve_run
 from meshtrain.cli.main import app
 from meshtrain.config.hosts import HostsBenchSettings, HostsCheckSettings, HostsDiscoverSettings
 from meshtrain.config.launching import LaunchSettings
+from meshtrain.config.plan import PlanSettings
 from meshtrain.config.settings import Flag
 from meshtrain.config.spec import NOT_IN_PROFILES, ConfigError, RunSpec
 
@@ -185,12 +186,16 @@ def test_settings_lists_every_setting_with_its_flag(monkeypatch: pytest.MonkeyPa
             assert f"{', '.join(flag.names)} ({', '.join(flag.commands)})" in rows[name], rows[name]
 
 
-@pytest.mark.parametrize(("cls", "command"), [(HostsCheckSettings, "check"), (HostsBenchSettings, "bench"),
-                                              (HostsDiscoverSettings, "discover")])
+@pytest.mark.parametrize(("cls", "command"), [(HostsCheckSettings, "hosts check"),
+                                              (HostsBenchSettings, "hosts bench"),
+                                              (HostsDiscoverSettings, "hosts discover"),
+                                              (PlanSettings, "plan")])
 def test_the_hosts_commands_options_are_their_settings_one_definition(cls: type, command: str) -> None:
-    """``hosts check``, ``bench`` and ``discover`` take exactly the options of their config/
-    dataclass, each with its field's default and help (no hand-written typer option)."""
-    click_command = get_command(app).commands["hosts"].commands[command]  # type: ignore[attr-defined]
+    """``hosts check``, ``bench``, ``discover`` and ``plan`` take exactly the options of their
+    config/ dataclass, each with its field's default and help (no hand-written typer option)."""
+    click_command: Any = get_command(app)
+    for word in command.split():
+        click_command = click_command.commands[word]
     options = {p.name: p for p in click_command.params if p.name != "inventory"}
     fields = {f.name: f for f in dataclasses.fields(cls)}
     assert set(options) == set(fields)

@@ -6,14 +6,19 @@ parameters, and prints :func:`meshtrain.planning.recommend`'s table.
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 from rich import box
 from rich.table import Table
 
 from meshtrain.cli.console import console, fail
+from meshtrain.cli.flags import takes_options
 from meshtrain.cluster import ClusterFileError, get_cluster
+from meshtrain.config.plan import PLAN, PlanSettings
+from meshtrain.config.settings import from_flags
+from meshtrain.errors import SettingError
 from meshtrain.planning import (
-    COMM_BUDGET,
     SOURCES,
     Plan,
     Workload,
@@ -24,20 +29,8 @@ from meshtrain.planning import (
 from meshtrain.tasks import TaskError, TaskOptions, check_options, get_task
 
 
-def plan(
-    hosts: int = typer.Option(2, "--hosts", "-n", help="Hosts that will train (one rank each)."),
-    cluster: str = typer.Option("gbe", "--cluster", help="Named cluster (meshtrain clusters) or a "
-                                "cluster file from `meshtrain hosts bench`."),
-    task: str = typer.Option("digits", "--task", "-t", help="Task whose model is planned for."),
-    data: str = typer.Option(None, "--data", help="Data file or folder the task reads."),
-    batch_size: int = typer.Option(None, "--batch-size", help="Samples per host per step "
-                                   "(default: the task's)."),
-    step_seconds: float = typer.Option(None, "--step-seconds", help="One step's compute on one host, "
-                                       "if you know it (default: measured here, divided by the "
-                                       "cluster's speed)."),
-    budget: float = typer.Option(COMM_BUDGET, "--budget", help="Share of a step that may go to "
-                                 "communication before a cheaper strategy is chosen."),
-) -> None:
+@takes_options(PlanSettings, PLAN)
+def plan(**options: Any) -> None:
     """Recommend a strategy for a task on a cluster: projected time per step, the share spent
     communicating, the speedup over one host, and what the papers say about quality.
 
@@ -47,26 +40,24 @@ def plan(
 
       meshtrain plan --task gpt --data input.txt --hosts 3 --cluster runs/bench-cluster.yaml
     """
-    if hosts < 1:
-        raise fail(f"--hosts must be >= 1, got {hosts}")
-    if not 0 < budget < 1:
-        raise fail(f"--budget must be between 0 and 1 (a share of the step), got {budget!r}")
-    if step_seconds is not None and not step_seconds > 0:
-        raise fail(f"--step-seconds must be > 0, got {step_seconds!r}")
     try:
-        chosen_cluster = get_cluster(cluster)
-        chosen_task = get_task(task)
-        options = check_options(chosen_task, {})
-        bundle = chosen_task.build(TaskOptions(data=data, options=options))
+        how = from_flags(PlanSettings, options)
+    except SettingError as exc:
+        raise fail(str(exc)) from None
+    try:
+        cluster = get_cluster(how.cluster)
+        task = get_task(how.task)
+        bundle = task.build(TaskOptions(data=how.data, options=check_options(task, {})))
     except (ValueError, ClusterFileError, TaskError) as exc:
         raise fail(str(exc)) from None
-    batch = batch_size or int(chosen_task.defaults.get("batch_size", 32))
+    batch = how.batch_size or int(task.defaults.get("batch_size", 32))
+    step_seconds = how.step_seconds
     if step_seconds is None:
-        with console.status(f"timing a few {task} steps here (batch {batch})"):
+        with console.status(f"timing a few {how.task} steps here (batch {batch})"):
             measured = measure_step_seconds(bundle.model, bundle.train_data, batch, bundle.collate_fn)
-        step_seconds = measured / chosen_cluster.speed
-    work = Workload(trainable_parameters(bundle.model), step_seconds, hosts)
-    console.print(plan_table(recommend(work, chosen_cluster, budget)))
+        step_seconds = measured / cluster.speed
+    work = Workload(trainable_parameters(bundle.model), step_seconds, how.hosts)
+    console.print(plan_table(recommend(work, cluster, how.budget)))
     console.print(SOURCES, style="dim", highlight=False)
 
 
