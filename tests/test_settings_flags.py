@@ -17,13 +17,20 @@ from typing import Any
 
 import pytest
 import yaml
+from rich.markup import escape
 from typer.main import get_command
 from typer.testing import CliRunner
 
 import meshtrain.cli.main as cli_main
 from meshtrain.build import resolve_run
 from meshtrain.cli.main import app
-from meshtrain.config.hosts import HostsBenchSettings, HostsCheckSettings, HostsDiscoverSettings
+from meshtrain.config.hosts import (
+    HostsBenchSettings,
+    HostsCheckSettings,
+    HostsDiscoverSettings,
+    Listening,
+    UpSettings,
+)
 from meshtrain.config.launching import LaunchSettings
 from meshtrain.config.plan import PlanSettings
 from meshtrain.config.settings import Flag
@@ -189,10 +196,11 @@ def test_settings_lists_every_setting_with_its_flag(monkeypatch: pytest.MonkeyPa
 @pytest.mark.parametrize(("cls", "command"), [(HostsCheckSettings, "hosts check"),
                                               (HostsBenchSettings, "hosts bench"),
                                               (HostsDiscoverSettings, "hosts discover"),
-                                              (PlanSettings, "plan")])
+                                              (PlanSettings, "plan"), (UpSettings, "up")])
 def test_the_hosts_commands_options_are_their_settings_one_definition(cls: type, command: str) -> None:
-    """``hosts check``, ``bench``, ``discover`` and ``plan`` take exactly the options of their
-    config/ dataclass, each with its field's default and help (no hand-written typer option)."""
+    """``hosts check``, ``bench``, ``discover``, ``plan`` and ``up`` take exactly the options of
+    their config/ dataclass, each with its field's default and help (no hand-written typer
+    option; an option two commands share is one field, with its help in each)."""
     click_command: Any = get_command(app)
     for word in command.split():
         click_command = click_command.commands[word]
@@ -200,9 +208,21 @@ def test_the_hosts_commands_options_are_their_settings_one_definition(cls: type,
     fields = {f.name: f for f in dataclasses.fields(cls)}
     assert set(options) == set(fields)
     for name, field in fields.items():
-        assert options[name].opts == list(field.metadata["flag"].names), name
-        assert options[name].default == field.default, name
-        assert options[name].help == field.metadata["help"], name
+        flag = field.metadata["flag"]
+        assert [*options[name].opts, *options[name].secondary_opts] == \
+            [n for names in flag.names for n in names.split("/")], name
+        default = field.default_factory() if callable(field.default_factory) else field.default
+        assert options[name].default == default, name
+        # Escaped: typer renders help as rich markup ("meshtrain[dashboard]" would vanish).
+        assert options[name].help == escape(flag.help_in(command, field.metadata["help"])), name
+
+
+def test_up_and_discover_share_their_listening_options() -> None:
+    """The options of finding machines and logging in are defined once for both commands."""
+    shared = {f.name for f in dataclasses.fields(Listening)}
+    assert shared <= {f.name for f in dataclasses.fields(HostsDiscoverSettings)}
+    assert shared <= {f.name for f in dataclasses.fields(UpSettings)}
+    assert {"timeout", "iface", "network", "user", "identity_file", "known_hosts"} == shared
 
 
 def test_a_hosts_bench_option_is_checked_by_its_rule_before_any_host(tmp_path: Path) -> None:

@@ -137,7 +137,8 @@ def takes_options(cls: type, command: str) -> Callable[[Command], Command]:
             if flag is None or command not in flag.commands:
                 continue
             default = field.default_factory() if callable(field.default_factory) else field.default
-            option = typer.Option(default, *flag.names, help=escape(field.metadata.get("help", "")),
+            shown = flag.help_in(command, field.metadata["help"])
+            option = typer.Option(default, *flag.names, help=escape(shown),
                                   metavar=flag.metavar, rich_help_panel=flag.panel)
             generated.append(inspect.Parameter(field.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                                default=option, annotation=_option_type(hints[field.name])))

@@ -28,10 +28,13 @@ from rich.text import Text
 from meshtrain.cli.console import errors, fail, fail_on
 from meshtrain.cli.console import wide_console as console
 from meshtrain.cli.dashboard import require_extra
+from meshtrain.cli.flags import takes_options
 from meshtrain.cli.hosts_setup import setup_hosts
 from meshtrain.cli.launch import bench_hosts, launch_hosts
 from meshtrain.cli.plan import plan_table
-from meshtrain.config.hosts import HostsBenchSettings
+from meshtrain.config.hosts import UP, HostsBenchSettings, UpSettings
+from meshtrain.config.settings import from_flags
+from meshtrain.errors import SettingError
 from meshtrain.guided import (
     COPY_KEY,
     MAKE_KEY,
@@ -47,44 +50,11 @@ from meshtrain.hosts.inventory import Host, Inventory, InventoryError, parse_inv
 from meshtrain.planning import SOURCES
 from meshtrain.run_dir import atomic_write_text
 
-DEFAULT_PROFILE = "whisper-tiny-lora"
 STEPS = 6
 
 
-def up(
-    yes: bool = typer.Option(False, "--yes", "-y", help="Ask nothing: use every machine that lets us in, "
-                                                        "install, measure, plan and train."),
-    name: str = typer.Option("lan", "--name", help="Names the files written: hosts/NAME.yaml, "
-                                                   "clusters/NAME.yaml, profiles/NAME.yaml."),
-    force: bool = typer.Option(False, "--force", help="Replace those files if they exist (asked "
-                                                      "otherwise; refused with --yes)."),
-    profile: str = typer.Option(DEFAULT_PROFILE, "--profile", "-p", help="What to fine-tune: a profile "
-                                "name or file (the planner chooses its strategy)."),
-    data: str = typer.Option(None, "--data", help="Data file or folder (for Whisper: recordings)."),
-    set_: list[str] = typer.Option([], "--set", help="Override a setting of the profile: key=value "
-                                                    "(steps=200, task_options.model=DIR)."),
-    timeout: float = typer.Option(3.0, "--timeout", help="Seconds to listen for machines."),
-    iface: str = typer.Option(None, "--iface", help="Listen on this network interface only (en0, eth0)."),
-    network: str = typer.Option(None, "--network", help="Keep only addresses in this range "
-                                                       "(192.168.1.0/24)."),
-    user: str = typer.Option(None, "--user", help="Login name on the machines (default: yours here)."),
-    identity_file: str = typer.Option(None, "--identity-file", help="Private key to log in with "
-                                                                     "(default: ssh-agent and ~/.ssh/id_*)."),
-    known_hosts: str = typer.Option(None, "--known-hosts", help="known_hosts file "
-                                                               "(default ~/.ssh/known_hosts)."),
-    workdir: str = typer.Option("~/meshtrain-runs", "--workdir", help="Folder on the machines for the "
-                                "environment, data and runs."),
-    accept_new_host_keys: bool = typer.Option(
-        False, "--accept-new-host-keys", help="With --yes: trust machines seen for the first time (asked "
-                                              "otherwise, showing the key's fingerprint)."),
-    base_python: str = typer.Option("python3", "--base-python", help="Interpreter on the machines that "
-                                    "makes meshtrain's environment (hosts setup)."),
-    pip_arg: list[str] = typer.Option([], "--pip-arg", help="Extra argument for pip on the machines "
-                                                            "(hosts setup), repeatable."),
-    wheel: Path = typer.Option(None, "--wheel", help="Ship this meshtrain wheel (hosts setup)."),
-    dashboard: bool = typer.Option(True, "--dashboard/--no-dashboard", help="Serve the live web "
-                                   "dashboard of the training (needs meshtrain[dashboard])."),
-) -> None:
+@takes_options(UpSettings, UP)
+def up(**options: Any) -> None:
     """Find the Macs on this network and fine-tune on them: keys, setup, benchmark, plan, launch.
 
     One question at a time; every step is also a command of its own (hosts discover,
@@ -95,18 +65,23 @@ def up(
 
       meshtrain up --yes --profile whisper-small-diloco --data recordings/
     """
+    try:
+        how = from_flags(UpSettings, options)
+    except SettingError as exc:
+        raise fail(str(exc)) from None
+    name, profile, yes = how.name, how.profile, how.yes
     inventory, cluster, profile_out = (Path("hosts") / f"{name}.yaml", Path("clusters") / f"{name}.yaml",
                                        Path("profiles") / f"{name}.yaml")
     if not yes and not sys.stdin.isatty():  # every question would read end-of-file
         raise fail("meshtrain up asks its questions on a terminal: run it in one, or pass --yes")
-    settings = _check_input(name, profile, data, set_, timeout, dashboard, identity_file)
+    settings = _check_input(name, profile, how.data, how.set_, how.timeout, how.dashboard, how.identity_file)
     try:
         d.require_zeroconf()
-        net = d.parse_network(network) if network else None
+        net = d.parse_network(how.network) if how.network else None
     except d.DiscoveryError as exc:
         raise fail_on(exc) from None
     existing = [str(p) for p in (inventory, cluster, profile_out) if p.exists()]
-    if existing and not force:
+    if existing and not how.force:
         if yes or not _ask(f"{', '.join(existing)} exist{'s' if len(existing) == 1 else ''}: replace?",
                            default=False):
             raise fail(f"--name {name}: {', '.join(existing)} already exist; pass --force to replace them, "
@@ -114,21 +89,21 @@ def up(
 
     _step(1, "find the machines")
     try:
-        found = d.browse(timeout, iface=iface, network=net)
+        found = d.browse(how.timeout, iface=how.iface, network=net)
     except d.DiscoveryError as exc:
         raise fail_on(exc) from None
-    raw = d.inventory_dict(found, user=user, identity_file=identity_file, known_hosts=known_hosts)
-    raw["defaults"]["workdir"] = workdir
+    raw = d.inventory_dict(found, user=how.user, identity_file=how.identity_file, known_hosts=how.known_hosts)
+    raw["defaults"]["workdir"] = how.workdir
     whole = _parse(raw, inventory) if found else None
     hosts = whole.hosts if whole is not None else ()
-    _show_found(found, hosts, timeout)
+    _show_found(found, hosts, how.timeout)
     chosen = _choose(list(hosts), yes)
     if len(chosen) < 2:
         raise fail(f"training across machines needs at least 2, {len(chosen)} chosen", code=1)
 
     _step(2, "key logins")
     assert whole is not None  # two machines or more were chosen
-    chosen, checks = _key_logins(whole, chosen, yes, accept_new_host_keys)
+    chosen, checks = _key_logins(whole, chosen, yes, how.accept_new_host_keys)
     if len(chosen) < 2:
         raise fail(f"{len(chosen)} machine{'' if len(chosen) == 1 else 's'} let us in; training needs "
                    "at least 2: do the steps above, then run meshtrain up again", code=1)
@@ -144,8 +119,9 @@ def up(
 
     _step(3, "install meshtrain on them (hosts setup)")
     if yes or _ask(f"Install this meshtrain and its pinned packages on the {len(chosen)} machines, in "
-                   f"{workdir}/.venv (their pip needs a package index)?"):
-        setup_hosts(inventory, base_python=base_python, pip_arg=pip_arg, wheel=wheel)
+                   f"{how.workdir}/.venv (their pip needs a package index)?"):
+        setup_hosts(inventory, base_python=how.base_python, pip_arg=how.pip_arg,
+                    wheel=Path(how.wheel) if how.wheel is not None else None)
     else:
         console.print("skipped: the inventory's python must already have meshtrain "
                       f"(check with: meshtrain hosts check {inventory})", highlight=False)
@@ -166,12 +142,12 @@ def up(
     console.print(f"wrote {profile_out}", highlight=False)
 
     _step(6, "train (launch)")
-    command = f"meshtrain launch {inventory} --profile {profile_out}" + (" --dashboard" if dashboard else "")
+    command = f"meshtrain launch {inventory} --profile {profile_out}" + (" --dashboard" * how.dashboard)
     if not (yes or _ask(f"Start training {chosen_plan.plan.choice.label} on {len(chosen)} machines now?")):
         console.print(f"not started; start it any time with: {command}", highlight=False)
         return
     console.print(f"$ {command}", highlight=False)
-    launch_hosts(inventory, None, dashboard, {"profile": str(profile_out)})
+    launch_hosts(inventory, None, how.dashboard, {"profile": str(profile_out)})
 
 
 def _check_input(name: str, profile: str, data: str | None, overrides: list[str], timeout: float,

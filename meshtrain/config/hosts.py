@@ -1,5 +1,6 @@
-"""The options of ``meshtrain hosts check``, ``hosts bench`` and ``hosts discover``,
-defined once like the training settings.
+"""The options of ``meshtrain hosts check``, ``hosts bench``, ``hosts discover`` and
+``meshtrain up``, defined once like the training settings (an option two commands share is
+one field, whose flag names both).
 
 Each field carries its help, limits and :class:`~meshtrain.config.settings.Flag`: the
 commands' options are generated from them (:func:`meshtrain.cli.flags.takes_options`) and
@@ -13,24 +14,30 @@ from dataclasses import dataclass
 
 from meshtrain.config.settings import Flag, setting
 
-CHECK, BENCH, DISCOVER = "hosts check", "hosts bench", "hosts discover"
+CHECK, BENCH, DISCOVER, UP = "hosts check", "hosts bench", "hosts discover", "up"
 #: Help panels of ``hosts bench``.
 MEASURE, PROBE, CLUSTER_FILE = "What to measure", "Compute probe", "The cluster file"
 #: The one panel of a command with few options.
 OPTIONS = "Options"
+#: Help panels of ``hosts discover`` and ``up``.
+FINDING, TRAINING, SETUP = "Finding the machines", "What to fine-tune", "Setting them up (hosts setup)"
 
 
-def _flag(names: tuple[str, ...], *commands: str, panel: str = OPTIONS, metavar: str | None = None) -> Flag:
-    return Flag(names, panel, commands, metavar=metavar)
+def _flag(names: tuple[str, ...], *commands: str, panel: str = OPTIONS, metavar: str | None = None,
+          up_help: str | None = None) -> Flag:
+    """A flag of ``commands``; ``up_help``: its help in ``meshtrain up``, where it differs."""
+    return Flag(names, panel, commands, metavar=metavar, help=((UP, up_help),) if up_help else ())
 
 
 @dataclass
 class HostKeys:
-    """How a hosts command treats a host's SSH key (check and bench alike)."""
+    """How a hosts command treats a host's SSH key (check, bench and up alike)."""
 
     accept_new_host_keys: bool = setting(
         False, "Trust hosts seen for the first time (records their keys).",
-        flag=_flag(("--accept-new-host-keys",), CHECK, BENCH))
+        flag=_flag(("--accept-new-host-keys",), CHECK, BENCH, UP,
+                   up_help="With --yes: trust machines seen for the first time (asked otherwise, "
+                           "showing the key's fingerprint)."))
 
 
 @dataclass
@@ -79,12 +86,31 @@ class HostsBenchSettings(HostKeys):
 
 
 @dataclass
-class HostsDiscoverSettings:
+class Listening:
+    """How ``hosts discover`` and ``up`` look for machines, and log in to them."""
+
+    # Its range (0 to 600 s) is checked by each command.
+    timeout: float = setting(3.0, "Seconds to listen for announcements.",
+                             flag=_flag(("--timeout",), DISCOVER, UP, panel=FINDING,
+                                        up_help="Seconds to listen for machines."))
+    iface: str | None = setting(None, "Listen on this network interface only (en0, eth0).",
+                                flag=_flag(("--iface",), DISCOVER, UP, panel=FINDING))
+    network: str | None = setting(None, "Keep only addresses in this range (192.168.1.0/24).",
+                                  flag=_flag(("--network",), DISCOVER, UP, panel=FINDING))
+    user: str | None = setting(None, "Login name for the inventory and --check-keys (default: yours "
+                                     "here).", flag=_flag(("--user",), DISCOVER, UP, panel=FINDING,
+                                                         up_help="Login name on the machines (default: "
+                                                                 "yours here)."))
+    identity_file: str | None = setting(None, "Private key to use (default: ssh-agent and ~/.ssh/id_*).",
+                                        flag=_flag(("--identity-file",), DISCOVER, UP, panel=FINDING))
+    known_hosts: str | None = setting(None, "known_hosts file (default ~/.ssh/known_hosts).",
+                                      flag=_flag(("--known-hosts",), DISCOVER, UP, panel=FINDING))
+
+
+@dataclass
+class HostsDiscoverSettings(Listening):
     """``meshtrain hosts discover``: what to listen for, what to check, what to write."""
 
-    # Its range (0 to 600 s) is checked by the command, with meshtrain up's own --timeout.
-    timeout: float = setting(3.0, "Seconds to listen for announcements.",
-                             flag=_flag(("--timeout",), DISCOVER))
     write: str | None = setting(None, "Write a starter inventory here (hosts/NAME.yaml).",
                                 flag=_flag(("--write",), DISCOVER))
     force: bool = setting(False, "Let --write replace an existing file.", flag=_flag(("--force",), DISCOVER))
@@ -95,15 +121,39 @@ class HostsDiscoverSettings:
     accepted_only: bool = setting(
         False, "With --check-keys: list and write only the machines that accepted the key.",
         flag=_flag(("--accepted-only",), DISCOVER))
-    iface: str | None = setting(None, "Listen on this network interface only (en0, eth0).",
-                                flag=_flag(("--iface",), DISCOVER))
-    network: str | None = setting(None, "Keep only addresses in this range (192.168.1.0/24).",
-                                  flag=_flag(("--network",), DISCOVER))
-    user: str | None = setting(None, "Login name for the inventory and --check-keys (default: yours "
-                                     "here).", flag=_flag(("--user",), DISCOVER))
     python: str | None = setting(None, "Interpreter path on the hosts for the inventory (default: this "
                                        "one's path).", flag=_flag(("--python",), DISCOVER))
-    identity_file: str | None = setting(None, "Private key to use (default: ssh-agent and ~/.ssh/id_*).",
-                                        flag=_flag(("--identity-file",), DISCOVER))
-    known_hosts: str | None = setting(None, "known_hosts file (default ~/.ssh/known_hosts).",
-                                      flag=_flag(("--known-hosts",), DISCOVER))
+
+
+#: What ``meshtrain up`` fine-tunes unless told otherwise.
+UP_PROFILE = "whisper-tiny-lora"
+
+
+@dataclass
+class UpSettings(Listening, HostKeys):
+    """``meshtrain up``: the whole path, from finding the machines to training on them."""
+
+    yes: bool = setting(False, "Ask nothing: use every machine that lets us in, install, measure, "
+                               "plan and train.", flag=_flag(("--yes", "-y"), UP))
+    name: str = setting("lan", "Names the files written: hosts/NAME.yaml, clusters/NAME.yaml, "
+                               "profiles/NAME.yaml.", flag=_flag(("--name",), UP))
+    force: bool = setting(False, "Replace those files if they exist (asked otherwise; refused with "
+                                 "--yes).", flag=_flag(("--force",), UP))
+    dashboard: bool = setting(True, "Serve the live web dashboard of the training (needs "
+                                    "meshtrain[dashboard]).",
+                              flag=_flag(("--dashboard/--no-dashboard",), UP))
+    profile: str = setting(UP_PROFILE, "What to fine-tune: a profile name or file (the planner "
+                                       "chooses its strategy).",
+                           flag=_flag(("--profile", "-p"), UP, panel=TRAINING))
+    data: str | None = setting(None, "Data file or folder (for Whisper: recordings).",
+                               flag=_flag(("--data",), UP, panel=TRAINING))
+    set_: list[str] = setting(None, "Override a setting of the profile: key=value (steps=200, "
+                                    "task_options.model=DIR).", factory=list,
+                              flag=_flag(("--set",), UP, panel=TRAINING))
+    workdir: str = setting("~/meshtrain-runs", "Folder on the machines for the environment, data and "
+                                               "runs.", flag=_flag(("--workdir",), UP, panel=SETUP))
+    base_python: str = setting("python3", "Interpreter on the machines that makes meshtrain's "
+                                          "environment.", flag=_flag(("--base-python",), UP, panel=SETUP))
+    pip_arg: list[str] = setting(None, "Extra argument for pip on the machines, repeatable.", factory=list,
+                                 flag=_flag(("--pip-arg",), UP, panel=SETUP))
+    wheel: str | None = setting(None, "Ship this meshtrain wheel.", flag=_flag(("--wheel",), UP, panel=SETUP))
