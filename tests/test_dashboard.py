@@ -338,6 +338,18 @@ def test_dashboard_command_names_a_bad_run_directory(tmp_path: Path) -> None:
     assert result.stderr.strip() == f"error: {tmp_path / 'missing'}: no such run directory"
 
 
+def test_an_empty_host_is_refused_not_every_interface() -> None:
+    """``--host "$HOST"`` with HOST unset gave ``--host ''``, which binds every interface."""
+    from typer.testing import CliRunner
+
+    from meshtrain.cli.main import app
+
+    result = CliRunner().invoke(app, ["dashboard", "--host", ""])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == ("error: --host must not be empty (the default, 127.0.0.1, is this "
+                                     "machine only)")
+
+
 def _url_from(proc: subprocess.Popen[str], prefix: str) -> tuple[str, str]:
     """The dashboard URL ``proc`` printed, and everything it printed up to it."""
     assert proc.stdout is not None

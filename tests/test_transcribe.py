@@ -80,6 +80,13 @@ def test_transcribe_refuses_what_it_cannot_read(speech: SpeechAssets, tuned: Pat
     clip = next((speech.data / "clips").glob("*.wav"))
     missing = runner.invoke(app, ["transcribe", str(tmp_path / "nope"), str(clip)])
     assert missing.exit_code == 2 and "no such model folder" in missing.output
+    # A folder that holds no model (a run directory, say): transformers' ValueError was a traceback.
+    (tmp_path / "not-a-model").mkdir()
+    (tmp_path / "not-a-model" / "config.json").write_text("{}")
+    other = runner.invoke(app, ["transcribe", str(tmp_path / "not-a-model"), str(clip)])
+    assert other.exit_code == 2, other.output
+    assert other.output.startswith(f"error: cannot load model '{tmp_path / 'not-a-model'}' as a folder: "
+                                   "Unrecognized model"), other.output
     folder = runner.invoke(app, ["transcribe", str(tuned), str(tmp_path)])
     assert folder.exit_code == 2 and "it is a folder" in folder.output
     broken = tmp_path / "broken.wav"

@@ -121,6 +121,8 @@ def dashboard(
     The URL it prints holds a random token: requests without it get 403. For a live run,
     give --dashboard to `meshtrain launch` or `meshtrain simulate` instead.
     """
+    if not host.strip():  # `--host "$HOST"` with HOST unset: binding "" listens on every interface
+        raise fail("--host must not be empty (the default, 127.0.0.1, is this machine only)")
     require_extra("meshtrain dashboard")
     from meshtrain.dashboard.state import DashboardState, RunDirError, find_run_directories
 

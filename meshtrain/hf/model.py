@@ -322,7 +322,7 @@ def _load_pretrained(name_or_path: str) -> nn.Module:
         config = AutoConfig.from_pretrained(name_or_path)
         with _quiet_transformers():
             return _model_class(config).from_pretrained(name_or_path, dtype=torch.float32)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a folder that is no model ("Unrecognized model")
         where = "folder" if Path(name_or_path).exists() else "hub id (no local folder of that name)"
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"cannot load model {name_or_path!r} as a {where}: {first}") from exc
