@@ -20,9 +20,11 @@ from typing import Any, TypeVar, Union
 import typer
 from rich.markup import escape
 
+from meshtrain.cli.console import fail
 from meshtrain.config.launching import LaunchSettings
-from meshtrain.config.settings import CLUSTER, WHAT, Flag, TrainConfig
+from meshtrain.config.settings import CLUSTER, WHAT, Flag, Options, TrainConfig, from_flags
 from meshtrain.config.spec import RunSpec
+from meshtrain.errors import SettingError
 from meshtrain.tasks import TASKS, get_task
 
 Command = TypeVar("Command", bound=Callable[..., Any])
@@ -145,3 +147,12 @@ def takes_options(cls: type, command: str) -> Callable[[Command], Command]:
         function.__signature__ = inspect.Signature([*own, *generated])  # type: ignore[attr-defined]
         return function
     return decorate
+
+
+def checked_options(cls: type[Options], given: dict[str, Any]) -> Options:
+    """The options a :func:`takes_options` command received, as its dataclass ``cls``, each
+    checked by its own rule (bad input: one line naming the flag, exit 2)."""
+    try:
+        return from_flags(cls, given)
+    except SettingError as exc:
+        raise fail(str(exc)) from None

@@ -19,7 +19,7 @@ from rich.text import Text
 from meshtrain.cli import dashboard as dashboard_cli
 from meshtrain.cli.console import errors, fail, fail_on
 from meshtrain.cli.console import wide_console as console  # the hosts commands' output
-from meshtrain.cli.flags import takes_options, takes_settings
+from meshtrain.cli.flags import checked_options, takes_options, takes_settings
 from meshtrain.cli.hosts_setup import hosts_setup
 from meshtrain.cli.plan import plan_table
 from meshtrain.config.hosts import (
@@ -30,8 +30,7 @@ from meshtrain.config.hosts import (
     HostsCheckSettings,
     HostsDiscoverSettings,
 )
-from meshtrain.config.settings import Options, from_flags
-from meshtrain.errors import InputError, SettingError
+from meshtrain.errors import InputError
 from meshtrain.hosts import discovery as d
 from meshtrain.hosts.bench import model_seconds
 from meshtrain.hosts.checks import CHECKS, check_hosts
@@ -76,7 +75,7 @@ def hosts_check(
     **options: Any,
 ) -> None:
     """Check every host: SSH, interpreter, versions, device, workdir, rendezvous port."""
-    how = _options(HostsCheckSettings, options)
+    how = checked_options(HostsCheckSettings, options)
     inv = _inventory(inventory)
     reports = check_hosts(inv, accept_new_host_keys=how.accept_new_host_keys, timeout=how.timeout)
     table = Table(title=f"{inventory} ({inv.world_size} hosts, rendezvous "
@@ -119,7 +118,7 @@ def hosts_bench(
 
       meshtrain simulate --strategy diloco --cluster clusters/NAME.yaml
     """
-    bench_hosts(inventory, _options(HostsBenchSettings, options))
+    bench_hosts(inventory, checked_options(HostsBenchSettings, options))
 
 
 def bench_hosts(inventory: Path, how: HostsBenchSettings) -> None:
@@ -166,14 +165,6 @@ def _print_failures(failures: list[RankFailure]) -> None:
                      soft_wrap=True)
 
 
-def _options(cls: type[Options], given: dict[str, Any]) -> Options:
-    """A hosts command's options, each checked by its own rule (exit 2 naming the flag)."""
-    try:
-        return from_flags(cls, given)
-    except SettingError as exc:
-        raise fail(str(exc)) from None
-
-
 @takes_options(HostsDiscoverSettings, DISCOVER)
 def hosts_discover(**options: Any) -> None:
     """Find machines on this network that advertise SSH (Bonjour) and write an inventory.
@@ -185,7 +176,7 @@ def hosts_discover(**options: Any) -> None:
 
       meshtrain hosts discover --check-keys --write hosts/mine.yaml
     """
-    how = _options(HostsDiscoverSettings, options)
+    how = checked_options(HostsDiscoverSettings, options)
     timeout, force, check_keys, accepted_only = how.timeout, how.force, how.check_keys, how.accepted_only
     user, python, identity_file, known_hosts = how.user, how.python, how.identity_file, how.known_hosts
     write = Path(how.write) if how.write is not None else None

@@ -13,11 +13,9 @@ from rich import box
 from rich.table import Table
 
 from meshtrain.cli.console import console, fail
-from meshtrain.cli.flags import takes_options
+from meshtrain.cli.flags import checked_options, takes_options
 from meshtrain.cluster import ClusterFileError, get_cluster
 from meshtrain.config.plan import PLAN, PlanSettings
-from meshtrain.config.settings import from_flags
-from meshtrain.errors import SettingError
 from meshtrain.planning import (
     SOURCES,
     Plan,
@@ -40,10 +38,7 @@ def plan(**options: Any) -> None:
 
       meshtrain plan --task gpt --data input.txt --hosts 3 --cluster runs/bench-cluster.yaml
     """
-    try:
-        how = from_flags(PlanSettings, options)
-    except SettingError as exc:
-        raise fail(str(exc)) from None
+    how = checked_options(PlanSettings, options)
     try:
         cluster = get_cluster(how.cluster)
         task = get_task(how.task)

@@ -28,13 +28,11 @@ from rich.text import Text
 from meshtrain.cli.console import errors, fail, fail_on
 from meshtrain.cli.console import wide_console as console
 from meshtrain.cli.dashboard import require_extra
-from meshtrain.cli.flags import takes_options
+from meshtrain.cli.flags import checked_options, takes_options
 from meshtrain.cli.hosts_setup import setup_hosts
 from meshtrain.cli.launch import bench_hosts, launch_hosts
 from meshtrain.cli.plan import plan_table
 from meshtrain.config.hosts import UP, HostsBenchSettings, UpSettings
-from meshtrain.config.settings import from_flags
-from meshtrain.errors import SettingError
 from meshtrain.guided import (
     COPY_KEY,
     MAKE_KEY,
@@ -65,10 +63,7 @@ def up(**options: Any) -> None:
 
       meshtrain up --yes --profile whisper-small-diloco --data recordings/
     """
-    try:
-        how = from_flags(UpSettings, options)
-    except SettingError as exc:
-        raise fail(str(exc)) from None
+    how = checked_options(UpSettings, options)
     name, profile, yes = how.name, how.profile, how.yes
     inventory, cluster, profile_out = (Path("hosts") / f"{name}.yaml", Path("clusters") / f"{name}.yaml",
                                        Path("profiles") / f"{name}.yaml")
