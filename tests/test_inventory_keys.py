@@ -82,5 +82,6 @@ def test_plot_refuses_a_target_loss_that_is_not_a_positive_number(tmp_path: Path
     for value in ("nan", "inf", "-1", "0"):
         result = runner.invoke(app, ["plot", str(tmp_path), "--target-loss", value])
         assert result.exit_code == 2, result.output
-        expected = f"error: --target-loss must be a positive number, got {float(value)!r}"
+        expected = (f"error: --target-loss must be a finite number, got {float(value)!r}"
+                    if value in ("nan", "inf") else f"error: --target-loss must be > 0, got {float(value)!r}")
         assert result.output.strip() == expected

@@ -18,23 +18,30 @@ from typing import Any
 import pytest
 import yaml
 from rich.markup import escape
+from typer.core import TyperOption
 from typer.main import get_command
 from typer.testing import CliRunner
 
 import meshtrain.cli.main as cli_main
 from meshtrain.build import resolve_run
+from meshtrain.cli.flags import setting_flags
 from meshtrain.cli.main import app
+from meshtrain.config.dashboard import DashboardSettings
 from meshtrain.config.hosts import (
     HostsBenchSettings,
     HostsCheckSettings,
     HostsDiscoverSettings,
+    HostsSetupSettings,
+    Installing,
     Listening,
     UpSettings,
 )
 from meshtrain.config.launching import LaunchSettings
 from meshtrain.config.plan import PlanSettings
+from meshtrain.config.research import CompareSettings, PlotSettings
 from meshtrain.config.settings import Flag
 from meshtrain.config.spec import NOT_IN_PROFILES, ConfigError, RunSpec
+from meshtrain.config.transcribe import TranscribeSettings
 
 runner = CliRunner()
 RUN = [f.name for f in dataclasses.fields(RunSpec) if f.name != "extra_config"]
@@ -196,17 +203,23 @@ def test_settings_lists_every_setting_with_its_flag(monkeypatch: pytest.MonkeyPa
 @pytest.mark.parametrize(("cls", "command"), [(HostsCheckSettings, "hosts check"),
                                               (HostsBenchSettings, "hosts bench"),
                                               (HostsDiscoverSettings, "hosts discover"),
-                                              (PlanSettings, "plan"), (UpSettings, "up")])
-def test_the_hosts_commands_options_are_their_settings_one_definition(cls: type, command: str) -> None:
-    """``hosts check``, ``bench``, ``discover``, ``plan`` and ``up`` take exactly the options of
-    their config/ dataclass, each with its field's default and help (no hand-written typer
-    option; an option two commands share is one field, with its help in each)."""
+                                              (HostsSetupSettings, "hosts setup"),
+                                              (PlanSettings, "plan"), (UpSettings, "up"),
+                                              (CompareSettings, "compare"), (PlotSettings, "plot"),
+                                              (DashboardSettings, "dashboard"),
+                                              (TranscribeSettings, "transcribe")])
+def test_every_commands_options_are_their_settings_one_definition(cls: type, command: str) -> None:
+    """Every command's options are exactly the fields of its config/ dataclass, each with its
+    field's default, help and panel (no hand-written typer option; an option two commands
+    share is one field, with its help and panel in each). ``compare`` takes the training
+    settings besides (and ``--set``), generated from RunSpec."""
     click_command: Any = get_command(app)
     for word in command.split():
         click_command = click_command.commands[word]
-    options = {p.name: p for p in click_command.params if p.name != "inventory"}
+    options = {p.name: p for p in click_command.params if isinstance(p, TyperOption) and p.name != "help"}
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    assert set(options) == set(fields)
+    training = {*setting_flags(command), "set_"} if command == "compare" else set()
+    assert set(options) == set(fields) | training
     for name, field in fields.items():
         flag = field.metadata["flag"]
         assert [*options[name].opts, *options[name].secondary_opts] == \
@@ -215,6 +228,46 @@ def test_the_hosts_commands_options_are_their_settings_one_definition(cls: type,
         assert options[name].default == default, name
         # Escaped: typer renders help as rich markup ("meshtrain[dashboard]" would vanish).
         assert options[name].help == escape(flag.help_in(command, field.metadata["help"])), name
+        assert options[name].rich_help_panel == flag.panel_in(command), name
+
+
+def test_hosts_setup_and_up_share_what_they_install_with() -> None:
+    """``up`` runs ``hosts setup`` as its step 3: the options of installing are one definition,
+    shown in ``up`` under that step's panel."""
+    shared = {f.name for f in dataclasses.fields(Installing)}
+    assert shared == {"base_python", "pip_arg", "wheel"}
+    assert shared <= {f.name for f in dataclasses.fields(HostsSetupSettings)}
+    assert shared <= {f.name for f in dataclasses.fields(UpSettings)}
+    up: Any = get_command(app).commands["up"]  # type: ignore[attr-defined]
+    assert {p.name: p.rich_help_panel for p in up.params if p.name in shared} == \
+        dict.fromkeys(shared, "Setting them up (hosts setup)")
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["hosts", "setup", "INVENTORY", "--timeout", "nan"], "--timeout must be a finite number, got nan"),
+    (["hosts", "setup", "INVENTORY", "--timeout", "0"], "--timeout must be > 0, got 0.0"),
+    (["hosts", "setup", "INVENTORY", "--base-python", " "], "--base-python must not be empty"),
+    (["transcribe", "MODEL", "AUDIO", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+    (["transcribe", "MODEL", "AUDIO", "--language", ""], "--language must not be empty"),
+    (["plot", "RUN", "--out", ""], "--out must not be empty"),
+    (["dashboard", "--port", "65536"], "--port must be <= 65535, got 65536"),
+    (["compare", "--strategies", ""], "--strategies must not be empty"),
+])
+def test_a_commands_option_is_checked_by_its_rule_before_anything_is_read(
+        argv: list[str], expected: str, tmp_path: Path) -> None:
+    """Each bad value is refused with one line naming the flag, exit 2, before the command
+    reads a file or reaches a host: the files named here are valid, so only the option is
+    at fault."""
+    inventory = tmp_path / "hosts.yaml"
+    inventory.write_text("hosts:\n  - {name: a, host: 127.0.0.1, port: 9, python: /usr/bin/python3}\n")
+    model = tmp_path / "model"
+    model.mkdir()
+    audio = tmp_path / "a.wav"
+    audio.write_bytes(b"RIFF")
+    named = {"INVENTORY": str(inventory), "MODEL": str(model), "AUDIO": str(audio), "RUN": str(tmp_path)}
+    result = runner.invoke(app, [named.get(word, word) for word in argv])
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == f"error: {expected}"
 
 
 def test_up_and_discover_share_their_listening_options() -> None:

@@ -20,11 +20,12 @@ from rich.markup import escape
 
 from meshtrain import observers
 from meshtrain.cli.console import console, errors, fail
+from meshtrain.cli.flags import checked_options, takes_options
+from meshtrain.config.dashboard import DASHBOARD, LOCALHOST, DashboardSettings
 
 if TYPE_CHECKING:
     from meshtrain.dashboard.state import LiveRun
 
-LOCALHOST = "127.0.0.1"
 EXTRA_HINT = "pip install 'meshtrain[dashboard]'"
 
 #: The ``--dashboard`` flag of ``simulate`` and ``launch``.
@@ -107,13 +108,12 @@ def _wait_for_enter() -> None:
         pass
 
 
+@takes_options(DashboardSettings, DASHBOARD)
 def dashboard(
     run_dirs: list[Path] = typer.Argument(
         None, help="Finished run directories to show (or folders holding them, like runs/); several "
                    "can be compared."),
-    host: str = typer.Option(LOCALHOST, "--host", help="Address to listen on. Anything but 127.0.0.1 "
-                             "exposes the page to the network (a warning says so)."),
-    port: int = typer.Option(0, "--port", min=0, max=65535, help="Port to listen on (0: a free one)."),
+    **options: Any,
 ) -> None:
     """Serve a web dashboard of finished runs: loss against steps, bytes and wall-clock,
     measured against projected time, every node, events; tick runs to compare them.
@@ -121,8 +121,9 @@ def dashboard(
     The URL it prints holds a random token: requests without it get 403. For a live run,
     give --dashboard to `meshtrain launch` or `meshtrain simulate` instead.
     """
-    if not host.strip():  # `--host "$HOST"` with HOST unset: binding "" listens on every interface
-        raise fail("--host must not be empty (the default, 127.0.0.1, is this machine only)")
+    # An empty --host ("$HOST" unset) is refused by the setting's rule: "" binds every interface.
+    how = checked_options(DashboardSettings, options)
+    host, port = how.host, how.port
     require_extra("meshtrain dashboard")
     from meshtrain.dashboard.state import DashboardState, RunDirError, find_run_directories
 

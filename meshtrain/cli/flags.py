@@ -141,7 +141,7 @@ def takes_options(cls: type, command: str) -> Callable[[Command], Command]:
             default = field.default_factory() if callable(field.default_factory) else field.default
             shown = flag.help_in(command, field.metadata["help"])
             option = typer.Option(default, *flag.names, help=escape(shown),
-                                  metavar=flag.metavar, rich_help_panel=flag.panel)
+                                  metavar=flag.metavar, rich_help_panel=flag.panel_in(command))
             generated.append(inspect.Parameter(field.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
                                                default=option, annotation=_option_type(hints[field.name])))
         function.__signature__ = inspect.Signature([*own, *generated])  # type: ignore[attr-defined]

@@ -13,7 +13,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import typer
 from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
@@ -21,6 +21,8 @@ from rich.text import Text
 
 from meshtrain.cli.console import errors, fail
 from meshtrain.cli.console import wide_console as console  # the hosts commands' output
+from meshtrain.cli.flags import checked_options, takes_options
+from meshtrain.config.hosts import HOSTS_SETUP, HostsSetupSettings
 from meshtrain.hosts.inventory import Host, InventoryError, load_inventory
 from meshtrain.hosts.inventory_edit import set_python
 from meshtrain.hosts.local_install import LocalInstallError, local_install, make_workdir
@@ -29,55 +31,34 @@ from meshtrain.hosts.provisioning import FAILED, INSTALLED, UP_TO_DATE, SetupOpt
 T = TypeVar("T")
 
 
-def hosts_setup(
-    inventory: Path = typer.Argument(..., help="Inventory file (hosts/NAME.yaml)."),
-    base_python: str = typer.Option(
-        "python3", "--base-python", help="Interpreter on the hosts that makes the virtual environment "
-                                         "(a name on the host's PATH, or an absolute path)."),
-    pip_arg: list[str] = typer.Option(
-        [], "--pip-arg", help="Extra argument for pip on the hosts, repeatable (e.g. "
-                              "--pip-arg=--index-url=https://mirror/simple for hosts behind a proxy)."),
-    write_inventory: bool = typer.Option(
-        True, "--write-inventory/--no-write-inventory",
-        help="Point the inventory's python: at the new environments (comments and layout kept)."),
-    wheel: Path = typer.Option(
-        None, "--wheel", help="Ship this meshtrain wheel instead of one made from the meshtrain that "
-                              "runs here (it must be the same version)."),
-    accept_new_host_keys: bool = typer.Option(
-        False, "--accept-new-host-keys", help="Trust hosts seen for the first time (records their keys)."),
-    timeout: float = typer.Option(10.0, "--timeout", help="Seconds to wait for each host to answer."),
-) -> None:
+@takes_options(HostsSetupSettings, HOSTS_SETUP)
+def hosts_setup(inventory: Path = typer.Argument(..., help="Inventory file (hosts/NAME.yaml)."),
+                **options: Any) -> None:
     """Install this machine's meshtrain, torch, transformers and peft on every host.
 
     Per host: a virtual environment in WORKDIR/.venv (reused when present), the
     exact dependency versions installed here (from the host's package index), and
     this meshtrain as a wheel sent over SSH. A second run checks and changes nothing.
     """
-    setup_hosts(inventory, base_python=base_python, pip_arg=pip_arg, write_inventory=write_inventory,
-                wheel=wheel, accept_new_host_keys=accept_new_host_keys, timeout=timeout)
+    setup_hosts(inventory, checked_options(HostsSetupSettings, options))
 
 
-def setup_hosts(inventory: Path, *, base_python: str = "python3", pip_arg: list[str] | None = None,
-                write_inventory: bool = True, wheel: Path | None = None, accept_new_host_keys: bool = False,
-                timeout: float = 10.0) -> None:
+def setup_hosts(inventory: Path, how: HostsSetupSettings) -> None:
     """Run ``hosts setup`` (:func:`~meshtrain.hosts.provisioning.provision_hosts` under a
     progress row per host) and print how it went; ``meshtrain up`` runs its step 3 with it."""
-    pip_arg = pip_arg or []
     try:
         inv = load_inventory(inventory)
     except InventoryError as exc:
         raise fail(str(exc)) from None
-    if not base_python.strip():
-        raise fail("--base-python: expected an interpreter name or path, got ''")
     started = time.monotonic()
     workdir = make_workdir()
     try:
         try:
-            local = local_install(workdir, wheel)
+            local = local_install(workdir, Path(how.wheel) if how.wheel is not None else None)
         except LocalInstallError as exc:
-            raise fail(str(exc), code=2 if wheel is not None else 1) from None
-        options = SetupOptions(base_python=base_python, pip_args=tuple(pip_arg),
-                               accept_new_host_keys=accept_new_host_keys, timeout=timeout)
+            raise fail(str(exc), code=2 if how.wheel is not None else 1) from None
+        options = SetupOptions(base_python=how.base_python, pip_args=tuple(how.pip_arg),
+                               accept_new_host_keys=how.accept_new_host_keys, timeout=how.timeout)
         console.print(f"meshtrain {local.version} ({local.source}) with "
                       f"{', '.join(local.pins)}", highlight=False, soft_wrap=True)
         results = _with_progress(inv.hosts, lambda stage: provision_hosts(inv, local, options, stage))
@@ -96,7 +77,7 @@ def setup_hosts(inventory: Path, *, base_python: str = "python3", pip_arg: list[
                      highlight=False, soft_wrap=True)
         raise typer.Exit(1)
     wanted = {r.host.name: r.python for r in results if r.python is not None}
-    edit = set_python(inventory, wanted, write=write_inventory)
+    edit = set_python(inventory, wanted, write=how.write_inventory)
     if edit.written:
         console.print(f"{inventory}: python of {', '.join(edit.changed)} set to the new environment",
                       highlight=False)

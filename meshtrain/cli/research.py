@@ -6,7 +6,7 @@ The commands parse and print; the work is in :mod:`meshtrain.compare`,
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +15,9 @@ from rich import box
 from rich.table import Table
 
 from meshtrain.cli.console import console, fail, fail_on
-from meshtrain.cli.flags import takes_settings
+from meshtrain.cli.flags import checked_options, takes_options, takes_settings
 from meshtrain.compare import CompareSpec, plan, run_comparison
+from meshtrain.config.research import COMPARE, PLOT, CompareSettings, PlotSettings
 from meshtrain.config.settings import check_flag
 from meshtrain.config.spec import RunSpec
 from meshtrain.errors import SettingError
@@ -25,14 +26,9 @@ from meshtrain.progress import human_bytes
 from meshtrain.runs import FinishedRun, RunError, list_runs, load_run
 
 
-@takes_settings("compare")
-def compare(
-    strategies: str = typer.Option("ddp,diloco,sparta", "--strategies", "-s",
-                                   help="Comma-separated strategies to compare."),
-    target_loss: float = typer.Option(None, "--target-loss", help="Validation loss to count steps "
-                                      "and time to (default: 1.05 x DDP's final val loss)."),
-    **settings: Any,
-) -> None:
+@takes_settings(COMPARE)
+@takes_options(CompareSettings, COMPARE)
+def compare(**given: Any) -> None:
     """Run several strategies under identical conditions and compare loss, bytes and time.
 
     Same seed (initial weights, data order), task, nodes and step budget for every run;
@@ -47,14 +43,17 @@ def compare(
 
       meshtrain compare --set diloco.H=50 --set sparta.p=0.001 --set val_interval=25
     """
-    given = {k: v for k, v in settings.items() if v is not None and k != "set_"}
+    own = {f.name: given.pop(f.name) for f in dataclasses.fields(CompareSettings)}  # the rest: settings
+    how = checked_options(CompareSettings, own)
+    overrides = list(given.pop("set_"))
+    settings = {k: v for k, v in given.items() if v is not None}  # the training settings given
     try:  # each by its setting's own rule, the error naming the flag
-        for key, value in given.items():
+        for key, value in settings.items():
             check_flag(RunSpec, key, value)
     except SettingError as exc:
         raise fail(str(exc)) from None
-    spec = CompareSpec(strategies=[s.strip() for s in strategies.split(",") if s.strip()], settings=given,
-                       overrides=list(settings["set_"]), target_loss=target_loss)
+    spec = CompareSpec(strategies=[s.strip() for s in how.strategies.split(",") if s.strip()],
+                       settings=settings, overrides=overrides, target_loss=how.target_loss)
     try:
         planned = plan(spec)
     except ValueError as exc:
@@ -121,14 +120,12 @@ def _ratio(ratio: float | None, strategy: str) -> str:
     return f"{1 / ratio:.1f}x more"
 
 
-def plot(
-    run_dirs: list[Path] = typer.Argument(..., help="Finished run directories to draw."),
-    out: Path = typer.Option(Path("plots"), "--out", help="Folder for the PNG and SVG files."),
-    target_loss: float = typer.Option(None, "--target-loss", help="Draw this loss as a dotted line."),
-) -> None:
+@takes_options(PlotSettings, PLOT)
+def plot(run_dirs: list[Path] = typer.Argument(..., help="Finished run directories to draw."),
+         **options: Any) -> None:
     """Plot finished runs: val loss against steps, bytes sent per node and projected time."""
-    if target_loss is not None and not (math.isfinite(target_loss) and target_loss > 0):
-        raise fail(f"--target-loss must be a positive number, got {target_loss!r}")
+    how = checked_options(PlotSettings, options)
+    out = Path(how.out)
     try:
         runs = [load_run(d) for d in run_dirs]
     except RunError as exc:
@@ -136,7 +133,7 @@ def plot(
     if not any(run.validation() for run in runs):
         raise fail(f"{run_dirs[0]}: these runs have no validation loss to plot")
     try:
-        written = plot_runs(runs, out, target_loss)
+        written = plot_runs(runs, out, how.target_loss)
     except OSError as exc:
         raise fail(f"--out {out}: cannot write the plots ({exc.strerror or exc})", 1) from None
     for path in written:

@@ -32,7 +32,7 @@ from meshtrain.cli.flags import checked_options, takes_options
 from meshtrain.cli.hosts_setup import setup_hosts
 from meshtrain.cli.launch import bench_hosts, launch_hosts
 from meshtrain.cli.plan import plan_table
-from meshtrain.config.hosts import UP, HostsBenchSettings, UpSettings
+from meshtrain.config.hosts import UP, HostsBenchSettings, HostsSetupSettings, UpSettings
 from meshtrain.guided import (
     COPY_KEY,
     MAKE_KEY,
@@ -115,8 +115,8 @@ def up(**options: Any) -> None:
     _step(3, "install meshtrain on them (hosts setup)")
     if yes or _ask(f"Install this meshtrain and its pinned packages on the {len(chosen)} machines, in "
                    f"{how.workdir}/.venv (their pip needs a package index)?"):
-        setup_hosts(inventory, base_python=how.base_python, pip_arg=how.pip_arg,
-                    wheel=Path(how.wheel) if how.wheel is not None else None)
+        setup_hosts(inventory, HostsSetupSettings(base_python=how.base_python, pip_arg=how.pip_arg,
+                                                  wheel=how.wheel))
     else:
         console.print("skipped: the inventory's python must already have meshtrain "
                       f"(check with: meshtrain hosts check {inventory})", highlight=False)

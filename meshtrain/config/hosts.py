@@ -1,5 +1,5 @@
-"""The options of ``meshtrain hosts check``, ``hosts bench``, ``hosts discover`` and
-``meshtrain up``, defined once like the training settings (an option two commands share is
+"""The options of ``meshtrain hosts check``, ``hosts bench``, ``hosts discover``,
+``hosts setup`` and ``meshtrain up``, defined once like the training settings (an option two commands share is
 one field, whose flag names both).
 
 Each field carries its help, limits and :class:`~meshtrain.config.settings.Flag`: the
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from meshtrain.config.settings import Flag, setting
 
-CHECK, BENCH, DISCOVER, UP = "hosts check", "hosts bench", "hosts discover", "up"
+CHECK, BENCH, DISCOVER, HOSTS_SETUP, UP = "hosts check", "hosts bench", "hosts discover", "hosts setup", "up"
 #: Help panels of ``hosts bench``.
 MEASURE, PROBE, CLUSTER_FILE = "What to measure", "Compute probe", "The cluster file"
 #: The one panel of a command with few options.
@@ -24,9 +24,11 @@ FINDING, TRAINING, SETUP = "Finding the machines", "What to fine-tune", "Setting
 
 
 def _flag(names: tuple[str, ...], *commands: str, panel: str = OPTIONS, metavar: str | None = None,
-          up_help: str | None = None) -> Flag:
-    """A flag of ``commands``; ``up_help``: its help in ``meshtrain up``, where it differs."""
-    return Flag(names, panel, commands, metavar=metavar, help=((UP, up_help),) if up_help else ())
+          up_help: str | None = None, up_panel: str | None = None) -> Flag:
+    """A flag of ``commands``; ``up_help`` and ``up_panel``: its help and its panel in
+    ``meshtrain up``, where they differ."""
+    return Flag(names, panel, commands, metavar=metavar, help=((UP, up_help),) if up_help else (),
+                panels=((UP, up_panel),) if up_panel else ())
 
 
 @dataclass
@@ -35,9 +37,37 @@ class HostKeys:
 
     accept_new_host_keys: bool = setting(
         False, "Trust hosts seen for the first time (records their keys).",
-        flag=_flag(("--accept-new-host-keys",), CHECK, BENCH, UP,
+        flag=_flag(("--accept-new-host-keys",), CHECK, BENCH, HOSTS_SETUP, UP,
                    up_help="With --yes: trust machines seen for the first time (asked otherwise, "
                            "showing the key's fingerprint)."))
+
+
+@dataclass
+class Installing:
+    """What ``hosts setup`` installs with on every host (``meshtrain up`` runs it as a step)."""
+
+    base_python: str = setting(
+        "python3", "Interpreter on the hosts that makes meshtrain's virtual environment (a name on "
+                   "the host's PATH, or an absolute path).",
+        flag=_flag(("--base-python",), HOSTS_SETUP, UP, up_panel=SETUP))
+    pip_arg: list[str] = setting(
+        None, "Extra argument for pip on the hosts, repeatable (e.g. "
+              "--pip-arg=--index-url=https://mirror/simple for hosts behind a proxy).", factory=list,
+        flag=_flag(("--pip-arg",), HOSTS_SETUP, UP, up_panel=SETUP))
+    wheel: str | None = setting(
+        None, "Ship this meshtrain wheel instead of one made from the meshtrain that runs here (it "
+              "must be the same version).", flag=_flag(("--wheel",), HOSTS_SETUP, UP, up_panel=SETUP))
+
+
+@dataclass
+class HostsSetupSettings(Installing, HostKeys):
+    """``meshtrain hosts setup``: how to install, and whether to point the inventory at it."""
+
+    write_inventory: bool = setting(
+        True, "Point the inventory's python: at the new environments (comments and layout kept).",
+        flag=_flag(("--write-inventory/--no-write-inventory",), HOSTS_SETUP))
+    timeout: float = setting(10.0, "Seconds to wait for each host to answer.", above=0,
+                             flag=_flag(("--timeout",), HOSTS_SETUP))
 
 
 @dataclass
@@ -130,7 +160,7 @@ UP_PROFILE = "whisper-tiny-lora"
 
 
 @dataclass
-class UpSettings(Listening, HostKeys):
+class UpSettings(Listening, Installing, HostKeys):
     """``meshtrain up``: the whole path, from finding the machines to training on them."""
 
     yes: bool = setting(False, "Ask nothing: use every machine that lets us in, install, measure, "
@@ -152,8 +182,3 @@ class UpSettings(Listening, HostKeys):
                               flag=_flag(("--set",), UP, panel=TRAINING))
     workdir: str = setting("~/meshtrain-runs", "Folder on the machines for the environment, data and "
                                                "runs.", flag=_flag(("--workdir",), UP, panel=SETUP))
-    base_python: str = setting("python3", "Interpreter on the machines that makes meshtrain's "
-                                          "environment.", flag=_flag(("--base-python",), UP, panel=SETUP))
-    pip_arg: list[str] = setting(None, "Extra argument for pip on the machines, repeatable.", factory=list,
-                                 flag=_flag(("--pip-arg",), UP, panel=SETUP))
-    wheel: str | None = setting(None, "Ship this meshtrain wheel.", flag=_flag(("--wheel",), UP, panel=SETUP))

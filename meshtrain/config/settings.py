@@ -55,7 +55,8 @@ class Flag:
     names its on and off forms in one (``"--check-sync/--no-check-sync"``). ``commands``
     are the commands that take it; ``help`` replaces the setting's help in one command
     where the flag means something more there (``launch --threads`` overrides the
-    inventory's).
+    inventory's), and ``panels`` its help panel in one command (``up`` groups the options
+    of its ``hosts setup`` step under a panel of their own).
     """
 
     names: tuple[str, ...]
@@ -63,10 +64,15 @@ class Flag:
     commands: tuple[str, ...] = ("simulate",)
     metavar: str | None = None
     help: tuple[tuple[str, str], ...] = ()
+    panels: tuple[tuple[str, str], ...] = ()
 
     def help_in(self, command: str, setting_help: str) -> str:
         """The flag's help text in ``command``."""
         return dict(self.help).get(command, setting_help)
+
+    def panel_in(self, command: str) -> str:
+        """The help panel the flag is shown under in ``command``."""
+        return dict(self.panels).get(command, self.panel)
 
 
 def setting(default: Any, help: str, *, minimum: float | None = None, above: float | None = None,

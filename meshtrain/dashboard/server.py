@@ -29,9 +29,9 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from meshtrain.config.dashboard import LOCALHOST
 from meshtrain.dashboard.state import DashboardState
 
-LOCALHOST = "127.0.0.1"
 TOKEN_HEADER = "X-Meshtrain-Token"
 
 
