@@ -97,8 +97,9 @@ def setting_parameters(command: str) -> list[inspect.Parameter]:
         # A launch's own settings have no layers below the flag: show their defaults.
         default = None if name not in own else \
             field.default_factory() if callable(field.default_factory) else field.default
+        panel = flag.panel_in(command)
         option = typer.Option(default, *flag.names, help=escape(text), metavar=flag.metavar,
-                              rich_help_panel=_PANEL_IN.get(command, {}).get(flag.panel, flag.panel))
+                              rich_help_panel=_PANEL_IN.get(command, {}).get(panel, panel))
         params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=option,
                                         annotation=_option_type(hints[name])))
     return [*params, inspect.Parameter("set_", inspect.Parameter.KEYWORD_ONLY, default=SET_OPTIONS[command],
