@@ -66,13 +66,20 @@ class LoRA:
             raise ModelLoadError(f"lora.bias must be one of {choices}, got {lora.bias!r}")
         return lora
 
-    def peft_config(self) -> Any:
+    def peft_config(self, model: nn.Module) -> Any:
+        """peft's ``LoraConfig`` for ``model``: ``fan_in_fan_out`` says how its targeted
+        layers store their weights (GPT-2's ``Conv1D`` keeps (in, out), ``nn.Linear`` (out,
+        in)); left to peft, a Conv1D target is corrected with a warning on every run."""
         from peft import LoraConfig
+        from transformers.pytorch_utils import Conv1D
 
+        targets = [m for name, m in model.named_modules()
+                   if any(name == t or name.endswith("." + t) for t in self.target_modules)]
         # peft annotates lora_alpha as int; a float scales the same (alpha / r).
         alpha: Any = self.alpha
         return LoraConfig(r=self.r, lora_alpha=alpha, lora_dropout=self.dropout,
-                          target_modules=list(self.target_modules), bias=self.bias)
+                          target_modules=list(self.target_modules), bias=self.bias,
+                          fan_in_fan_out=bool(targets) and all(isinstance(m, Conv1D) for m in targets))
 
 
 class HFModel(nn.Module):
@@ -353,7 +360,7 @@ def _with_lora(model: nn.Module, lora: LoRA | None, seed: int) -> nn.Module:
     # LoRA's A matrices are random: seed them so every host builds the same adapter.
     with _forked_seed(seed), _quiet_transformers():
         try:
-            return get_peft_model(model, lora.peft_config())
+            return get_peft_model(model, lora.peft_config(model))
         except ValueError as exc:
             raise ModelLoadError(f"lora.target_modules {lora.target_modules}: {exc}") from exc
 
