@@ -47,6 +47,9 @@ def one_line_exit_2(result, message: str) -> None:  # noqa: ANN001 - click's Res
         (["--out", ""], "out_dir must not be empty"),
         (["--wandb", " "], "wandb must not be empty"),
         (["--task", ""], "task must not be empty"),
+        # Each value of a repeatable flag as well.
+        (["--fail", ""], "fail must not be empty"),
+        (["--straggler", "node=1,slowdown=2", "--straggler", " "], "straggler must not be empty"),
         (["--set", "diloco.H=5"], "--set diloco.H: the STRATEGY.KEY form belongs to `meshtrain compare`; "
                                   "for this run give --strategy diloco --set H=5"),
     ],

@@ -252,6 +252,9 @@ def test_hosts_setup_and_up_share_what_they_install_with() -> None:
     (["plot", "RUN", "--out", ""], "--out must not be empty"),
     (["dashboard", "--port", "65536"], "--port must be <= 65535, got 65536"),
     (["compare", "--strategies", ""], "--strategies must not be empty"),
+    # Each value of a repeatable flag: `--upload ""` read as "." and `--pip-arg ""` reached pip.
+    (["hosts", "setup", "INVENTORY", "--pip-arg=--isolated", "--pip-arg", ""], "--pip-arg must not be empty"),
+    (["launch", "INVENTORY", "--upload", "", "--", "true"], "--upload must not be empty"),
 ])
 def test_a_commands_option_is_checked_by_its_rule_before_anything_is_read(
         argv: list[str], expected: str, tmp_path: Path) -> None:

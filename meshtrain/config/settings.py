@@ -301,7 +301,8 @@ def check_value(label: str, value: Any, annotation: Any, meta: Any = None) -> No
         raise SettingError(f"{label} must be {names}, got {value!r}")
     # Text is never empty but where a setting says so: `--resume "$RUN"` with RUN unset must
     # not train from scratch, nor `--out ""` write into the current folder.
-    if isinstance(value, str) and not value.strip() and not meta.get("may_be_empty"):
+    texts = value if isinstance(value, list) else [value]  # a repeatable flag: each value
+    if any(isinstance(t, str) and not t.strip() for t in texts) and not meta.get("may_be_empty"):
         raise SettingError(f"{label} must not be empty")
     if isinstance(value, float) and not math.isfinite(value):
         raise SettingError(f"{label} must be a finite number, got {value!r}")
