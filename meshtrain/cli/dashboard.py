@@ -123,7 +123,6 @@ def dashboard(
     """
     # An empty --host ("$HOST" unset) is refused by the setting's rule: "" binds every interface.
     how = checked_options(DashboardSettings, options)
-    host, port = how.host, how.port
     require_extra("meshtrain dashboard")
     from meshtrain.dashboard.state import DashboardState, RunDirError, find_run_directories
 
@@ -134,8 +133,8 @@ def dashboard(
                 state.add_run_directory(run_dir)
     except RunDirError as exc:
         raise fail(str(exc)) from None
-    _warn_if_exposed(host)
-    server = _start(state, host, port)
+    _warn_if_exposed(how.host)
+    server = _start(state, how.host, how.port)
     console.print(f"dashboard of {len(state.runs)} run{'s' if len(state.runs) != 1 else ''}: "
                   f"[bold]{server.url}[/]\nCtrl-C to stop", highlight=False, soft_wrap=True)
     try:

@@ -137,7 +137,9 @@ def up(**options: Any) -> None:
     console.print(f"wrote {profile_out}", highlight=False)
 
     _step(6, "train (launch)")
-    command = f"meshtrain launch {inventory} --profile {profile_out}" + (" --dashboard" * how.dashboard)
+    command = f"meshtrain launch {inventory} --profile {profile_out}"
+    if how.dashboard:
+        command += " --dashboard"
     if not (yes or _ask(f"Start training {chosen_plan.plan.choice.label} on {len(chosen)} machines now?")):
         console.print(f"not started; start it any time with: {command}", highlight=False)
         return

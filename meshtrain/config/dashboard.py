@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtrain.config.settings import Flag, setting
+from meshtrain.config.settings import OPTIONS, Flag, setting
 
 DASHBOARD = "dashboard"
 #: The address the dashboard listens on unless told otherwise: this machine only.
@@ -14,7 +14,7 @@ LOCALHOST = "127.0.0.1"
 
 
 def _flag(*names: str) -> Flag:
-    return Flag(names, "Options", (DASHBOARD,))
+    return Flag(names, OPTIONS, (DASHBOARD,))
 
 
 @dataclass

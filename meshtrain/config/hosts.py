@@ -12,13 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtrain.config.settings import Flag, setting
+from meshtrain.config.settings import OPTIONS, Flag, setting
 
 CHECK, BENCH, DISCOVER, HOSTS_SETUP, UP = "hosts check", "hosts bench", "hosts discover", "hosts setup", "up"
 #: Help panels of ``hosts bench``.
 MEASURE, PROBE, CLUSTER_FILE = "What to measure", "Compute probe", "The cluster file"
-#: The one panel of a command with few options.
-OPTIONS = "Options"
 #: Help panels of ``hosts discover`` and ``up``.
 FINDING, TRAINING, SETUP = "Finding the machines", "What to fine-tune", "Setting them up (hosts setup)"
 

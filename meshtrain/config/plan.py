@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtrain.config.settings import Flag, setting
+from meshtrain.config.settings import OPTIONS, Flag, setting
 
 PLAN = "plan"
 #: Share of a step that may go to communication before a cheaper strategy is chosen.
@@ -15,7 +15,7 @@ COMM_BUDGET = 0.10
 
 
 def _flag(*names: str) -> Flag:
-    return Flag(names, "Options", (PLAN,))
+    return Flag(names, OPTIONS, (PLAN,))
 
 
 @dataclass

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtrain.config.settings import WHAT, Flag, setting
+from meshtrain.config.settings import OPTIONS, WHAT, Flag, setting
 
 COMPARE, PLOT = "compare", "plot"
-OPTIONS = "Options"
 
 
 @dataclass

@@ -44,6 +44,8 @@ def check_run_id(run_id: str, where: str = "run id") -> str:
 COMMANDS = ("simulate", "launch", "compare")
 #: Help panels of the training commands, in the order ``--help`` shows them.
 WHAT, CLUSTER, OUTPUT, LONG_RUNS = "What to train", "The simulated cluster", "Output", "Long runs"
+#: The one panel of a command with few options.
+OPTIONS = "Options"
 BOTH, ALL = ("simulate", "launch"), COMMANDS
 
 

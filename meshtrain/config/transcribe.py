@@ -6,13 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshtrain.config.settings import Flag, setting
+from meshtrain.config.settings import OPTIONS, Flag, setting
 
 TRANSCRIBE = "transcribe"
 
 
 def _flag(*names: str) -> Flag:
-    return Flag(names, "Options", (TRANSCRIBE,))
+    return Flag(names, OPTIONS, (TRANSCRIBE,))
 
 
 @dataclass
