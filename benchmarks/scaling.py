@@ -22,6 +22,7 @@ token bucket (``tbf``) to 1 Gbit/s or 100 Mbit/s. For every link:
     python benchmarks/scaling.py                          # 2 hosts, 3 repeats, all links
     python benchmarks/scaling.py --links 1gbit --repeats 5 --strategies ddp
     python benchmarks/scaling.py --profile-cpu --links unshaped,1gbit --repeats 2  # CPU per process/thread
+    python benchmarks/scaling.py --links 1gbit --strategies ddp --balance    # K-host runs with --balance
 
 Needs root (namespaces, tc), sshd and iproute2. The load average (1 minute) is printed
 with every run: on a loaded machine the other processes share the hosts' cores.
@@ -120,6 +121,7 @@ class Run:
     load: float
     projected_wait: float = 0.0  # the modelled wait for the slowest host (the probe's spread)
     waiting: float = 0.0  # of measured_comm: rank 0 inside all-reduces before the last rank came
+    rank0_last: float = 0.0  # share of the recorded all-reduces rank 0 arrived at last
     moving: float = 0.0  # of measured_comm: from the last rank's arrival to rank 0's exit
     # rank 0's monotonic times: entering its first recorded all-reduce after WARM, leaving its last
     window: tuple[float, float] = (0.0, 0.0)
@@ -176,20 +178,24 @@ def training_window(traces: Path) -> tuple[float, float]:
     return (events[0][1], events[-1][2]) if len(events) > 1 else (0.0, 0.0)
 
 
-def split_waiting(traces: Path) -> tuple[float, float]:
+def split_waiting(traces: Path) -> tuple[float, float, float]:
     """Rank 0's seconds inside all-reduces, split: waiting for the last rank to arrive, and
-    from its arrival to rank 0's exit (moving the bytes). Both 0 without traces."""
+    from its arrival to rank 0's exit (moving the bytes); and the share of them rank 0 was
+    the last to arrive at (near 0 or 1: one host is steadily the slower, which ``--balance``
+    can even out; near 1/K: the lateness moves between hosts). All 0 without traces."""
     ranks: dict[int, list[list[float]]] = {}
     for path in traces.glob("rank*.json"):
         ranks[int(path.name[4:].split("-")[0])] = json.loads(path.read_text())
     if len(ranks) < 2 or 0 not in ranks:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     waiting = moving = 0.0
+    rank0_last = 0
     for i, (_, entered, left) in enumerate(ranks[0]):
         last = max(events[i][1] for events in ranks.values() if i < len(events))
         waiting += max(0.0, last - entered)
         moving += left - max(entered, last)
-    return waiting, moving
+        rank0_last += last == entered
+    return waiting, moving, rank0_last / max(1, len(ranks[0]))
 
 
 def meshtrain(world: SshWorld, *args: str, cwd: Path, timeout: float = 600,
@@ -211,8 +217,9 @@ def meshtrain(world: SshWorld, *args: str, cwd: Path, timeout: float = 600,
 
 
 def launch(world: SshWorld, folder: Path, inv: Path, strategy: str, steps: int, data: Path,
-           cluster: Path | None, run_id: str, sampler: CpuSampler | None = None) -> Run:
-    options = ["--set", "H=20"] if strategy == "diloco" else []
+           cluster: Path | None, run_id: str, sampler: CpuSampler | None = None,
+           balance: bool = False) -> Run:
+    options = (["--set", "H=20"] if strategy == "diloco" else []) + (["--balance"] if balance else [])
     load = os.getloadavg()[0]
     traces = folder / "traces"
     shutil.rmtree(traces, ignore_errors=True)
@@ -227,8 +234,8 @@ def launch(world: SshWorld, folder: Path, inv: Path, strategy: str, steps: int, 
     with open(run / "metrics.csv") as f:
         seconds = [float(row["seconds"]) for row in csv.DictReader(f) if row["seconds"]]  # not step 0
     projected = summary.get("projected") or {}
-    waiting, moving = split_waiting(traces)
-    return Run(waiting=waiting, moving=moving, hosts=summary["nodes"],
+    waiting, moving, rank0_last = split_waiting(traces)
+    return Run(waiting=waiting, moving=moving, rank0_last=rank0_last, hosts=summary["nodes"],
                projected_wait=projected.get("sync_wait_seconds", 0.0),
                step_seconds=(seconds[-1] - seconds[WARM - 1]) / (steps - WARM),
                measured_comm=projected.get("measured_communication_seconds", float("nan")),
@@ -250,6 +257,9 @@ def main() -> None:
     parser.add_argument("--links", default="unshaped,1gbit,100mbit",
                         help=f"comma-separated, of: {', '.join(LINKS)}")
     parser.add_argument("--strategies", default="ddp,diloco")
+    parser.add_argument("--balance", action="store_true",
+                        help="launch the K-host runs with --balance (each host's share of the "
+                             "step's samples from its measured throughput)")
     parser.add_argument("--profile-cpu", action="store_true",
                         help="instead of the speedup table: CPU seconds per process and thread (the "
                              "launcher, each host's sshd, each rank split by thread) during the "
@@ -310,13 +320,15 @@ def measure(args: argparse.Namespace, links: list[str]) -> None:
                         for r in range(args.repeats):
                             for inv, runs in ((one, cell.one), (many, cell.many)):
                                 run = launch(world, folder, inv, strategy, args.steps, data, cluster,
-                                             f"{link}-{strategy}-{inv.stem}-{r}")
+                                             f"{link}-{strategy}-{inv.stem}-{r}",
+                                             balance=args.balance and inv is many)
                                 runs.append(run)
                                 print(f"[{link}] {strategy} {run.hosts} host(s) run {r + 1}: "
                                       f"{run.step_seconds * args.steps:.2f} s per {args.steps} steps, "
                                       f"communication measured {run.measured_comm:.2f} s, projected "
                                       f"{run.projected_comm:.2f} s (waiting {run.waiting:.2f} s, moving "
-                                      f"{run.moving:.2f} s; modelled wait {run.projected_wait:.2f} s) "
+                                      f"{run.moving:.2f} s; rank 0 last at {run.rank0_last:.0%}; "
+                                      f"modelled wait {run.projected_wait:.2f} s) "
                                       f"(load {run.load:.1f})", flush=True)
                     print_table(cells, args.hosts, args.steps, probes)  # so far: a long run can be cut short
             finally:
