@@ -246,8 +246,10 @@ def comm_script(comm) -> dict:
     return out
 
 
-def gloo_comm_worker(rank: int, world: int, port: int, results: object) -> None:
-    """One spawned process: join a gloo group, run :func:`comm_script`, send back its results."""
+def gloo_comm_worker(rank: int, world: int, port: int, results: object, backend: str | None = None) -> None:
+    """One spawned process: join a gloo group, run :func:`comm_script`, send back its results.
+    With ``backend`` (such as ``"cpu:gloo"``) the group is made with that backend string
+    instead of meshtrain's own choice for the CPU."""
     import io
 
     import torch.distributed as dist
@@ -271,7 +273,11 @@ def gloo_comm_worker(rank: int, world: int, port: int, results: object) -> None:
             super()._exchange(send, dst, recv, src)
 
     torch.set_num_threads(1)
-    init_process_group(rank, world, "127.0.0.1", port, torch.device("cpu"), 60.0)
+    if backend is None:
+        init_process_group(rank, world, "127.0.0.1", port, torch.device("cpu"), 60.0)
+    else:
+        dist.init_process_group(backend=backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)
     try:
         out = comm_script(Counting())
     finally:

@@ -22,6 +22,7 @@ from meshtrain.comm import (
     threads,
 )
 from meshtrain.comm.communicator import ring_reduce_rows_, ring_rows_plan
+from meshtrain.comm.torch_dist import backend_for
 from meshtrain.engine.runtimes.processes import free_loopback_port
 
 
@@ -303,12 +304,13 @@ def gloo_results():
     return comm_script_on_gloo(3)
 
 
-def comm_script_on_gloo(world: int) -> list[dict]:
-    """:func:`comm_script`'s results from ``world`` spawned gloo processes, by rank."""
+def comm_script_on_gloo(world: int, backend: str | None = None) -> list[dict]:
+    """:func:`comm_script`'s results from ``world`` spawned gloo processes, by rank (their
+    group made with ``backend``, if given, instead of meshtrain's choice)."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_loopback_port()
-    procs = [ctx.Process(target=gloo_comm_worker, args=(r, world, port, queue), daemon=True)
+    procs = [ctx.Process(target=gloo_comm_worker, args=(r, world, port, queue, backend), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
@@ -355,6 +357,26 @@ def test_gloo_bit_identical_to_threads(gloo_results):
     assert torch.equal(gloo_results[0]["group"], ring_reduce([xs[0], xs[2]], "sum"))
     assert "group" not in gloo_results[1]
     assert gloo_results[1]["all_gather_int16"].dtype == torch.int16
+
+
+def test_cpu_tensors_of_a_cuda_rank_go_through_gloo_as_on_a_cpu_rank(gloo_results):
+    """A rank on CUDA joins with ``cpu:gloo,cuda:nccl`` (nccl alone refuses the CPU tensors
+    every run sends: the non-finite vote, progress numbers, weight hashes, each node's
+    report). Its communicator must treat CPU tensors exactly as on a gloo-only group. This
+    machine's torch has no nccl, so the group here is ``cpu:gloo``: the same CPU half."""
+    assert backend_for(torch.device("cuda")) == "cpu:gloo,cuda:nccl"
+    assert backend_for(torch.device("cpu")) == backend_for(torch.device("mps")) == "gloo"
+    mixed = comm_script_on_gloo(3, backend="cpu:gloo")
+    for rank, (ours, plain) in enumerate(zip(mixed, gloo_results, strict=True)):
+        assert ours.keys() == plain.keys()
+        for key in ours:
+            a, b = ours[key], plain[key]
+            if isinstance(a, list) and a and isinstance(a[0], torch.Tensor):
+                assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)), (rank, key)
+            elif isinstance(a, torch.Tensor):
+                assert torch.equal(a, b), (rank, key)
+            else:  # the bytes on the wire too: the same pipelined ring, not the stepwise one
+                assert a == b, (rank, key)
 
 
 def test_two_gloo_processes_sum_with_gloos_all_reduce_bit_identical_to_threads():

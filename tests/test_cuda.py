@@ -27,7 +27,7 @@ from helpers import Clips, CrashesAt, Windows, regression_data, tiny_gpt, tiny_w
 from meshtrain import FitResult, NodeFailed, Trainer, observers
 from meshtrain.checkpoint import find_latest
 from meshtrain.errors import SettingError
-from meshtrain.strategies import DiLoCo
+from meshtrain.strategies import DeMo, DiLoCo
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (benchmarks/gpu_check.sh runs these on one)")
@@ -109,6 +109,16 @@ def test_checkpointing_on_cuda_changes_no_result(tmp_path: Path) -> None:
     print("plain", plain, "\ncheckpointed", checkpointed)
     # The recomputed forward is the same computation (dropout replays its CUDA stream).
     assert checkpointed == pytest.approx(plain, rel=1e-5)
+
+
+def test_demo_trains_on_cuda(tmp_path: Path) -> None:
+    """DeMo's DCT transforms live on the parameters' device (they were on the CPU once)."""
+    result = Trainer(tiny_gpt(), Windows()).fit(DeMo(lr=3e-3), nodes=2, max_steps=8, batch_size=4,
+                                                device="cuda", out_dir=tmp_path, run_id="demo",
+                                                progress=False)
+    trained = losses(result)
+    print("demo on cuda", trained)
+    assert trained[-1] < trained[0]
 
 
 class GpuMemory:

@@ -261,6 +261,21 @@ def test_demo_chunked_dct_round_trip(shape):
     assert_close(d @ d.T, torch.eye(5, dtype=torch.float64))
 
 
+def test_demo_keeps_its_dct_bases_on_the_parameters_device():
+    """On a GPU (cuda, or mps on a Mac) the transforms multiply the parameters' residuals:
+    bases left on the CPU stopped DeMo's first step there with a device mismatch. The meta
+    device stands in for a GPU here (a CPU machine has no other device to put them on)."""
+    demo = DeMo(compression_topk=4, compression_chunk=4)
+    demo.params = [torch.nn.Parameter(torch.empty(8, 6, device="meta")),
+                   torch.nn.Parameter(torch.empty(12, device="meta"))]
+    demo.build_optimizer()
+    for t in demo.transforms:
+        assert t.basis_rows.device.type == t.basis_cols.device.type == "meta"
+    assert dct_matrix(5, torch.float32, "meta").device.type == "meta"
+    cpu = ChunkedDCT.for_shape(torch.Size((8, 6)), 4, torch.float32)  # the default stays the CPU
+    assert cpu.basis_rows.device.type == "cpu"
+
+
 class _Conv(torch.nn.Module):
     def __init__(self):
         super().__init__()

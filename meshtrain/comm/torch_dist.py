@@ -1,4 +1,4 @@
-"""Collectives over torch.distributed (gloo on CPU/MPS, nccl on CUDA).
+"""Collectives over torch.distributed (gloo on CPU/MPS; on CUDA nccl, and gloo for CPU tensors).
 
 The ring is written with point-to-point send/recv on the default group, so
 
@@ -32,7 +32,8 @@ class TorchDistCommunicator(Communicator):
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call init_process_group first")
         super().__init__(dist.get_rank(), dist.get_world_size())
-        self.backend = dist.get_backend()
+        self.backend = dist.get_backend()  # "gloo", or "cpu:gloo,cuda:nccl" (backend_for)
+        self.moves_cuda = "nccl" in self.backend
         self._sends: list[Any] = []  # requests posted and not yet waited for
         self._receives: list[Any] = []
         self._finished: list[Any] = []  # requests waited for, kept alive a while (_retire)
@@ -44,10 +45,11 @@ class TorchDistCommunicator(Communicator):
         self._scratch = torch.empty(0)  # the ring's receive space, kept from call to call
 
     def staging_device(self, tensor: torch.Tensor) -> torch.device:
-        # gloo moves CPU tensors only: MPS (and CUDA under gloo) go through one CPU buffer.
-        if self.backend == "gloo" and tensor.device.type != "cpu":
-            return torch.device("cpu")
-        return tensor.device
+        # nccl moves CUDA tensors, gloo CPU ones: MPS (and CUDA without nccl) go through one
+        # CPU buffer.
+        if tensor.device.type == "cuda" and self.moves_cuda:
+            return tensor.device
+        return torch.device("cpu")
 
     def _exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
         """Post sending ``send`` to ``dst`` and receiving ``recv`` from ``src``, without
@@ -97,7 +99,7 @@ class TorchDistCommunicator(Communicator):
         self._finished_bytes = 0
 
     def _ring_all_reduce(self, flat: torch.Tensor, op: ReduceOp, members: list[int]) -> torch.Tensor:
-        if self.backend != "gloo":
+        if flat.device.type != "cpu":  # a CUDA tensor, on nccl
             return self._ring_all_reduce_stepwise(flat, op, members)
         g = len(members)
         if g == 2 == self.world_size and op != "max":
@@ -238,6 +240,16 @@ RETIRED_BYTES = 16 * 2**20
 KEPT_SCRATCH_BYTES = 64 * 2**20
 
 
+def backend_for(device: torch.device) -> str:
+    """The torch.distributed backend of a rank training on ``device``.
+
+    gloo moves CPU tensors (MPS ones go through a CPU buffer). On CUDA, nccl moves the CUDA
+    tensors, and gloo the CPU ones every run sends besides: the non-finite vote, the
+    progress numbers, the weight hashes and each node's report (nccl alone refuses a CPU
+    tensor, so a run of two or more CUDA ranks stopped at the first of them)."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
 def init_process_group(
     rank: int,
     world_size: int,
@@ -248,13 +260,13 @@ def init_process_group(
     *,
     external_store: bool = False,
 ) -> None:
-    """Join the TCP rendezvous at ``master_addr:master_port`` (nccl for CUDA, else gloo).
+    """Join the TCP rendezvous at ``master_addr:master_port`` (:func:`backend_for` ``device``).
 
     By default rank 0 hosts the rendezvous store. With ``external_store`` every rank is a
     client of a store someone else hosts (the processes runtime's parent, bound to
     loopback only: see :func:`host_loopback_store`).
     """
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = backend_for(device)
     timeout = timedelta(seconds=timeout_s)
     secret = rendezvous.take_secret()
     if secret is not None:  # under `meshtrain launch`: only proven ranks reach the store

@@ -28,13 +28,16 @@ import torch
 from meshtrain.strategies.base import Strategy
 
 
-def dct_matrix(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Orthonormal DCT-II basis: ``D @ x`` transforms, ``D.T @ c`` inverts."""
+def dct_matrix(n: int, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> torch.Tensor:
+    """Orthonormal DCT-II basis: ``D @ x`` transforms, ``D.T @ c`` inverts.
+
+    Computed in float64 on the CPU (MPS has no float64), then moved to ``device``."""
     k = torch.arange(n, dtype=torch.float64).unsqueeze(1)
     i = torch.arange(n, dtype=torch.float64).unsqueeze(0)
     basis = torch.cos(math.pi * (2 * i + 1) * k / (2 * n)) * math.sqrt(2.0 / n)
     basis[0] /= math.sqrt(2.0)
-    return basis.to(dtype)
+    return basis.to(dtype).to(device)
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int:
@@ -55,7 +58,9 @@ class ChunkedDCT:
     basis_cols: torch.Tensor
 
     @classmethod
-    def for_shape(cls, shape: torch.Size, chunk: int, dtype: torch.dtype) -> ChunkedDCT:
+    def for_shape(cls, shape: torch.Size, chunk: int, dtype: torch.dtype,
+                  device: torch.device | str = "cpu") -> ChunkedDCT:
+        """The transform of a parameter of ``shape``; its bases on the parameter's ``device``."""
         # Rank >= 2 (conv weights too) flattens to (dim0, rest); rank <= 1 is one row.
         if len(shape) >= 2:
             rows, cols = shape[0], math.prod(shape[1:])
@@ -65,7 +70,7 @@ class ChunkedDCT:
             chunk_rows = 1
         chunk_cols = largest_divisor_at_most(cols, chunk)
         return cls(shape, rows, cols, chunk_rows, chunk_cols,
-                   dct_matrix(chunk_rows, dtype), dct_matrix(chunk_cols, dtype))
+                   dct_matrix(chunk_rows, dtype, device), dct_matrix(chunk_cols, dtype, device))
 
     @property
     def coefficients_per_chunk(self) -> int:
@@ -135,7 +140,7 @@ class DeMo(Strategy):
 
     def build_optimizer(self) -> None:
         self.transforms = [
-            ChunkedDCT.for_shape(p.shape, self.compression_chunk, p.dtype) for p in self.params
+            ChunkedDCT.for_shape(p.shape, self.compression_chunk, p.dtype, p.device) for p in self.params
         ]
         self.deltas = [torch.zeros_like(p) for p in self.params]
         return None
