@@ -10,6 +10,7 @@ from typer.testing import CliRunner
 
 from meshtrain import NodeFailed, Trainer
 from meshtrain.cli.main import app
+from meshtrain.engine.callbacks import digest
 from meshtrain.strategies import DDP, DeMo, DiLoCo, FedAvg
 
 RUN = dict(nodes=4, max_steps=6, batch_size=4, progress=False, check_sync=True)
@@ -25,6 +26,27 @@ RUN = dict(nodes=4, max_steps=6, batch_size=4, progress=False, check_sync=True)
 def test_strategies_keep_their_promise(strategy, runtime, tmp_path) -> None:
     result = Trainer(MLP(), regression_data(96)).fit(strategy, out_dir=tmp_path, runtime=runtime, **RUN)
     assert result.summary["steps"] == 6
+
+
+class ScaledMLP(MLP):
+    """An MLP with a learnable scalar (0-dim) parameter, as CLIP's logit scale is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(1.0))
+
+    def forward(self, batch):  # noqa: ANN001, ANN201 - a test model
+        return super().forward(batch) * self.scale
+
+
+def test_a_model_with_a_scalar_parameter_is_hashed_and_checked(tmp_path) -> None:
+    """The hash behind --check-sync and launch's check that every host holds the same
+    weights read a tensor's bytes through a byte view, which a 0-dim tensor refused."""
+    assert not torch.equal(digest([torch.tensor(1.0)]), digest([torch.tensor(2.0)]))
+    assert torch.equal(digest([torch.tensor(1.0)]), digest([torch.tensor([1.0])]))  # the same bytes
+    result = Trainer(ScaledMLP(), regression_data(96)).fit(DDP("sgd", 0.1), out_dir=tmp_path, **RUN)
+    assert result.summary["steps"] == 6
+    assert result.model.scale.item() != 1.0  # it trained
 
 
 class DriftingDDP(DDP):

@@ -334,7 +334,8 @@ def digest(params: Sequence[torch.Tensor]) -> torch.Tensor:
     """SHA-256 of the tensors' bytes, as 32 uint8s (a tensor peers can compare)."""
     h = hashlib.sha256()
     for p in params:
-        h.update(p.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+        # reshape(-1): a 0-dim tensor (a learnable scalar) has no byte view of its own.
+        h.update(p.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return torch.frombuffer(bytearray(h.digest()), dtype=torch.uint8)
 
 

@@ -389,7 +389,8 @@ def _forward_backward(job: NodeJob, streams: list[tuple[Any, NodeBatches]], indi
             (loss.sum() * weight).backward()
             if chunk != nodes:
                 _add_rows_grad(holder, params, start, stop)
-            step_losses[start:stop] += loss.detach().double().cpu() * weight
+            # To the CPU first: MPS has no float64.
+            step_losses[start:stop] += loss.detach().cpu().double() * weight
     return step_losses
 
 
@@ -487,7 +488,7 @@ def _node_val_loss(model: nn.Module, holder: _StackedParameters, batches: list[A
         count = 0
         for batch in batches:
             n = _batch_len(batch)
-            total += losses(holder.by_name(), batch).double().cpu() * n
+            total += losses(holder.by_name(), batch).cpu().double() * n  # MPS has no float64
             count += n
     finally:
         model.train()
