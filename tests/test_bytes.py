@@ -213,6 +213,37 @@ def test_demo_bytes_all_gather_values_and_int16_indices(tmp_path, comms):
         ]
 
 
+class SizedWithDoubleScale(Sized):
+    """:class:`Sized` (float32) beside a float64 parameter of 4 values, as a model loaded
+    in one precision with some layers kept in another has."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+
+    def forward(self, batch):  # noqa: ANN001, ANN201 - a test model
+        return super().forward(batch) * self.scale.mean().float()
+
+
+def test_demo_with_two_parameter_dtypes_sends_each_at_its_own_width(tmp_path, comms):
+    """Values of a float32 and a float64 parameter went in one concatenation, which widened
+    the float32 ones to 8 bytes and then failed to add them into the float32 parameter."""
+    nodes, steps, topk = 3, 2, 5
+    res = run(DeMo(lr=0.01, compression_topk=topk, compression_chunk=4), tmp_path, nodes=nodes,
+              steps=steps, model=SizedWithDoubleScale())
+    k32, k64 = 4 * topk, 4  # the (8, 6) weight: 4 chunks x topk; the scale: one chunk of 4
+    per_step = (nodes - 1) * (k32 * 4 + k64 * 8 + (k32 + k64 + 2) * 2)  # 2 int16 flags
+    assert [r["bytes_sent"] for r in res.history] == [per_step] * steps
+    for comm in comms.values():
+        assert [(r.kind, r.bytes_sent) for r in comm.log.records] == [
+            rec for _ in range(steps)
+            for rec in (("all_gather", (nodes - 1) * k32 * 4), ("all_gather", (nodes - 1) * k64 * 8),
+                        ("all_gather", (nodes - 1) * (k32 + k64 + 2) * 2))
+        ]
+    assert res.model.scale.dtype == torch.float64
+    assert not torch.equal(res.model.scale, torch.ones(4, dtype=torch.float64))  # it trained
+
+
 def test_single_node_sends_nothing(tmp_path):
     res = run(DDP("sgd", 0.1), tmp_path, nodes=1, steps=3)
     assert res.summary["bytes_sent_per_node"] == 0

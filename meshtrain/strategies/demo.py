@@ -174,54 +174,45 @@ class DeMo(Strategy):
             sent_idx.append(idx.to(self._index_dtype(t)).reshape(-1))
             sent_val.append(val.reshape(-1))
         # Two collectives for the whole model: all values, then all indices (compact ints)
-        # with the has-gradient flags appended.
-        flags = self.grad_flags.to(torch.int16)
-        all_val = self.comm.all_gather(torch.cat(sent_val))
-        gathered = self._gather_indices([*sent_idx, flags])
-        tensors = len(self.params)
-        all_idx = [row[:-tensors] for row in gathered]
-        used = torch.stack([row[-tensors:] for row in gathered]).amax(0).tolist()
-        offset = 0
-        for p, t, val, delta, residual, anywhere in zip(
-            self.params, self.transforms, sent_val, self.deltas, pending, used, strict=True
+        # with the has-gradient flags appended (one more per further dtype, if any).
+        all_val = self._gather_by_dtype(sent_val)
+        gathered = self._gather_by_dtype([*sent_idx, self.grad_flags.to(torch.int16)])
+        used = torch.stack([row[-1] for row in gathered]).amax(0).tolist()
+        for k, (p, t, delta, kept, anywhere) in enumerate(
+            zip(self.params, self.transforms, self.deltas, pending, used, strict=True)
         ):
-            n = val.numel()
             if not anywhere:  # no node had a gradient: untouched, as torch leaves it
-                offset += n
                 continue
-            if residual is not None:
-                delta.copy_(residual)
+            if kept is not None:
+                delta.copy_(kept)
             p.mul_(1 - lr * self.weight_decay)
             chunks = t.rows // t.chunk_rows * (t.cols // t.chunk_cols)
             total = torch.zeros(chunks, t.coefficients_per_chunk, dtype=p.dtype, device=p.device)
             count = torch.zeros_like(total)
-            for node_val, node_idx in zip(all_val, all_idx, strict=True):
-                i = node_idx[offset : offset + n].long().reshape(chunks, -1)
-                v = node_val[offset : offset + n].reshape(chunks, -1)
+            for node_val, node_idx in zip(all_val, gathered, strict=True):
+                i = node_idx[k].long().reshape(chunks, -1)
+                v = node_val[k].reshape(chunks, -1)
                 total.scatter_add_(1, i, v)
                 count.scatter_add_(1, i, torch.ones_like(v))
             averaged = total / count.clamp(min=1)  # over the nodes that sent each coefficient
             p.sub_(torch.sign(t.decode(averaged)), alpha=lr)
-            offset += n
         for p in self.params:
             p.grad = None
 
-    def _gather_indices(self, sent_idx: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every node's concatenated ``sent_idx``, in order. Indices of different widths
-        travel in separate all-gathers so none is widened."""
+    def _gather_by_dtype(self, pieces: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Every node's ``pieces`` (alive nodes, in order; each node's list in the order
+        given). Pieces of one dtype travel in one all-gather, so none is widened: a model
+        with float32 and float64 parameters (or bf16 beside fp32), or indices of two widths."""
         by_dtype: dict[torch.dtype, list[int]] = {}
-        for i, idx in enumerate(sent_idx):
-            by_dtype.setdefault(idx.dtype, []).append(i)
-        if len(by_dtype) == 1:
-            return self.comm.all_gather(torch.cat(sent_idx))
-        per_node: list[dict[int, torch.Tensor]] = [{} for _ in range(self.comm.size)]  # alive nodes
+        for i, piece in enumerate(pieces):
+            by_dtype.setdefault(piece.dtype, []).append(i)
+        per_node: list[list[torch.Tensor]] = [list(pieces) for _ in range(self.comm.size)]
         for members in by_dtype.values():
-            gathered = self.comm.all_gather(torch.cat([sent_idx[i] for i in members]))
+            gathered = self.comm.all_gather(torch.cat([pieces[i] for i in members]))
             for node, flat in enumerate(gathered):
-                pieces = flat.split([sent_idx[i].numel() for i in members])
-                for i, piece in zip(members, pieces, strict=True):
+                for i, piece in zip(members, flat.split([pieces[i].numel() for i in members]), strict=True):
                     per_node[node][i] = piece
-        return [torch.cat([row[i].long() for i in range(len(sent_idx))]) for row in per_node]
+        return per_node
 
     def state_dict(self) -> dict[str, Any]:
         return {"deltas": [d.clone() for d in self.deltas], "modules": []}
