@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -261,7 +262,38 @@ def test_demo_chunked_dct_round_trip(shape):
     assert_close(d @ d.T, torch.eye(5, dtype=torch.float64))
 
 
-def test_demo_keeps_its_dct_bases_on_the_parameters_device():
+class WithEmptyParameter(torch.nn.Module):
+    """An MLP beside a parameter with no elements (a placeholder some models keep)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = MLP()
+        # In a submodule after the MLP: the MLP's tensors keep their places in the parameter
+        # list (a module's own parameters come before its submodules'), and SPARTA seeds its
+        # picks by place.
+        self.extra = torch.nn.Module()
+        self.extra.empty = torch.nn.Parameter(torch.zeros(0, 4))
+
+    def forward(self, batch):  # noqa: ANN001, ANN201 - a test model
+        return self.mlp(batch) + self.extra.empty.sum()
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_a_parameter_with_no_elements_trains_with_every_strategy(name, tmp_path):
+    """DeMo cut it into chunks of a divisor of 0 and stopped at its first step."""
+    strategy = DeMo(compression_topk=4, compression_chunk=4) if name == "demo" else STRATEGIES[name]()
+    plain = Trainer(MLP(), regression_data(96)).fit(
+        copy.deepcopy(strategy), nodes=3, max_steps=4, batch_size=4, out_dir=tmp_path, run_id="plain",
+        progress=False)
+    with_empty = Trainer(WithEmptyParameter(), regression_data(96)).fit(
+        strategy, nodes=3, max_steps=4, batch_size=4, out_dir=tmp_path, run_id="empty", progress=False,
+        check_sync=True)
+    assert with_empty.model.extra.empty.shape == (0, 4)
+    # Nothing to learn in it, nothing sent for it: the MLP trains as it does alone.
+    assert with_empty.summary["final_train_loss"] == plain.summary["final_train_loss"]
+
+
+
     """On a GPU (cuda, or mps on a Mac) the transforms multiply the parameters' residuals:
     bases left on the CPU stopped DeMo's first step there with a device mismatch. The meta
     device stands in for a GPU here (a CPU machine has no other device to put them on)."""

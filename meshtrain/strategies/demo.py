@@ -41,8 +41,8 @@ def dct_matrix(n: int, dtype: torch.dtype = torch.float32,
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int:
-    """The chunk length along a dimension of size n."""
-    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
+    """The chunk length along a dimension of size n (1 for an empty dimension)."""
+    return max((d for d in range(1, min(n, limit) + 1) if n % d == 0), default=1)
 
 
 @dataclass
@@ -189,9 +189,10 @@ class DeMo(Strategy):
             chunks = t.rows // t.chunk_rows * (t.cols // t.chunk_cols)
             total = torch.zeros(chunks, t.coefficients_per_chunk, dtype=p.dtype, device=p.device)
             count = torch.zeros_like(total)
+            sent = min(self.compression_topk, t.coefficients_per_chunk)  # per chunk (none: no chunks)
             for node_val, node_idx in zip(all_val, gathered, strict=True):
-                i = node_idx[k].long().reshape(chunks, -1)
-                v = node_val[k].reshape(chunks, -1)
+                i = node_idx[k].long().reshape(chunks, sent)
+                v = node_val[k].reshape(chunks, sent)
                 total.scatter_add_(1, i, v)
                 count.scatter_add_(1, i, torch.ones_like(v))
             averaged = total / count.clamp(min=1)  # over the nodes that sent each coefficient
