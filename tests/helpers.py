@@ -272,6 +272,11 @@ def gloo_comm_worker(rank: int, world: int, port: int, results: object, backend:
             self.wire_received += recv.numel() * recv.element_size()
             super()._exchange(send, dst, recv, src)
 
+        def _exchange_now(self, send, dst, recv, src):  # one batch, not through _exchange
+            self.wire_sent += send.numel() * send.element_size()
+            self.wire_received += recv.numel() * recv.element_size()
+            super()._exchange_now(send, dst, recv, src)
+
     torch.set_num_threads(1)
     if backend is None:
         init_process_group(rank, world, "127.0.0.1", port, torch.device("cpu"), 60.0)

@@ -67,7 +67,16 @@ class TorchDistCommunicator(Communicator):
         self._finished_bytes += tensor.nbytes
 
     def _exchange_now(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
-        self._exchange(send, dst, recv, src)
+        """Send ``send`` to ``dst`` and receive ``recv`` from ``src``, and wait for both.
+
+        One batch (``batch_isend_irecv``): nccl runs a send and a receive posted apart one
+        after the other, so two peers that send to each other first (a ring of two) would
+        each wait for the other's receive; in one group they run together. gloo runs them
+        as posted, as :meth:`_exchange` would."""
+        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, dst),
+                                           dist.P2POp(dist.irecv, recv, src)])
+        self._finished_bytes += send.nbytes + recv.nbytes
+        self._sends += requests
         self._settle()
 
     def _settle(self) -> None:
