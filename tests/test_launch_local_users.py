@@ -170,24 +170,25 @@ def test_the_secret_is_on_no_command_line_and_in_no_environment(
     runner.start()
     try:
         deadline = time.monotonic() + 60
-        while not any(marker in (p / "cmdline").read_bytes().decode(errors="replace")
-                      for p in Path("/proc").iterdir() if p.name.isdigit() and _readable(p / "cmdline")):
+        while not any(marker in _read(p / "cmdline").decode(errors="replace")
+                      for p in Path("/proc").iterdir() if p.name.isdigit()):
             assert time.monotonic() < deadline and runner.is_alive(), "the rank never started"
             time.sleep(0.1)
         assert (workdir / secret_file_name("scan", 0)).read_text() == secret  # delivered
         for proc in Path("/proc").iterdir():
             for part in ("cmdline", "environ"):
-                if proc.name.isdigit() and _readable(proc / part):
-                    assert secret.encode() not in (proc / part).read_bytes(), f"{proc}/{part}"
+                if proc.name.isdigit():
+                    assert secret.encode() not in _read(proc / part), f"{proc}/{part}"
     finally:
         runner.join(timeout=60)
     assert ended["result"].exit_code == 0  # type: ignore[attr-defined]
     assert not (workdir / secret_folder_name("scan", 0)).exists()
 
 
-def _readable(path: Path) -> bool:
+def _read(path: Path) -> bytes:
+    """A /proc file's bytes; none when its process has ended since /proc was listed (reading
+    once: a check first, then a read, lost that race in CI, ProcessLookupError)."""
     try:
-        path.read_bytes()
-        return True
-    except OSError:  # the process ended meanwhile
-        return False
+        return path.read_bytes()
+    except OSError:
+        return b""

@@ -178,7 +178,7 @@ class DeMo(Strategy):
         all_val = self._gather_by_dtype(sent_val)
         gathered = self._gather_by_dtype([*sent_idx, self.grad_flags.to(torch.int16)])
         used = torch.stack([row[-1] for row in gathered]).amax(0).tolist()
-        for k, (p, t, delta, kept, anywhere) in enumerate(
+        for index, (p, t, delta, kept, anywhere) in enumerate(
             zip(self.params, self.transforms, self.deltas, pending, used, strict=True)
         ):
             if not anywhere:  # no node had a gradient: untouched, as torch leaves it
@@ -191,8 +191,8 @@ class DeMo(Strategy):
             count = torch.zeros_like(total)
             sent = min(self.compression_topk, t.coefficients_per_chunk)  # per chunk (none: no chunks)
             for node_val, node_idx in zip(all_val, gathered, strict=True):
-                i = node_idx[k].long().reshape(chunks, sent)
-                v = node_val[k].reshape(chunks, sent)
+                i = node_idx[index].long().reshape(chunks, sent)
+                v = node_val[index].reshape(chunks, sent)
                 total.scatter_add_(1, i, v)
                 count.scatter_add_(1, i, torch.ones_like(v))
             averaged = total / count.clamp(min=1)  # over the nodes that sent each coefficient
