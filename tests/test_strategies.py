@@ -293,7 +293,43 @@ def test_a_parameter_with_no_elements_trains_with_every_strategy(name, tmp_path)
     assert with_empty.summary["final_train_loss"] == plain.summary["final_train_loss"]
 
 
+class LinearWeight(torch.nn.Module):
+    """One linear map; ``column_major`` stores the same weight transposed in memory (as a
+    channels-last convolution or a transposed parameter is): not contiguous."""
 
+    def __init__(self, column_major: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        weight = torch.randn(2, 6)
+        self.weight = torch.nn.Parameter(weight.T.contiguous().T if column_major else weight)
+
+    def forward(self, batch):  # noqa: ANN001, ANN201 - a test model
+        x, y = batch
+        return ((x @ self.weight.T - y) ** 2).mean()
+
+
+@pytest.mark.parametrize(("strategy", "runtime"), [
+    (SPARTA(p=0.3), "threads"), (SPARTA(p=0.3), "vmap"), (SPARTA(p=0.3), "processes"),
+    (SPARTA(p=0.3, selector="partitioned"), "threads"), (SPARTA(p=0.3, selector="partitioned"), "vmap"),
+    (SPARTADiLoCo(p=0.3, H=2), "threads"), (SPARTADiLoCo(p=0.3, H=2), "vmap"),
+], ids=["random-threads", "random-vmap", "random-processes", "partitioned-threads", "partitioned-vmap",
+        "sparta-diloco-threads", "sparta-diloco-vmap"])
+def test_sparta_picks_the_same_elements_whatever_a_parameters_memory_layout(strategy, runtime, tmp_path):
+    """SPARTA flattened each parameter with a view, which a non-contiguous one refuses (a
+    channels-last convolution stopped the first step). Its picks are now flat indices in
+    row-major order whatever the layout: the run equals the contiguous one bit for bit, and
+    the parameter keeps its layout."""
+    contiguous, column_major = (
+        Trainer(LinearWeight(layout), regression_data(96)).fit(
+            copy.deepcopy(strategy), nodes=3, max_steps=6, batch_size=4, out_dir=tmp_path,
+            run_id=f"column-major-{layout}", runtime=runtime, progress=False)
+        for layout in (False, True))
+    assert [r["train_loss"] for r in column_major.history] == [r["train_loss"] for r in contiguous.history]
+    assert torch.equal(column_major.model.weight, contiguous.model.weight)
+    assert not column_major.model.weight.is_contiguous()
+
+
+def test_demo_keeps_its_dct_bases_on_the_parameters_device():
     """On a GPU (cuda, or mps on a Mac) the transforms multiply the parameters' residuals:
     bases left on the CPU stopped DeMo's first step there with a device mismatch. The meta
     device stands in for a GPU here (a CPU machine has no other device to put them on)."""

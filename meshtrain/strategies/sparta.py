@@ -84,20 +84,32 @@ class SparseAveraging(CommunicationModule):
             return
         sync_round = step // self.interval
         nodes = self.strategy.stacked_nodes
+        tensors = [p.data for p in self.strategy.params]
         if nodes is not None:  # the vmap runtime: row i of each tensor is node i's, same picks
-            rows = [p.data.view(nodes, -1) for p in self.strategy.params]
+            rows = [_row_major(t, nodes) for t in tensors]
             picks = [_on(self.indices(sync_round, i, r.shape[1]), r.device) for i, r in enumerate(rows)]
             values = [r[:, ix] for r, ix in zip(rows, picks, strict=True)]
             self.strategy.comm.all_reduce(values, op="mean")
             for r, ix, v in zip(rows, picks, values, strict=True):
                 r[:, ix] = v
-            return
-        flats = [p.data.view(-1) for p in self.strategy.params]
-        picks = [_on(self.indices(sync_round, i, f.numel()), f.device) for i, f in enumerate(flats)]
-        values = [f[ix] for f, ix in zip(flats, picks, strict=True)]
-        self.strategy.mean_over_nodes_(values)
-        for f, ix, v in zip(flats, picks, values, strict=True):
-            f[ix] = v
+        else:
+            rows = [_row_major(t) for t in tensors]
+            picks = [_on(self.indices(sync_round, i, f.numel()), f.device) for i, f in enumerate(rows)]
+            values = [f[ix] for f, ix in zip(rows, picks, strict=True)]
+            self.strategy.mean_over_nodes_(values)
+            for f, ix, v in zip(rows, picks, values, strict=True):
+                f[ix] = v
+        for t, r in zip(tensors, rows, strict=True):
+            if not t.is_contiguous():  # r is a copy (_row_major): write it back
+                t.copy_(r.view(t.shape))
+
+
+def _row_major(tensor: torch.Tensor, *lead: int) -> torch.Tensor:
+    """``tensor`` flattened in row-major order after its ``lead`` dimensions: a view of it
+    when its memory is laid out that way, else a copy (a channels-last convolution, a
+    transposed parameter), which the caller writes back. An element's flat index is then
+    the same whatever the memory layout, so every node picks the same elements."""
+    return tensor.view(*lead, -1) if tensor.is_contiguous() else tensor.reshape(*lead, -1)
 
 
 def _on(index: torch.Tensor | slice, device: torch.device) -> torch.Tensor | slice:
