@@ -12,6 +12,7 @@ from meshtrain.comm.communicator import ring_chunk_sizes
 from meshtrain.strategies import DDP, SPARTA, DeMo, DiLoCo, FedAvg, SPARTADiLoCo, Strategy
 
 F32 = 4
+F64 = 8
 
 
 @pytest.fixture
@@ -242,6 +243,15 @@ def test_demo_with_two_parameter_dtypes_sends_each_at_its_own_width(tmp_path, co
         ]
     assert res.model.scale.dtype == torch.float64
     assert not torch.equal(res.model.scale, torch.ones(4, dtype=torch.float64))  # it trained
+
+
+@pytest.mark.parametrize("runtime", ["threads", "processes", "vmap"])
+def test_an_all_reduce_of_two_dtypes_sends_each_at_its_own_width(runtime, tmp_path):
+    """DiLoCo's outer average of a float32 and a float64 parameter went in one flat bucket,
+    which sent the 48 float32 values as float64 (416 bytes a sync instead of 224). Each
+    dtype is now a bucket of its own, counted the same way in every runtime."""
+    res = run(DiLoCo(H=2), tmp_path, nodes=2, steps=2, model=SizedWithDoubleScale(), runtime=runtime)
+    assert [r["bytes_sent"] for r in res.history] == [0, ring_mean(48, 2) + ring_mean(4, 2, F64)]
 
 
 def test_single_node_sends_nothing(tmp_path):

@@ -267,11 +267,16 @@ class Communicator(ABC):
         *,
         record: bool = True,
     ) -> None:
-        """Reduce tensors in place over ``group``, in one flat bucket."""
-        started = time.perf_counter()
+        """Reduce tensors in place over ``group``, in one flat bucket per dtype (one bucket
+        of several dtypes would send the narrow ones widened)."""
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        if not tensors:
-            return
+        for same in dtype_groups(tensors):
+            self._all_reduce_bucket(same, op, group, record)
+
+    def _all_reduce_bucket(self, tensors: list[torch.Tensor], op: ReduceOp, group: Group | None,
+                           record: bool) -> None:
+        """:meth:`all_reduce` of tensors of one dtype, in one flat bucket."""
+        started = time.perf_counter()
         members = self.members(group)
         # One contiguous tensor is reduced through a view of itself; several are bucketed.
         alone = len(tensors) == 1 and tensors[0].is_contiguous()
@@ -425,6 +430,15 @@ class Communicator(ABC):
     def _record(self, kind: str, sent: int, received: int, group_size: int, started: float) -> None:
         self.log.add(CommRecord(self.step, kind, sent, received, group_size))
         self.log.seconds += time.perf_counter() - started
+
+
+def dtype_groups(tensors: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by dtype, the groups in the order their dtype first appears (the
+    same on every node, whose tensor lists are alike)."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return list(groups.values())
 
 
 def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -29,6 +29,7 @@ from meshtrain.comm.communicator import (
     Communicator,
     Group,
     ReduceOp,
+    dtype_groups,
     ring_all_reduce_bytes,
 )
 
@@ -53,10 +54,15 @@ class StackedCommunicator(Communicator):
         *,
         record: bool = True,
     ) -> None:
-        """Reduce every stacked tensor over its node dimension, in place, into every row."""
+        """Reduce every stacked tensor over its node dimension, in place, into every row
+        (counted as the other runtimes send them: one bucket per dtype)."""
         started = time.perf_counter()
         tensors, numel = self._stacked(tensors)
         if not tensors:
+            return
+        if len(by_dtype := dtype_groups(tensors)) > 1:
+            for same in by_dtype:
+                self.all_reduce(same, op, group, record=record)
             return
         members = self._everyone(group)
         with torch.no_grad():
