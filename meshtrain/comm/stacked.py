@@ -57,21 +57,19 @@ class StackedCommunicator(Communicator):
         """Reduce every stacked tensor over its node dimension, in place, into every row
         (counted as the other runtimes send them: one bucket per dtype)."""
         started = time.perf_counter()
-        tensors, numel = self._stacked(tensors)
+        tensors, _ = self._stacked(tensors)
         if not tensors:
-            return
-        if len(by_dtype := dtype_groups(tensors)) > 1:
-            for same in by_dtype:
-                self.all_reduce(same, op, group, record=record)
             return
         members = self._everyone(group)
         with torch.no_grad():
             for t in tensors:
                 t.copy_(_reduce_rows(t, op).expand_as(t))
         if record:
-            counts = _ring_bytes_by_position(numel, tensors[0].element_size(), len(members))
-            for log, (sent, received) in zip(self.logs, counts, strict=True):
-                self._record_node(log, "all_reduce", sent, received, len(members))
+            for same in dtype_groups(tensors):  # one ring per dtype, as the other runtimes send
+                numel = sum(t[0].numel() for t in same)
+                counts = _ring_bytes_by_position(numel, same[0].element_size(), len(members))
+                for log, (sent, received) in zip(self.logs, counts, strict=True):
+                    self._record_node(log, "all_reduce", sent, received, len(members))
             self.log.seconds += time.perf_counter() - started
 
     def all_gather(
