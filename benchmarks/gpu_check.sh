@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The vmap runtime and the other CUDA paths on a GPU, checked in under 7 minutes, from the repository root:
+# The vmap runtime and the other CUDA paths on a GPU, checked in under 8 minutes, from the repository root:
 #
 #     OUT=/some/folder bash benchmarks/gpu_check.sh                 # on the GPU machine
 #     OUT=$(mktemp -d) GPT_STEPS=2 DIGITS_STEPS=10 REPEATS=1 bash benchmarks/gpu_check.sh --device cpu
@@ -9,16 +9,16 @@
 # nothing and needs no network: meshtrain runs from this checkout through PYTHONPATH.
 # Writes 5 files to $OUT (a temporary folder if unset):
 #   env.txt       python, torch, the GPU, which of meshtrain's dependencies import
-#   simulate.txt  (a) a tiny gpt run, threads runtime then vmap runtime, on the device: through
+#   tests.txt     (a) tests/test_cuda.py (cuda only) and tests/test_vmap_runtime.py's tests that
+#                 take a device, on this device
+#   simulate.txt  (b) a tiny gpt run, threads runtime then vmap runtime, on the device: through
 #                 `python3 -m meshtrain simulate` when paramiko imports (the CLI imports it at
 #                 start), else the same run through the library (Trainer.fit), which does not
-#   bench.txt     (b) benchmarks/vmap.py --device DEVICE: 16 nodes, threads against vmap, gpt and
+#   bench.txt     (c) benchmarks/vmap.py --device DEVICE: 16 nodes, threads against vmap, gpt and
 #                 the digits MLP, DDP and DiLoCo(H=20), a table at the end
-#   tests.txt     (c) tests/test_cuda.py (cuda only) and tests/test_vmap_runtime.py's tests that
-#                 take a device, on this device
 #   summary.txt   each step's exit status and seconds
 # Each step has its own time limit, so one that hangs leaves the others their time; all of
-# them together are at most 6 minutes 15 s (30 + 2 x 45 + 110 + 45 + 100).
+# them together are at most 7 minutes 15 s (30 + 160 + 2 x 45 + 110 + 45).
 # GPT_STEPS, DIGITS_STEPS and REPEATS (default 20, 100, 2) size the benchmark (smaller for a dry run).
 set -u
 DEVICE=cuda
@@ -67,6 +67,11 @@ print("meshtrain from", meshtrain.__file__)
 EOF
 nvidia-smi --query-gpu=name,memory.total,memory.used,utilization.gpu --format=csv >> "$OUT/env.txt" 2>&1 || true
 
+# (a) the CUDA paths' tests and the vmap tests that take a device, on this one (on cpu: the cpu
+# cases); first, so that a call cut short still has them
+step "tests" 160 "$OUT/tests.txt" "$PY" -m pytest -q -rA -p no:cacheprovider -n 0 \
+    tests/test_cuda.py tests/test_vmap_runtime.py -k "$DEVICE"
+
 # A text for the gpt task: 60,000 characters of a few words in a seeded random order.
 "$PY" - "$WORK/text.txt" <<'EOF'
 import random, sys
@@ -76,7 +81,7 @@ text = " ".join(rng.choice(words) for _ in range(12000))
 open(sys.argv[1], "w").write("\n".join(text[i:i + 80] for i in range(0, len(text), 80)))
 EOF
 
-# (a) a tiny simulate, threads then vmap, on the device
+# (b) a tiny simulate, threads then vmap, on the device
 SIM_ARGS=(--task gpt --data "$WORK/text.txt" --strategy diloco --nodes 4 --steps 10 --batch-size 8
           --device "$DEVICE" --no-progress --out "$WORK/runs")
 if "$PY" -c "import paramiko" 2> /dev/null; then
@@ -105,15 +110,11 @@ EOF
     done
 fi
 
-# (b) the benchmark: gpt first (the workload that matters on a GPU), then the digits MLP
+# (c) the benchmark: gpt first (the workload that matters on a GPU), then the digits MLP
 step "bench-gpt" 110 "$OUT/bench.txt" "$PY" benchmarks/vmap.py --device "$DEVICE" --workloads gpt \
     --steps "${GPT_STEPS:-20}" --repeats "${REPEATS:-2}"
 step "bench-digits" 45 "$OUT/bench.txt" "$PY" benchmarks/vmap.py --device "$DEVICE" \
     --workloads "digits MLP" --steps "${DIGITS_STEPS:-100}" --repeats "${REPEATS:-2}"
-
-# (c) the CUDA paths' tests and the vmap tests that take a device, on this one (on cpu: the cpu cases)
-step "tests" 100 "$OUT/tests.txt" "$PY" -m pytest -q -p no:cacheprovider -n 0 \
-    tests/test_cuda.py tests/test_vmap_runtime.py -k "$DEVICE"
 
 rm -rf "$WORK"
 echo "outputs in $OUT" | tee -a "$SUMMARY"

@@ -17,17 +17,18 @@ loss in the third digit.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import Clips, CrashesAt, Windows, regression_data, tiny_gpt, tiny_whisper
+from helpers import MLP, Clips, CrashesAt, Windows, regression_data, tiny_gpt, tiny_whisper
 
 from meshtrain import FitResult, NodeFailed, Trainer, observers
 from meshtrain.checkpoint import find_latest
 from meshtrain.errors import SettingError
-from meshtrain.strategies import DeMo, DiLoCo
+from meshtrain.strategies import STRATEGIES, DeMo, DiLoCo
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (benchmarks/gpu_check.sh runs these on one)")
@@ -119,6 +120,25 @@ def test_demo_trains_on_cuda(tmp_path: Path) -> None:
     trained = losses(result)
     print("demo on cuda", trained)
     assert trained[-1] < trained[0]
+
+
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+def test_every_strategy_on_cuda_sends_what_it_sends_on_the_cpu(name: str, tmp_path: Path) -> None:
+    """Each built-in strategy trains on CUDA, its nodes stay in sync (``check_sync`` hashes the
+    GPU's weights), and it sends the bytes it sends on the CPU: the byte count does not depend
+    on the device. No dropout, so the losses match the CPU's to float error (SPARTA's picks
+    and FedAvg's islands are drawn on the CPU either way)."""
+    strategy = DeMo(compression_topk=4, compression_chunk=4) if name == "demo" else STRATEGIES[name]()
+
+    def fit(device: str) -> FitResult:
+        return Trainer(MLP(), regression_data(96)).fit(
+            copy.deepcopy(strategy), nodes=3, max_steps=6, batch_size=4, device=device, check_sync=True,
+            out_dir=tmp_path, run_id=device, progress=False)
+
+    on_cpu, on_cuda = fit("cpu"), fit("cuda")
+    print(name, "cpu", losses(on_cpu), "\ncuda", losses(on_cuda))
+    assert on_cuda.summary["bytes_sent_per_node"] == on_cpu.summary["bytes_sent_per_node"]
+    assert losses(on_cuda) == pytest.approx(losses(on_cpu), rel=1e-4)
 
 
 class GpuMemory:
