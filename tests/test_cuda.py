@@ -6,9 +6,9 @@ autocast on CUDA (fp16 with the loss scaler) stay within 2% of fp32; gradient ch
 on CUDA changes no result; Whisper with LoRA trains there with one copy of its frozen base
 for all nodes; the processes runtime (nccl, the code path of launched ranks) wants a GPU per
 node and its nodes report the GPU memory torch holds; the compute probes (``--strategy auto``,
-``hosts bench``) time the GPU's steps. ``benchmarks/gpu_check.sh`` runs them on a GPU machine
-(all but the two probe tests passed on an H200 on 2026-11-27; those came after that session's
-GPU time).
+``hosts bench``) time the GPU's steps; every built-in strategy sends on CUDA the bytes it sends
+on the CPU, with the CPU's losses. ``benchmarks/gpu_check.sh`` runs them on a GPU machine (all
+15 passed on an H200 on 2026-11-28, paramiko carried there as wheels).
 
 GPU kernels are not deterministic in general (README, Runtimes), so runs that are bit-identical
 on CPU are compared here to a relative 1e-6: a node drawing from the wrong stream changes a
@@ -112,14 +112,24 @@ def test_checkpointing_on_cuda_changes_no_result(tmp_path: Path) -> None:
     assert checkpointed == pytest.approx(plain, rel=1e-5)
 
 
-def test_demo_trains_on_cuda(tmp_path: Path) -> None:
-    """DeMo's DCT transforms live on the parameters' device (they were on the CPU once)."""
-    result = Trainer(tiny_gpt(), Windows()).fit(DeMo(lr=3e-3), nodes=2, max_steps=8, batch_size=4,
-                                                device="cuda", out_dir=tmp_path, run_id="demo",
-                                                progress=False)
-    trained = losses(result)
-    print("demo on cuda", trained)
-    assert trained[-1] < trained[0]
+def test_demo_on_the_gpt_model_on_cuda_matches_the_cpu(tmp_path: Path) -> None:
+    """DeMo's DCT transforms live on the parameters' device (they were on the CPU once, and
+    its first step on cuda stopped): on the gpt model, whose weights take every chunk shape
+    (embeddings, attention and MLP matrices, biases), a run on CUDA sends the CPU's bytes and
+    follows its losses (no dropout; top-k of near-equal values may pick apart, so 1e-3)."""
+    from meshtrain.tasks.gpt import CharGPT
+
+    def fit(device: str) -> FitResult:
+        torch.manual_seed(0)
+        model = CharGPT(40, block_size=32, layers=4, dim=64, dropout=0.0)
+        return Trainer(model, Windows()).fit(DeMo(lr=3e-3), nodes=2, max_steps=8, batch_size=4,
+                                             device=device, check_sync=True, out_dir=tmp_path,
+                                             run_id=device, progress=False)
+
+    on_cpu, on_cuda = fit("cpu"), fit("cuda")
+    print("demo cpu", losses(on_cpu), "\ncuda", losses(on_cuda))
+    assert on_cuda.summary["bytes_sent_per_node"] == on_cpu.summary["bytes_sent_per_node"]
+    assert losses(on_cuda) == pytest.approx(losses(on_cpu), rel=1e-3)
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
