@@ -254,6 +254,29 @@ def test_an_all_reduce_of_two_dtypes_sends_each_at_its_own_width(runtime, tmp_pa
     assert [r["bytes_sent"] for r in res.history] == [0, ring_mean(48, 2) + ring_mean(4, 2, F64)]
 
 
+@pytest.mark.parametrize("runtime", ["threads", "processes", "vmap"])
+def test_ddp_buckets_hold_one_dtype_each(runtime, tmp_path):
+    """DDP's gradient buckets mixed the float64 scale's gradient with the float32 weight's:
+    the overlapped path (processes, real hosts) sent them all as float64 and the threads
+    runtime's bucket buffer took the first tensor's dtype. A bucket now holds one dtype
+    (torch DDP's rule), the has-gradient flags riding in the bucket of the first
+    parameter's dtype: 48 weights + 2 flags at 4 bytes, 4 scales at 8."""
+    steps = 2
+    res = run(DDP(lr=0.01), tmp_path, nodes=2, steps=steps, model=SizedWithDoubleScale(), runtime=runtime,
+              check_sync=True)
+    assert [r["bytes_sent"] for r in res.history] == [ring_mean(48 + 2, 2) + ring_mean(4, 2, F64)] * steps
+    assert res.model.scale.dtype == torch.float64 and res.model.weight.dtype == torch.float32
+
+
+def test_ddp_with_two_dtypes_is_bit_identical_across_runtimes(tmp_path):
+    """Each gradient is summed at its own precision on every runtime (3 nodes: a ring whose
+    order matters), so threads and processes give the same weights bit for bit."""
+    models = {runtime: run(DDP(lr=0.01), tmp_path / runtime, nodes=3, steps=3, model=SizedWithDoubleScale(),
+                           runtime=runtime).model for runtime in ("threads", "processes")}
+    for name, value in models["threads"].state_dict().items():
+        assert torch.equal(value, models["processes"].state_dict()[name]), name
+
+
 def test_single_node_sends_nothing(tmp_path):
     res = run(DDP("sgd", 0.1), tmp_path, nodes=1, steps=3)
     assert res.summary["bytes_sent_per_node"] == 0

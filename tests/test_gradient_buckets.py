@@ -9,6 +9,7 @@ from helpers import WideMLP, assert_states_equal, regression_data
 from torch import nn
 
 from meshtrain import Trainer
+from meshtrain.comm import ThreadCommunicator, ThreadHub
 from meshtrain.comm.buckets import BUCKET_BYTES, GradientBuckets, bucket_layout
 from meshtrain.comm.communicator import Communicator, ReduceOp
 from meshtrain.strategies import DDP
@@ -18,6 +19,25 @@ def test_buckets_are_cut_from_the_last_parameter_at_the_size_cap():
     assert bucket_layout([100, 300, 50, 200, 10], cap=250) == [[4, 3, 2], [1], [0]]
     assert bucket_layout([100, 300], cap=250) == [[1], [0]]
     assert bucket_layout([], cap=250) == [[]]  # the flags still have a bucket to ride in
+
+
+def test_each_kind_of_tensor_fills_buckets_of_its_own():
+    """Tensors of another dtype go in buckets of their own (torch DDP's rule), each kind
+    cut at the cap; the bucket of tensor 0 comes last, since the flags take its dtype."""
+    f32, f64 = torch.float32, torch.float64
+    assert bucket_layout([100, 100, 100], cap=150, kinds=[f32, f64, f32]) == [[1], [2, 0]]
+    assert bucket_layout([100, 100, 100], cap=100, kinds=[f32, f64, f32]) == [[2], [1], [0]]
+    # tensor 0's float32 bucket fills first; the float64 bucket still open goes before it
+    assert bucket_layout([200, 10, 100], cap=150, kinds=[f32, f64, f32]) == [[1], [2, 0]]
+    assert bucket_layout([10, 300, 10, 10], cap=150, kinds=[f32, f32, f64, f32]) == [[3, 1], [2], [0]]
+    # one kind: the layout without kinds
+    assert bucket_layout([100, 300, 50, 200, 10], cap=250, kinds=[f32] * 5) == [[4, 3, 2], [1], [0]]
+
+
+def test_the_threads_runtime_refuses_a_bucket_of_two_dtypes():
+    hub = ThreadHub(1)
+    with pytest.raises(ValueError, match="a bucket holds tensors of several dtypes"):
+        ThreadCommunicator(hub, 0).all_reduce_buckets([[torch.zeros(2), torch.zeros(2, dtype=torch.float64)]])
 
 
 class EchoCommunicator(Communicator):

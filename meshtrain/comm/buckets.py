@@ -25,7 +25,7 @@ import functools
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,22 +38,33 @@ from meshtrain.comm.communicator import Communicator, Group, ReduceOp, _flatten,
 BUCKET_BYTES = 256 * 2**10
 
 
-def bucket_layout(sizes: Sequence[int], cap: int = BUCKET_BYTES) -> list[list[int]]:
+def bucket_layout(sizes: Sequence[int], cap: int = BUCKET_BYTES,
+                  kinds: Sequence[Hashable] | None = None) -> list[list[int]]:
     """The tensors of ``sizes`` (bytes each), by index, bucket by bucket: from the last
-    tensor to the first, a new bucket once the current one holds ``cap`` bytes. Always at
-    least one bucket (the last may be empty: it carries what rides along)."""
+    tensor to the first, a new bucket once the current one holds ``cap`` bytes.
+
+    ``kinds`` (the tensors' dtypes, say) keeps tensors of different kinds apart, as torch DDP
+    does: each kind fills its own bucket, so a bucket is sent at its own width (one flat
+    buffer of two dtypes would carry the narrow one widened). The bucket holding tensor 0
+    comes last (riders take its dtype), the other unfilled ones just before it. Always at
+    least one bucket (with no tensors an empty one: it carries what rides along)."""
+    kinds = kinds if kinds is not None else [None] * len(sizes)
     buckets: list[list[int]] = []
-    current: list[int] = []
-    held = 0
+    filling: dict[Hashable, tuple[list[int], int]] = {}  # kind -> (its open bucket, bytes held)
     for i in reversed(range(len(sizes))):
+        current, held = filling.pop(kinds[i], ([], 0))
         current.append(i)
-        held += sizes[i]
-        if held >= cap:
+        if held + sizes[i] >= cap:
             buckets.append(current)
-            current, held = [], 0
-    if current or not buckets:
-        buckets.append(current)
-    return buckets
+        else:
+            filling[kinds[i]] = (current, held + sizes[i])
+    buckets += [current for current, _ in filling.values()]
+    # Tensor 0's bucket (0 is the last index any bucket took) goes last: riders take its dtype.
+    with_first = next((b for b in buckets if b[-1] == 0), None)
+    if with_first is not None:
+        buckets.remove(with_first)
+        buckets.append(with_first)
+    return buckets or [[]]
 
 
 @dataclass
@@ -82,7 +93,8 @@ class GradientBuckets:
                  nodes: int | None = None, cap: int = BUCKET_BYTES) -> None:
         self.comm = comm
         self.params = list(params)
-        self.layout = bucket_layout([p.numel() // (nodes or 1) * p.element_size() for p in self.params], cap)
+        self.layout = bucket_layout([p.numel() // (nodes or 1) * p.element_size() for p in self.params], cap,
+                                    kinds=[(p.dtype, p.device) for p in self.params])
         self._bucket_of = {i: b for b, indices in enumerate(self.layout) for i in indices}
         self._flight: _Flight | None = None
         self._sole_backward = False  # this step's buckets but the last may hide behind backward

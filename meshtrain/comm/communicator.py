@@ -300,9 +300,10 @@ class Communicator(ABC):
         *,
         record: bool = True,
     ) -> None:
-        """Reduce each bucket of tensors in place over ``group``, one :meth:`all_reduce`
-        per bucket, in order (a backend may serve them in one meeting of the members, with
-        the same result bit for bit and the same records)."""
+        """Reduce each bucket of tensors (of one dtype each, as
+        :func:`~meshtrain.comm.buckets.bucket_layout` cuts them) in place over ``group``, one
+        :meth:`all_reduce` per bucket, in order (a backend may serve them in one meeting of
+        the members, with the same result bit for bit and the same records)."""
         for bucket in buckets:
             self.all_reduce(bucket, op, group, record=record)
 

@@ -409,6 +409,9 @@ class ThreadCommunicator(Communicator):
                                            for bucket in buckets))
         kept = self._kept_buckets.get(signature)
         if kept is None:
+            if any(len({t.dtype for t in bucket}) > 1 for bucket in buckets):
+                raise ValueError("all_reduce_buckets: a bucket holds tensors of several dtypes "
+                                 "(cut buckets with bucket_layout, one dtype each)")
             shapes = tuple((sum(t.numel() for t in bucket), bucket[0].dtype, bucket[0].device)
                            for bucket in buckets)
             buffers = (self.hub.bucket_rows(tuple(members), self.rank, shapes) if len(members) > 1
