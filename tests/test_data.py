@@ -76,6 +76,18 @@ def test_fit_reports_the_oversized_batch(tmp_path):
     assert not tmp_path.exists() or not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(("samples", "nodes", "batch", "message"), [
+    (40, 4, 20, r"\(10 samples of 40 over 4 nodes\); use a batch size of at most 10, fewer nodes or more "
+                r"data$"),
+    (3, 3, 4, r"\(1 sample of 3 over 3 nodes\); use a batch size of at most 1, "),
+    (2, 3, 1, r"\(0 samples of 2 over 3 nodes\); use at most 2 nodes or more data$"),
+])
+def test_the_oversized_batch_error_says_what_would_fit(samples, nodes, batch, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        Trainer(MLP(), regression_data(samples)).fit(DDP("sgd", 0.1), nodes=nodes, max_steps=2,
+                                                     batch_size=batch, out_dir=tmp_path, progress=False)
+
+
 def test_fit_raises_value_error_for_oversized_batch(tmp_path):
     with pytest.raises(ValueError, match="batch size 20"):
         Trainer(MLP(), regression_data(40)).fit(DDP("sgd", 0.1), nodes=4, max_steps=2, batch_size=20,

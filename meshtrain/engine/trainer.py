@@ -150,11 +150,13 @@ class Trainer:
             memory.require_checkpointing(self.model)
         if isinstance(self.train_data, Dataset):
             size = len(self.train_data)  # type: ignore[arg-type]
-            if config.batch_size > size // config.nodes:
-                raise ValueError(
-                    f"batch size {config.batch_size} is larger than the shard of each node "
-                    f"({size // config.nodes} samples of {size} over {config.nodes} nodes)"
-                )
+            shard = size // config.nodes
+            if config.batch_size > shard:
+                held = f"{shard} sample{'' if shard == 1 else 's'} of {size} over {config.nodes} nodes"
+                fix = (f"use a batch size of at most {shard}, fewer nodes or more data" if shard
+                       else f"use at most {size} nodes or more data")
+                raise ValueError(f"batch size {config.batch_size} is larger than the shard of each node "
+                                 f"({held}); {fix}")
         resume = _checkpoint_to_resume(config, strategy)
         interval = strategy.sync_interval()
         if config.checkpoint_every and interval:
