@@ -6,7 +6,10 @@
 #                                                                    # the same steps on CPU (a dry run)
 #
 # Needs python3 with torch (CUDA) and meshtrain's core dependencies importable; installs
-# nothing and needs no network: meshtrain runs from this checkout through PYTHONPATH.
+# nothing and needs no network: meshtrain runs from this checkout through PYTHONPATH. Where
+# paramiko is missing (the CLI and `hosts bench` import it), put it on PYTHONPATH first, e.g.
+# from wheels downloaded elsewhere: paramiko bcrypt cryptography pynacl cffi pycparser invoke
+# (`pip install --no-index --no-deps --target /tmp/site *.whl; export PYTHONPATH=/tmp/site`).
 # Writes 5 files to $OUT (a temporary folder if unset):
 #   env.txt       python, torch, the GPU, which of meshtrain's dependencies import
 #   tests.txt     (a) tests/test_cuda.py (cuda only) and tests/test_vmap_runtime.py's tests that
