@@ -8,6 +8,7 @@ run here (no such device): their code path is torch's autocast with the device's
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,33 @@ def test_checkpointing_keeps_fewer_activations_and_changes_no_result(
     losses = train(build(), data, tmp_path, "plain")
     losses_checkpointed = train(build(), data, tmp_path, "checkpointed", gradient_checkpointing=True)
     assert losses_checkpointed == pytest.approx(losses, rel=1e-5)
+
+
+class _Messages(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_checkpointed_whisper_trains_without_transformers_use_cache_warning(tmp_path: Path) -> None:
+    """A checkpointed model keeps no cache. Passing ``use_cache=False`` to the model's forward
+    no longer reached Whisper's encoder (transformers 5 fills it from the config there), so
+    every run printed transformers' "use_cache=True is incompatible with gradient
+    checkpointing" once a process; the config now says so."""
+    model = tiny_whisper()  # imports transformers, which gives Logger its warning_once
+    logging.Logger.warning_once.cache_clear()  # type: ignore[attr-defined] - its memory of warnings given
+    caught = _Messages()
+    logging.getLogger("transformers").addHandler(caught)
+    try:
+        train(model, Clips(), tmp_path, "checkpointed", gradient_checkpointing=True)
+    finally:
+        logging.getLogger("transformers").removeHandler(caught)
+    assert not [m for m in caught.messages if "use_cache" in m], caught.messages
+    # generate() still decodes one new token a step from its cache (generation_config's setting)
+    assert model.base.generation_config.use_cache
 
 
 def test_bf16_autocast_on_cpu_keeps_fewer_bytes_and_stays_within_two_percent(tmp_path: Path) -> None:

@@ -115,7 +115,6 @@ class HFModel(nn.Module):
         self.wer = wer
         self.generate_kwargs = dict(generate_kwargs or {})
         self.save_merged = save_merged
-        self.checkpointing = False  # gradient_checkpointing_enable() was called
 
     # ---------------------------------------------------------------- building
     @classmethod
@@ -172,9 +171,7 @@ class HFModel(nn.Module):
         return hasattr(self.model, "peft_config")
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        # A checkpointed decoder cannot keep a cache (transformers would warn and drop it).
-        extra = {"use_cache": False} if self.checkpointing and self.training else {}
-        out = self.model(**batch, **extra)
+        out = self.model(**batch)
         if getattr(out, "loss", None) is None:
             raise ValueError(f"{type(self.base).__name__} returned no loss: the batch needs 'labels' "
                              f"(batch keys: {', '.join(batch)})")
@@ -200,7 +197,10 @@ class HFModel(nn.Module):
             base.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        self.checkpointing = True
+        # A checkpointed model keeps no cache. Said in the config, which every submodule
+        # reads (an argument to forward does not reach Whisper's encoder, and transformers
+        # warned there); generate() follows generation_config and still decodes from its cache.
+        base.config.use_cache = False
 
     def trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
