@@ -99,8 +99,23 @@ def test_checkpointed_whisper_trains_without_transformers_use_cache_warning(tmp_
     finally:
         logging.getLogger("transformers").removeHandler(caught)
     assert not [m for m in caught.messages if "use_cache" in m], caught.messages
-    # generate() still decodes one new token a step from its cache (generation_config's setting)
-    assert model.base.generation_config.use_cache
+    # generate() still decodes from its cache (generation_config's setting): one new token a step.
+    checkpointed = tiny_whisper()
+    checkpointed.gradient_checkpointing_enable()
+    assert checkpointed.base.config.use_cache is False
+    decoder = checkpointed.base.model.decoder
+    lengths: list[int] = []
+    decode = decoder.forward
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        lengths.append(kwargs["input_ids"].shape[-1])
+        return decode(*args, **kwargs)
+
+    decoder.forward = recording
+    checkpointed.eval()
+    with torch.no_grad():
+        checkpointed.base.generate(input_features=Clips(1).features, max_new_tokens=4, min_new_tokens=4)
+    assert lengths == [1, 1, 1, 1], lengths
 
 
 def test_bf16_autocast_on_cpu_keeps_fewer_bytes_and_stays_within_two_percent(tmp_path: Path) -> None:
