@@ -19,7 +19,7 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cpu")
     kind = name.split(":")[0]
     if kind not in DEVICES:
-        raise ValueError(f"unknown device {name!r}; choose one of {DEVICES}")
+        raise ValueError(f"unknown device {name!r}; choose one of: {', '.join(DEVICES)} (cuda:N for GPU N)")
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' asked for, but torch sees no CUDA GPU here")
     if kind == "mps" and not torch.backends.mps.is_available():

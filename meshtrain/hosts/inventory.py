@@ -25,6 +25,7 @@ import yaml
 
 from meshtrain import yaml12
 from meshtrain.config.settings import MAX_THREADS
+from meshtrain.devices import DEVICES
 from meshtrain.errors import InputError
 
 # Keys a host entry may set; every one except name/host/advertise may also go in defaults.
@@ -33,7 +34,6 @@ SHARED_KEYS = ("user", "port", "identity_file", "known_hosts", "ssh_config", "py
                "device", "env", "iface", "threads")
 TOP_KEYS = ("defaults", "rendezvous", "hosts")
 RENDEZVOUS_KEYS = ("port", "timeout", "heartbeat_timeout")
-DEVICES = ("auto", "cpu", "mps", "cuda")
 # The launcher sets these on every rank; an inventory setting them would break the run.
 RESERVED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                 "MESHTRAIN_TIMEOUT", "MESHTRAIN_RUN_ID", "GLOO_SOCKET_IFNAME", "MESHTRAIN_HEARTBEAT",
