@@ -277,6 +277,34 @@ def test_ddp_with_two_dtypes_is_bit_identical_across_runtimes(tmp_path):
         assert torch.equal(value, models["processes"].state_dict()[name]), name
 
 
+def test_a_broadcast_of_two_dtypes_sends_each_at_its_own_width():
+    """Launch's replica check broadcasts rank 0's weights where replicas differ: one flat
+    bucket of a float32 and a float64 tensor sent the float32 values as float64. Each dtype
+    is now a bucket of its own; the vmap runtime counts the same."""
+    import threading
+
+    from meshtrain.comm.stacked import StackedCommunicator
+
+    hub = ThreadHub(2)
+    comms = [ThreadCommunicator(hub, rank) for rank in range(2)]
+    held = [[torch.full((48,), float(rank)), torch.full((4,), float(rank), dtype=torch.float64)]
+            for rank in range(2)]
+    workers = [threading.Thread(target=comms[r].broadcast, args=(held[r],)) for r in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=30)
+    assert all(torch.equal(t, torch.zeros_like(t)) for t in held[1])  # rank 0's values
+    assert [t.dtype for t in held[1]] == [torch.float32, torch.float64]
+    assert [r.bytes_sent for r in comms[0].log.records] == [48 * F32, 4 * F64]
+    assert [r.bytes_received for r in comms[1].log.records] == [48 * F32, 4 * F64]
+
+    stacked = StackedCommunicator(2)
+    stacked.broadcast([torch.zeros(2, 48), torch.zeros(2, 4, dtype=torch.float64)])
+    assert [r.bytes_sent for r in stacked.logs[0].records] == [48 * F32, 4 * F64]
+    assert [r.bytes_received for r in stacked.logs[1].records] == [48 * F32, 4 * F64]
+
+
 def test_single_node_sends_nothing(tmp_path):
     res = run(DDP("sgd", 0.1), tmp_path, nodes=1, steps=3)
     assert res.summary["bytes_sent_per_node"] == 0

@@ -329,9 +329,16 @@ class Communicator(ABC):
         self, tensors: torch.Tensor | Sequence[torch.Tensor], src: int = 0,
         group: Group | None = None, *, record: bool = True,
     ) -> None:
-        """Copy ``src``'s tensors into every member's, in place (one flat bucket)."""
-        started = time.perf_counter()
+        """Copy ``src``'s tensors into every member's, in place (one flat bucket per dtype,
+        as :meth:`all_reduce`)."""
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        for same in dtype_groups(tensors):
+            self._broadcast_bucket(same, src, group, record)
+
+    def _broadcast_bucket(self, tensors: list[torch.Tensor], src: int, group: Group | None,
+                          record: bool) -> None:
+        """:meth:`broadcast` of tensors of one dtype, in one flat bucket."""
+        started = time.perf_counter()
         members = self.members(group)
         flat = _flatten(tensors)
         if len(members) > 1:

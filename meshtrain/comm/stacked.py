@@ -57,7 +57,7 @@ class StackedCommunicator(Communicator):
         """Reduce every stacked tensor over its node dimension, in place, into every row
         (counted as the other runtimes send them: one bucket per dtype)."""
         started = time.perf_counter()
-        tensors, _ = self._stacked(tensors)
+        tensors = self._stacked(tensors)
         if not tensors:
             return
         members = self._everyone(group)
@@ -91,20 +91,22 @@ class StackedCommunicator(Communicator):
         self, tensors: torch.Tensor | Sequence[torch.Tensor], src: int = 0,
         group: Group | None = None, *, record: bool = True,
     ) -> None:
-        """Copy row ``src`` of every stacked tensor into every other row."""
+        """Copy row ``src`` of every stacked tensor into every other row (counted as the
+        other runtimes send it: one bucket per dtype)."""
         started = time.perf_counter()
-        tensors, numel = self._stacked(tensors)
+        tensors = self._stacked(tensors)
         members = self._everyone(group)
         with torch.no_grad():
             for t in tensors:
                 t.copy_(t[src : src + 1].expand_as(t))
         if record and tensors:
-            nbytes = numel * tensors[0].element_size()
-            for rank, log in enumerate(self.logs):
-                if rank == src:
-                    self._record_node(log, "broadcast", nbytes * (len(members) - 1), 0, len(members))
-                else:
-                    self._record_node(log, "broadcast", 0, nbytes, len(members))
+            for same in dtype_groups(tensors):
+                nbytes = sum(t[0].numel() for t in same) * same[0].element_size()
+                for rank, log in enumerate(self.logs):
+                    if rank == src:
+                        self._record_node(log, "broadcast", nbytes * (len(members) - 1), 0, len(members))
+                    else:
+                        self._record_node(log, "broadcast", 0, nbytes, len(members))
             self.log.seconds += time.perf_counter() - started
 
     def _everyone(self, group: Group | None) -> list[int]:
@@ -113,13 +115,12 @@ class StackedCommunicator(Communicator):
                              f"over group {sorted(group)} cannot run in it")
         return list(range(self.world_size))
 
-    def _stacked(self, tensors: torch.Tensor | Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
-        """The tensors of a collective, each checked to be stacked over the nodes, and how
-        many elements one node's rows of them hold."""
+    def _stacked(self, tensors: torch.Tensor | Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors of a collective, each checked to be stacked over the nodes."""
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         for t in tensors:
             self._check_stacked(t)
-        return tensors, sum(t[0].numel() for t in tensors)
+        return tensors
 
     def _check_stacked(self, tensor: torch.Tensor) -> None:
         if tensor.dim() == 0 or tensor.shape[0] != self.world_size:
