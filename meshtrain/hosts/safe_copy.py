@@ -237,17 +237,22 @@ def unpack_tar(stream: IO[bytes], final: Path, limits: CopyLimits = CopyLimits()
 
 
 # --------------------------------------------------------------------------- sftp
-def unpack_sftp(sftp: Any, remote: str, final: Path, limits: CopyLimits = CopyLimits()) -> None:
+def unpack_sftp(sftp: Any, remote: str, final: Path, limits: CopyLimits = CopyLimits(),
+                before_read: Callable[[], None] = lambda: None) -> None:
     """Create ``final`` (which must not exist) from the folder ``remote`` over SFTP
-    (a paramiko ``SFTPClient``), under the same rules as :func:`unpack_tar`."""
+    (a paramiko ``SFTPClient``), under the same rules as :func:`unpack_tar`.
+    ``before_read`` is called before each listing and each read; what it raises stops
+    the copy, leaving nothing."""
     budget = _Budget(limits)
     with fresh_directory(final) as root:
-        _sftp_folder(sftp, remote, "", root, budget)
+        _sftp_folder(sftp, remote, "", root, budget, before_read)
 
 
-def _sftp_folder(sftp: Any, remote: str, relative: str, fd: int, budget: _Budget) -> None:
+def _sftp_folder(sftp: Any, remote: str, relative: str, fd: int, budget: _Budget,
+                 before_read: Callable[[], None]) -> None:
     if relative.count("/") >= MAX_DEPTH:
         raise UnsafeRunDirectory(f"{shown(relative)} is deeper than {MAX_DEPTH} levels")
+    before_read()
     for entry in sftp.listdir_attr(remote):
         name = f"{relative}{entry.filename}"
         check_component(entry.filename, name)
@@ -259,7 +264,7 @@ def _sftp_folder(sftp: Any, remote: str, relative: str, fd: int, budget: _Budget
         if stat.S_ISDIR(mode):
             child = _open_dir(fd, entry.filename, create=True)
             try:
-                _sftp_folder(sftp, source, name + "/", child, budget)
+                _sftp_folder(sftp, source, name + "/", child, budget, before_read)
             finally:
                 os.close(child)
         elif stat.S_ISREG(mode):
@@ -268,7 +273,10 @@ def _sftp_folder(sftp: Any, remote: str, relative: str, fd: int, budget: _Budget
                 budget.take(announced, name)  # refuses, naming the cap
             with sftp.open(source, "rb") as remote_file:
                 remote_file.prefetch(announced)  # pipelined reads; the bytes that come are counted
-                _write_file(fd, entry.filename, name, mode, remote_file.read, None, budget)
+                def read(size: int, file: Any = remote_file) -> bytes:
+                    before_read()
+                    return bytes(file.read(size))
+                _write_file(fd, entry.filename, name, mode, read, None, budget)
         elif stat.S_ISLNK(mode):
             raise UnsafeRunDirectory(f"link {shown(name)} -> {shown(_link_target(sftp, source))}")
         elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode):

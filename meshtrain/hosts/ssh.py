@@ -33,6 +33,15 @@ from meshtrain.hosts.known_hosts import KnownHosts, append_known_host, load_know
 
 CONNECT_TIMEOUT = 10.0
 KEEPALIVE_SECONDS = 5
+# When paramiko starts a rekey itself (by default after 512 MiB) and the host closes a
+# channel before the key exchange ends, paramiko's transport thread waits on itself and
+# the connection dies 30 s later with "Key-exchange timed out waiting for key negotiation"
+# (paramiko issue #822): a copy-back of a 512 MiB run directory failed every time. OpenSSH
+# rekeys an AES connection after 2**32 blocks of 16 bytes, and so do we; its sshd starts
+# the same rekey itself, which paramiko handles without that wait.
+REKEY_BYTES = 16 << 32
+REKEY_PACKETS = 1 << 31  # OpenSSH's MAX_PACKETS
+WEAK_CIPHERS = ["3des-cbc"]  # 8-byte blocks (Sweet32); every cipher left has 16-byte blocks
 PID_MARKER = "__MESHTRAIN_PID__"
 UNREPORTED = -1  # RemoteProcess.exit_status(): the session ended without the command's status
 BLOCKED_PRINT = 1.0  # seconds printing a chunk of output may take before we count it as blocked
@@ -149,7 +158,7 @@ def connect(
             host.hostname, port=host.port, username=host.user,
             key_filename=host.identity_file, look_for_keys=host.identity_file is None,
             allow_agent=True, timeout=timeout, banner_timeout=timeout, auth_timeout=timeout,
-            channel_timeout=timeout,
+            channel_timeout=timeout, disabled_algorithms={"ciphers": WEAK_CIPHERS},
         )
     except UnknownHostKey as exc:
         client.close()
@@ -201,6 +210,8 @@ def connect(
     transport = client.get_transport()
     assert transport is not None
     transport.set_keepalive(KEEPALIVE_SECONDS)
+    transport.packetizer.REKEY_BYTES = REKEY_BYTES  # this connection's, not the class's
+    transport.packetizer.REKEY_PACKETS = REKEY_PACKETS
     return client
 
 

@@ -5,15 +5,22 @@ paramiko then fails with a bare "Channel closed". Uploads use SFTP where the hos
 offers it (:func:`has_sftp`, also shown by ``hosts check``) and otherwise pipe the
 file's bytes into ``cat``. A run directory comes back as one tar stream over an
 ordinary command (``tar -cf - .`` exists on Linux and macOS alike): no SFTP needed, no
-round trip per file, and the launcher's main thread reads it, so Ctrl-C interrupts it
-at once. SFTP is the fallback for a host without tar.
+round trip per file. SFTP is the fallback for a host without tar.
+
+A copy can be stopped: :func:`fetch_tree` calls ``check_stop`` before every read (the
+tar stream waits for bytes in slices of :data:`POLL_SECONDS`), and whatever that raises
+ends the copy with nothing half-written. The launcher's Ctrl-C is such a check.
 """
 
 from __future__ import annotations
 
+import io
 import shutil
 import tarfile
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import paramiko
 
@@ -24,6 +31,7 @@ from meshtrain.hosts.ssh import HostPath, Shell, run, sh, shell_line
 CHUNK = 1 << 16
 QUESTION_TIMEOUT = 10.0  # seconds for a yes/no question to a host (one that vanished never answers)
 STALL_TIMEOUT = 60.0  # seconds a copy may go without receiving a byte
+POLL_SECONDS = 0.2  # how long a read waits before calling check_stop again
 
 
 class TransferError(RunFailure):
@@ -84,19 +92,25 @@ def has_tar(client: paramiko.SSHClient) -> bool:
 
 
 def fetch_tree(client: paramiko.SSHClient, remote: str, local: Path, *, use_sftp: bool,
-               limits: CopyLimits = CopyLimits()) -> None:
+               limits: CopyLimits = CopyLimits(), check_stop: Callable[[], None] | None = None) -> None:
     """Copy the host's folder ``remote`` to the new local folder ``local``: a tar stream,
     or SFTP if ``use_sftp`` (for a host without tar). Both are unpacked by
     :mod:`~meshtrain.hosts.safe_copy` (raises its UnsafeRunDirectory on a forbidden
-    entry); on any failure ``local`` is not created."""
+    entry); on any failure ``local`` is not created.
+
+    ``check_stop`` is called before every read, and at least every :data:`POLL_SECONDS`
+    while the tar stream waits (over SFTP, before each read of 64 KiB); what it raises stops
+    the copy.
+    """
+    check = check_stop or (lambda: None)
     if use_sftp:
         with client.open_sftp() as sftp:
             sftp.get_channel().settimeout(STALL_TIMEOUT)
-            unpack_sftp(sftp, sftp_path(remote), local, limits)
+            unpack_sftp(sftp, sftp_path(remote), local, limits, before_read=check)
         return
     channel = _exec(client, sh(shell_line("tar", "-C", HostPath(remote), "-cf", "-", ".")))
     try:
-        with channel.makefile("rb") as stream:
+        with io.BufferedReader(_PolledChannel(channel, check), CHUNK) as stream:
             unpack_tar(stream, local, limits)
         try:
             _check_status(channel, f"tar of {remote}")
@@ -107,6 +121,34 @@ def fetch_tree(client: paramiko.SSHClient, remote: str, local: Path, *, use_sftp
         raise TransferError(f"tar stream of {remote} is broken: {exc}") from None
     finally:
         channel.close()
+
+
+class _PolledChannel(io.RawIOBase):
+    """A channel's stdout as a raw file whose reads call ``check`` every
+    :data:`POLL_SECONDS` while they wait, and give up after :data:`STALL_TIMEOUT`."""
+
+    def __init__(self, channel: paramiko.Channel, check: Callable[[], None]) -> None:
+        super().__init__()
+        self.channel = channel
+        self.check = check
+        channel.settimeout(POLL_SECONDS)
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        """Wait for some bytes and put them in ``buffer``: how many (0 at the end)."""
+        waiting_since = time.monotonic()
+        while True:
+            self.check()
+            try:
+                block = self.channel.recv(len(buffer))
+            except TimeoutError:  # paramiko raises socket.timeout, the same class
+                if time.monotonic() - waiting_since > STALL_TIMEOUT:
+                    raise TransferError(f"the host sent nothing for {STALL_TIMEOUT:.0f} s") from None
+                continue
+            buffer[:len(block)] = block
+            return len(block)
 
 
 def _exec(client: paramiko.SSHClient, command: str) -> paramiko.Channel:

@@ -703,8 +703,10 @@ def _wait(done: Callable[[], bool], seconds: float) -> bool:
 class CopyInterrupted(BaseException):  # noqa: N818 - a signal, not an error
     """Ctrl-C, SIGTERM or SIGHUP arrived while the run directory was being copied.
 
-    A BaseException, like KeyboardInterrupt: raised by the signal handler wherever the
-    copy is, it must get through libraries' ``except Exception`` blocks.
+    Raised by the copy itself where it polls (:meth:`_Signal.check`), never by the signal
+    handler: an exception from a handler can land inside a lock's acquire or release in
+    paramiko and leave it broken. A BaseException, like KeyboardInterrupt, so that it gets
+    through libraries' ``except Exception`` blocks.
     """
 
     def __init__(self, signum: int) -> None:
@@ -726,7 +728,7 @@ def _copy_back(rank0: _Rank, options: LaunchOptions, output: RankOutput, stop: _
     final = options.out_dir / options.run_id
     use_sftp = False  # the tar command in messages works whether or not the host has sftp
     try:
-        stop.raise_now()  # from here on a signal interrupts the copy where it is
+        stop.check()
         if not remote_dir_exists(rank0.client, remote):
             return LaunchResult(0, [], None, 0.0)  # a script that wrote no run directory
         if final.exists():
@@ -736,26 +738,23 @@ def _copy_back(rank0: _Rank, options: LaunchOptions, output: RankOutput, stop: _
         use_sftp = not has_tar(rank0.client)
         if use_sftp and not has_sftp(rank0.client):
             raise TransferError(f"{host.name} has neither tar nor an sftp server")
+        stop.check()
         output.note(f"copying {host.name}:{sftp_path(remote)} to {final}")
         options.out_dir.mkdir(parents=True, exist_ok=True)
-        fetch_tree(rank0.client, remote, final, use_sftp=use_sftp, limits=options.copy_limits)
+        fetch_tree(rank0.client, remote, final, use_sftp=use_sftp, limits=options.copy_limits,
+                   check_stop=stop.check)
     except CopyInterrupted as exc:
-        stop.raising = False
         output.note(f"{signal.Signals(exc.signum).name} received during the copy-back; "
                     + _still_there(host, remote, options.out_dir, use_sftp), style="bold yellow")
         return LaunchResult(128 + exc.signum, [], None, 0.0)
-    except UnsafeRunDirectory as exc:
-        stop.raising = False  # nothing to fetch by hand: a plain `tar -x` of it is what this refuses
+    except UnsafeRunDirectory as exc:  # nothing to fetch by hand: a plain `tar -x` of it is what this refuses
         output.note(f"{host.name} sent an unsafe run directory: {exc}", style="bold red")
         return LaunchResult(1, [], None, 0.0, copy_failed=True)
     except (OSError, EOFError, paramiko.SSHException, TransferError) as exc:
-        stop.raising = False
         reason = f"{exc.strerror} ({exc.filename})" if isinstance(exc, OSError) and exc.strerror else exc
         output.note(f"could not copy the run directory to {final}: {reason or type(exc).__name__}; "
                     + _still_there(host, remote, options.out_dir, use_sftp), style="bold red")
         return LaunchResult(1, [], None, 0.0, copy_failed=True)
-    finally:
-        stop.raising = False
     output.note(f"run directory copied to {final}")
     return LaunchResult(0, [], final, 0.0)
 
@@ -792,30 +791,30 @@ def _still_there(host: Host, remote: str, out_dir: Path, use_sftp: bool) -> str:
 
 # --------------------------------------------------------------------------- signals
 class _Signal:
-    """The first stopping signal received, and whether it should interrupt right away."""
+    """The first stopping signal received; the launch loop and the copy-back poll it."""
 
     signum: int | None = None
-    raising: bool = False  # True during the copy-back: the handler raises CopyInterrupted
 
-    def raise_now(self) -> None:
-        """From now on a signal raises :class:`CopyInterrupted`; one already received does now."""
-        self.raising = True
+    def check(self) -> None:
+        """Raise :class:`CopyInterrupted` if a signal has arrived (the copy-back's poll)."""
         if self.signum is not None:
             raise CopyInterrupted(self.signum)
 
 
 @contextmanager
 def _stop_on_signals() -> Iterator[_Signal]:
-    """Turn SIGINT, SIGTERM and SIGHUP into a flag the launch loop checks, then restore."""
+    """Turn SIGINT, SIGTERM and SIGHUP into a flag the launch loop checks, then restore.
+
+    The handler only records the signal: whatever the main thread is doing when it runs
+    (inside paramiko's locks, rich's console) goes on undisturbed until it next polls.
+    """
     flag = _Signal()
     if threading.current_thread() is not threading.main_thread():
         yield flag
         return
     def handler(signum: int, frame: object) -> None:
-        flag.signum = signum
-        if flag.raising:
-            flag.raising = False  # once: the clean-up after it must not be interrupted again
-            raise CopyInterrupted(signum)
+        if flag.signum is None:
+            flag.signum = signum
     wanted = [signal.SIGINT, signal.SIGTERM, signal.SIGHUP]
     previous = {s: signal.signal(s, handler) for s in wanted}
     try:
