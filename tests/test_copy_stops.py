@@ -1,10 +1,12 @@
-"""How a copy-back stops: when the launcher asks (a signal), or when the host goes silent.
+"""How a copy stops: when the launcher asks (a signal), when the host goes silent, or
+when an upload is cut short.
 
 The launcher's signal handler once raised its exception wherever the main thread was. A
 Ctrl-C that landed inside paramiko's wait for bytes (between a Condition's wait and its
 lock's re-acquire) broke that lock, and the launch died with "release unlocked lock"
 and exit 1 instead of exit 130 (seen once in CI). Now the handler only records the
 signal and the copy polls for it; these tests hold each half of that to the real sshd.
+An upload cut short once left the part it had written under the file's real name.
 """
 
 from __future__ import annotations
@@ -25,12 +27,12 @@ from ssh_fixtures import SshWorld
 from meshtrain.hosts import transfer
 from meshtrain.hosts.inventory import load_inventory
 from meshtrain.hosts.ssh import connect
-from meshtrain.hosts.transfer import TransferError, fetch_tree
-from meshtrain.launch.launcher import CopyInterrupted, _stop_on_signals
+from meshtrain.hosts.transfer import TransferError, fetch_tree, put_files
+from meshtrain.launch.launcher import Interrupted, _stop_on_signals
 
 
 class Stop(BaseException):
-    """What the test's check raises: a BaseException, like the launcher's CopyInterrupted."""
+    """What the test's check raises: a BaseException, like the launcher's Interrupted."""
 
 
 @pytest.fixture
@@ -53,23 +55,26 @@ def run_directory(tmp_path: Path, megabytes: int) -> Path:
     return remote
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 @pytest.mark.parametrize("use_sftp", [False, True], ids=["tar", "sftp"])
 def test_a_copy_stops_at_the_first_check_that_raises(client: paramiko.SSHClient, tmp_path: Path,
                                                       use_sftp: bool) -> None:
+    """Stopped once part of the 64 MiB file is here: nothing is left, and no thread of
+    paramiko's dies on the closed channel (an SFTP prefetch thread still sending its
+    requests once printed a traceback)."""
     remote = run_directory(tmp_path, 64)
     local = tmp_path / "local"
     local.mkdir()
-    calls = 0
+
+    def arrived() -> int:
+        return sum(f.stat().st_size for f in local.rglob("*") if f.is_file())
 
     def check() -> None:
-        nonlocal calls
-        calls += 1
-        if calls == 20:  # well inside the 64 MiB file
+        if arrived() > 1 << 20:
             raise Stop
 
     with pytest.raises(Stop):
         fetch_tree(client, str(remote), local / "run-1", use_sftp=use_sftp, check_stop=check)
-    assert calls == 20
     assert list(local.iterdir()) == []  # nothing half-written, not even the hidden folder
 
     fetch_tree(client, str(remote), local / "run-1", use_sftp=use_sftp, check_stop=lambda: None)
@@ -134,7 +139,82 @@ def test_the_signal_handler_never_raises_into_the_code_it_interrupts() -> None:
             pipe.read(10, timeout=2.0)  # the handler runs during this wait
         timer.join()
         assert stop.signum == signal.SIGINT
-        with pytest.raises(CopyInterrupted, match="SIGINT"):
+        with pytest.raises(Interrupted, match="SIGINT"):
             stop.check()
     pipe.feed(b"ok")
     assert pipe.read(10, timeout=1.0) == b"ok"  # its lock is intact
+
+
+def uploaded(folder: Path) -> list[str]:
+    """The folder's entries once no upload into it is in flight (the host's shell ends by itself)."""
+    deadline = time.monotonic() + 10
+    while any(".uploading-" in p.name for p in folder.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return sorted(p.name for p in folder.iterdir())
+
+
+@pytest.mark.parametrize("use_sftp", [False, True], ids=["cat", "sftp"])
+def test_an_upload_arrives_whole_with_its_mode(client: paramiko.SSHClient, tmp_path: Path,
+                                              use_sftp: bool) -> None:
+    script = tmp_path / "train.py"
+    script.write_bytes(b"print('hi')\n" * 10_000)
+    script.chmod(0o750)
+    folder = tmp_path / "remote"
+    folder.mkdir()
+    (folder / "train.py").write_text("an older version")
+    put_files(client, str(folder), [script], use_sftp=use_sftp)
+    assert uploaded(folder) == ["train.py"]
+    assert (folder / "train.py").read_bytes() == script.read_bytes()
+    assert (folder / "train.py").stat().st_mode & 0o777 == 0o750
+
+
+def test_an_upload_cut_short_leaves_no_part_of_it(client: paramiko.SSHClient, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C after the first 64 KiB of 8 MiB: the host's cat sees the end of its input as if
+    the file were complete; before, the 64 KiB stood under the file's real name."""
+    big = tmp_path / "data.bin"
+    big.write_bytes(os.urandom(8 << 20))
+    folder = tmp_path / "remote"
+    folder.mkdir()
+    real_exec = transfer._exec
+
+    def interrupted_after_one_block(ssh: paramiko.SSHClient, command: str) -> paramiko.Channel:
+        channel = real_exec(ssh, command)
+        sendall = channel.sendall
+        sent = 0
+
+        def send(block: bytes) -> None:
+            nonlocal sent
+            if sent:  # once the host has written what came: the moment that matters
+                deadline = time.monotonic() + 10
+                while sum(p.stat().st_size for p in folder.iterdir()) < sent and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                raise KeyboardInterrupt
+            sendall(block)
+            sent += len(block)
+        channel.sendall = send  # type: ignore[method-assign]
+        return channel
+
+    monkeypatch.setattr(transfer, "_exec", interrupted_after_one_block)
+    with pytest.raises(KeyboardInterrupt):
+        put_files(client, str(folder), [big], use_sftp=False)
+    assert uploaded(folder) == []
+
+
+def test_an_sftp_upload_cut_short_leaves_no_part_of_it(client: paramiko.SSHClient, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    big = tmp_path / "data.bin"
+    big.write_bytes(os.urandom(1 << 20))
+    folder = tmp_path / "remote"
+    folder.mkdir()
+
+    def half_then_interrupted(self: paramiko.SFTPClient, source: object, path: str, *args: object,
+                              **kwargs: object) -> None:
+        with self.open(path, "wb") as remote:
+            remote.write(big.read_bytes()[:1000])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(paramiko.SFTPClient, "putfo", half_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        put_files(client, str(folder), [big], use_sftp=True)
+    assert uploaded(folder) == []

@@ -29,7 +29,7 @@ def package_exceptions() -> dict[str, type[Exception]]:
             continue
         module = importlib.import_module(info.name)
         for _, cls in inspect.getmembers(module, inspect.isclass):
-            # Errors only: a signal raised as a BaseException (CopyInterrupted) is no error.
+            # Errors only: a signal raised as a BaseException (Interrupted) is no error.
             if issubclass(cls, Exception) and cls.__module__ == info.name:
                 found[f"{cls.__module__}.{cls.__qualname__}"] = cls
     return found

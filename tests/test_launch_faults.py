@@ -397,6 +397,53 @@ def test_a_signal_stops_the_copy_back(world: SshWorld, tmp_path: Path, signum: i
     assert (logs / "alpha-r0.log").read_text() == "rank 0 wrote\n"
 
 
+def upload_under_way(remote: Path, name: str) -> bool:
+    """Whether the host holds part of ``name`` under its hidden upload name."""
+    for entry in remote.glob(f".{name}.uploading-*") if remote.is_dir() else []:
+        try:
+            if entry.stat().st_size > 0:
+                return True
+        except FileNotFoundError:  # renamed or removed just now
+            pass
+    return False
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_the_upload_stops_the_launch_and_leaves_nothing(world: SshWorld, tmp_path: Path,
+                                                                        signum: int) -> None:
+    """Before, Ctrl-C during an upload printed nothing (or paramiko's "Server connection
+    dropped" traceback and exit 1), SIGTERM killed the launcher where it stood, and the part
+    already sent stayed on the host under the file's real name."""
+    inv = two_hosts(world, tmp_path)
+    big = tmp_path / "big.bin"
+    with open(big, "wb") as f:
+        f.truncate(8 << 30)  # sparse here; far more than the test leaves time to send
+    proc = start_meshtrain(world, "launch", str(inv), "--upload", str(big), "--", "python", "-c", "print(1)",
+                           cwd=tmp_path)
+    remote = tmp_path / "remote"
+    try:
+        deadline = time.monotonic() + 60
+        while not upload_under_way(remote, "big.bin"):
+            assert proc.poll() is None and time.monotonic() < deadline, "the upload never started"
+            time.sleep(0.05)
+        proc.send_signal(signum)
+        sent_at = time.monotonic()
+        output, _ = proc.communicate(timeout=30)
+        elapsed = time.monotonic() - sent_at
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signum, output
+    assert elapsed < 5, output
+    assert (f"meshtrain: {signal.Signals(signum).name} received while preparing the hosts; no rank is "
+            "running") in output, output
+    assert "Traceback" not in output
+    deadline = time.monotonic() + 10  # the host's side of the upload ends by itself
+    while upload_under_way(remote, "big.bin") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sorted(p.name for p in remote.iterdir()) == ["runs"]  # no part of big.bin, no secret
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
 # --------------------------------------------------------------------------- no sftp
 @pytest.fixture(scope="module")
 def no_sftp_port(world: SshWorld) -> Iterator[int]:

@@ -8,6 +8,7 @@ import io
 import os
 import stat
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -153,8 +154,10 @@ class ListingServer:
 
     def open(self, path: str, mode: str) -> io.BytesIO:
         class File(io.BytesIO):
-            def prefetch(self, size: int) -> None:
-                pass
+            def readv(self, chunks: list[tuple[int, int]]) -> Iterator[bytes]:  # as paramiko's SFTPFile
+                for offset, size in chunks:
+                    self.seek(offset)
+                    yield self.read(size)
         return File(b"x")
 
     def readlink(self, path: str) -> str:

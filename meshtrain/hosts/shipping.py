@@ -28,7 +28,7 @@ import secrets
 import tarfile
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -48,6 +48,7 @@ PER_FILE_BYTES = 4096  # a file's share of directory entries and partly filled b
 QUERY_TIMEOUT = 60.0  # seconds a host may take to answer, plus time to hash what it holds:
 HASH_RATE = 50e6  # bytes per second a slow host's disk and sha256 manage
 STALL_TIMEOUT = 60.0  # seconds an upload may go without progress
+POLL_SECONDS = 0.2  # how often a wait for the hosts calls check_stop
 ANSWER_MAX_BYTES = 64 << 20  # a host's answer to a query: its list of missing files, ~70 bytes each
 ANSWER_KEYS = {"query": ("missing", "free", "trees_ok"), "finish": ("bad", "absent")}
 
@@ -137,12 +138,16 @@ def hash_path(what: str, local: Path) -> Shipment:
 
 
 def ship_to_hosts(targets: list[tuple[Host, paramiko.SSHClient]], shipments: list[Shipment],
-                  note: Callable[[str], None]) -> list[ShipReport]:
+                  note: Callable[[str], None],
+                  check_stop: Callable[[], None] = lambda: None) -> list[ShipReport]:
     """Make every shipment readable at its ``remote`` path in each host's workdir.
 
     Hosts sharing a workdir (two ranks on one machine) are shipped to once. Every host is
     asked first; a host without room for what it lacks stops the launch before anything
     is sent. ``note`` gets one line per workdir and a total. Raises ShipError.
+
+    ``check_stop`` is called every :data:`POLL_SECONDS` while the hosts work; what it
+    raises (or Ctrl-C) closes every connection, which ends the uploads at once.
     """
     started = time.monotonic()
     groups: dict[tuple[str, int, str, str], list[tuple[Host, paramiko.SSHClient]]] = {}
@@ -152,14 +157,17 @@ def ship_to_hosts(targets: list[tuple[Host, paramiko.SSHClient]], shipments: lis
     blobs = {f.sha256: f for s in shipments for f in s.files}
     pool = ThreadPoolExecutor(max_workers=min(16, len(destinations)))
     try:
-        plans = _gather([pool.submit(_ask, d[0], d[1], blobs, shipments) for d in destinations], destinations)
+        plans = _gather([pool.submit(_ask, d[0], d[1], blobs, shipments) for d in destinations], destinations,
+                        check_stop)
         problems = [_no_room(d[0], shipments, plan) for d, plan in zip(destinations, plans, strict=True)]
         if any(problems):
             raise ShipError([p for p in problems if p])
         reports = _gather([pool.submit(_send, *d, blobs, shipments, plan)
-                           for d, plan in zip(destinations, plans, strict=True)], destinations)
-    except KeyboardInterrupt:
-        for _, client in targets:  # Ctrl-C: stop every upload now rather than after its last byte
+                           for d, plan in zip(destinations, plans, strict=True)], destinations, check_stop)
+    except Exception:
+        raise
+    except BaseException:  # Ctrl-C or check_stop: end every upload now, not after its last byte
+        for _, client in targets:
             client.close()
         raise
     finally:
@@ -187,10 +195,13 @@ class _Plan:
     started: float
 
 
-def _gather(futures: list[Future[T]], destinations: list[_Destination]) -> list[T]:
+def _gather(futures: list[Future[T]], destinations: list[_Destination],
+            check_stop: Callable[[], None]) -> list[T]:
     """Every destination's result, or ShipError naming each host that failed."""
     out: list[T] = []
     problems: list[str] = []
+    while wait(futures, timeout=POLL_SECONDS).not_done:
+        check_stop()
     for (host, _, _), future in zip(destinations, futures, strict=True):
         try:
             out.append(future.result())

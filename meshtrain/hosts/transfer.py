@@ -15,6 +15,7 @@ ends the copy with nothing half-written. The launcher's Ctrl-C is such a check.
 from __future__ import annotations
 
 import io
+import secrets
 import shutil
 import tarfile
 import time
@@ -54,30 +55,62 @@ def sftp_path(path: str) -> str:
     return path[2:] if path.startswith("~/") else path
 
 
-def put_files(client: paramiko.SSHClient, folder: str, files: list[Path], *, use_sftp: bool) -> None:
-    """Copy local ``files`` into the host's ``folder`` (which exists), keeping their modes."""
+def put_files(client: paramiko.SSHClient, folder: str, files: list[Path], *, use_sftp: bool,
+              check_stop: Callable[[], None] | None = None) -> None:
+    """Copy local ``files`` into the host's ``folder`` (which exists), keeping their modes.
+
+    Each file is written to a hidden name beside its own and renamed only once all its
+    bytes are there: an upload cut short (Ctrl-C, a dropped link) never leaves a partial
+    file under the real name, and the hidden one is removed where the host can still do it.
+    ``check_stop`` is called before every 32-64 KiB sent; what it raises stops the upload.
+    """
     if not files:
         return
+    check = check_stop or (lambda: None)
     if use_sftp:
         with client.open_sftp() as sftp:
             for f in files:
                 target = f"{sftp_path(folder)}/{f.name}"
-                sftp.put(str(f), target)
-                sftp.chmod(target, f.stat().st_mode & 0o777)
+                partial = f"{sftp_path(folder)}/{_partial_name(f)}"
+                try:
+                    sftp.put(str(f), partial, callback=lambda sent, size: check())  # checks the size
+                    sftp.chmod(partial, f.stat().st_mode & 0o777)
+                    sftp.posix_rename(partial, target)
+                except BaseException:
+                    _remove_quietly(sftp, partial)
+                    raise
         return
     for f in files:
-        target = HostPath(f"{folder}/{f.name}")
+        target, partial = HostPath(f"{folder}/{f.name}"), HostPath(f"{folder}/{_partial_name(f)}")
         mode = f.stat().st_mode & 0o777
-        channel = _exec(client, sh(shell_line("cat", Shell(">"), target, Shell("&&"), "chmod", f"{mode:o}",
-                                              target)))
+        # The host renames the file only if every byte came (a closed channel ends cat as
+        # if the file were complete); $n unquoted drops the spaces macOS's wc puts first.
+        command = shell_line(
+            "cat", Shell(">"), partial, Shell("; n=$(wc -c <"), partial, Shell(");"),
+            Shell("if [ $n -eq"), str(f.stat().st_size), Shell("]; then"),
+            "chmod", f"{mode:o}", partial, Shell("&&"), "mv", "-f", partial, target,
+            Shell("; else"), "rm", "-f", partial, Shell("; echo 'the upload was cut short' >&2; exit 1; fi"))
+        channel = _exec(client, sh(command))
         try:
             with open(f, "rb") as source:
                 while block := source.read(CHUNK):
+                    check()
                     channel.sendall(block)
             channel.shutdown_write()
             _check_status(channel, f"writing {folder}/{f.name}")
         finally:
             channel.close()
+
+
+def _partial_name(f: Path) -> str:
+    return f".{f.name}.uploading-{secrets.token_hex(4)}"
+
+
+def _remove_quietly(sftp: paramiko.SFTPClient, path: str) -> None:
+    try:
+        sftp.remove(path)
+    except Exception:  # noqa: BLE001 - the host may be gone: nothing more can be done from here
+        pass
 
 
 def remote_dir_exists(client: paramiko.SSHClient, path: str) -> bool:

@@ -124,6 +124,7 @@ class LaunchResult:
     lost: list[int] = field(default_factory=list)  # the ranks in leftovers: their hosts stayed unreachable
     resumed_at: int | None = None  # the checkpoint step this attempt started from
     world_size: int = 0  # ranks of the last attempt (fewer than the inventory's after a shrink)
+    started: bool = True  # False: stopped before any rank of this launch started
 
 
 class PreflightError(InputError, RuntimeError):
@@ -360,10 +361,11 @@ def _check_required_paths(client: paramiko.SSHClient, host: Host, options: Launc
                              f"{host.workdir}); with --no-ship every host needs it at that path")
 
 
-def upload(client: paramiko.SSHClient, host: Host, files: list[Path]) -> None:
+def upload(client: paramiko.SSHClient, host: Host, files: list[Path],
+           check_stop: Callable[[], None] | None = None) -> None:
     """Put local files into ``host``'s workdir (e.g. the script a command runs)."""
     if files:
-        put_files(client, host.workdir, files, use_sftp=has_sftp(client))
+        put_files(client, host.workdir, files, use_sftp=has_sftp(client), check_stop=check_stop)
 
 
 # --------------------------------------------------------------------------- launching
@@ -389,12 +391,30 @@ def launch(inventory: Inventory, argv: list[str], options: LaunchOptions, *, tra
     """
     started = time.monotonic()
     output = output or RankOutput([h.name for h in inventory.hosts])
+    with _stop_on_signals() as stop:  # from the first connection to the last byte copied back
+        result, restarts = _attempts(inventory, argv, options, output, stop, training=training)
+    result.restarts = restarts
+    if restarts and result.run_dir is not None:
+        _record_restarts(result.run_dir, restarts)
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def _attempts(inventory: Inventory, argv: list[str], options: LaunchOptions, output: RankOutput,
+              stop: _Signal, *, training: bool) -> tuple[LaunchResult, list[dict[str, object]]]:
+    """The first attempt and the restarts after it: the last one's result, and every restart."""
     restarts: list[dict[str, object]] = []
     resume = options.resume
     while True:
         may_restart = training and len(restarts) < options.max_restarts
-        result = _launch_once(inventory, argv, options, output, training=training, resume=resume,
-                              restarting=bool(restarts), may_restart=may_restart)
+        try:
+            result = _launch_once(inventory, argv, options, output, stop, training=training, resume=resume,
+                                  restarting=bool(restarts), may_restart=may_restart)
+        except Interrupted as exc:  # before this attempt's ranks started (they run in _run_ranks)
+            output.note(f"{signal.Signals(exc.signum).name} received while preparing the hosts; no rank "
+                        "is running", style="bold yellow")
+            return LaunchResult(128 + exc.signum, [], None, 0.0, started=bool(restarts),
+                                world_size=inventory.world_size), restarts
         if restarts and "shrunk_to" in restarts[-1]:
             restarts[-1]["at_step"] = result.resumed_at or 0
         can_restart = training and result.exit_code == 1 and not result.copy_failed
@@ -413,12 +433,8 @@ def launch(inventory: Inventory, argv: list[str], options: LaunchOptions, *, tra
         output.note(f"restart {len(restarts)} of {options.max_restarts}: starting every rank again "
                     "from the last checkpoint", style="bold yellow")
         resume = True
-    result.restarts = restarts
     result.world_size = inventory.world_size
-    if restarts and result.run_dir is not None:
-        _record_restarts(result.run_dir, restarts)
-    result.seconds = time.monotonic() - started
-    return result
+    return result, restarts
 
 
 def _shrunk(inventory: Inventory, lost: list[int], options: LaunchOptions,
@@ -444,8 +460,11 @@ def _shrunk(inventory: Inventory, lost: list[int], options: LaunchOptions,
 
 
 def _launch_once(inventory: Inventory, argv: list[str], options: LaunchOptions, output: RankOutput,
-                 *, training: bool, resume: bool, restarting: bool, may_restart: bool) -> LaunchResult:
-    """One attempt: preflight every host, start the ranks, wait for them."""
+                 stop: _Signal, *, training: bool, resume: bool, restarting: bool,
+                 may_restart: bool) -> LaunchResult:
+    """One attempt: preflight every host, start the ranks, wait for them. A signal before
+    the ranks start raises :class:`Interrupted` at the next poll."""
+    stop.check()
     clients = preflight(inventory, options)
     ranks = [_Rank(h, c, output.names.index(h.name)) for h, c in zip(inventory.hosts, clients, strict=True)]
     secret = new_secret()  # this launch's: only its ranks can join its rendezvous
@@ -463,19 +482,21 @@ def _launch_once(inventory: Inventory, argv: list[str], options: LaunchOptions, 
                 output.note(f"resuming {options.run_id} after step {step} (the newest checkpoint every "
                             "host holds)", style="bold")
                 argv = [*argv, "--resume", f"{_checkpoints(options)}/step-{step:06d}"]
+        stop.check()
         if options.shipments:
             try:
-                ship_to_hosts([(r.host, r.client) for r in ranks], options.shipments, output.note)
+                ship_to_hosts([(r.host, r.client) for r in ranks], options.shipments, output.note,
+                              check_stop=stop.check)
             except ShipError as exc:
                 raise PreflightError(exc.problems) from None
         for r in ranks:
-            upload(r.client, r.host, options.uploads)
+            upload(r.client, r.host, options.uploads, check_stop=stop.check)
             deliver_secret(r.client, r.host, options.run_id, secret, options.connect_timeout)
-        with _stop_on_signals() as stop:
-            result = _run_ranks(inventory, ranks, argv, options, output, stop, training=training,
-                                may_restart=may_restart)
-            result.resumed_at = step
-            return result
+        stop.check()
+        result = _run_ranks(inventory, ranks, argv, options, output, stop, training=training,
+                            may_restart=may_restart)
+        result.resumed_at = step
+        return result
     finally:
         for r in ranks:
             if r.heartbeat is not None:
@@ -700,10 +721,11 @@ def _wait(done: Callable[[], bool], seconds: float) -> bool:
 
 
 # --------------------------------------------------------------------------- copy back
-class CopyInterrupted(BaseException):  # noqa: N818 - a signal, not an error
-    """Ctrl-C, SIGTERM or SIGHUP arrived while the run directory was being copied.
+class Interrupted(BaseException):  # noqa: N818 - a signal, not an error
+    """Ctrl-C, SIGTERM or SIGHUP arrived while the hosts were being prepared (connections,
+    shipping, uploads) or the run directory copied back.
 
-    Raised by the copy itself where it polls (:meth:`_Signal.check`), never by the signal
+    Raised by that work itself where it polls (:meth:`_Signal.check`), never by the signal
     handler: an exception from a handler can land inside a lock's acquire or release in
     paramiko and leave it broken. A BaseException, like KeyboardInterrupt, so that it gets
     through libraries' ``except Exception`` blocks.
@@ -743,7 +765,7 @@ def _copy_back(rank0: _Rank, options: LaunchOptions, output: RankOutput, stop: _
         options.out_dir.mkdir(parents=True, exist_ok=True)
         fetch_tree(rank0.client, remote, final, use_sftp=use_sftp, limits=options.copy_limits,
                    check_stop=stop.check)
-    except CopyInterrupted as exc:
+    except Interrupted as exc:
         output.note(f"{signal.Signals(exc.signum).name} received during the copy-back; "
                     + _still_there(host, remote, options.out_dir, use_sftp), style="bold yellow")
         return LaunchResult(128 + exc.signum, [], None, 0.0)
@@ -796,9 +818,9 @@ class _Signal:
     signum: int | None = None
 
     def check(self) -> None:
-        """Raise :class:`CopyInterrupted` if a signal has arrived (the copy-back's poll)."""
+        """Raise :class:`Interrupted` if a signal has arrived (the poll of long steps)."""
         if self.signum is not None:
-            raise CopyInterrupted(self.signum)
+            raise Interrupted(self.signum)
 
 
 @contextmanager

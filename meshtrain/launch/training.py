@@ -157,6 +157,9 @@ def finish_launch(prepared: PreparedLaunch, result: LaunchResult) -> None:
     """After the launcher: the settings file is kept while the run may be resumed (until
     its run directory is back, whose config.yaml then records the settings, and only if it
     wrote checkpoints); ``--strategy auto``'s plan goes into config.yaml."""
+    if not result.started:
+        abandon_launch(prepared)
+        return
     if prepared.settings_file is not None and (result.run_dir is not None or not prepared.checkpoint_every):
         prepared.settings_file.unlink(missing_ok=True)
     if prepared.plan is not None and result.run_dir is not None:
