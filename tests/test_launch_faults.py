@@ -162,15 +162,20 @@ def test_killed_rank_stops_the_others(world: SshWorld, tmp_path: Path) -> None:
     assert_nothing_left(world, marker)
 
 
+def stop_with(proc: subprocess.Popen[str], signum: int) -> tuple[str, float]:
+    """Send ``signum`` to the launcher: the rest of its output, and the seconds it took to end."""
+    proc.send_signal(signum)
+    sent_at = time.monotonic()
+    output, _ = proc.communicate(timeout=30)
+    return output, time.monotonic() - sent_at
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_stopping_the_launcher_stops_every_rank(world: SshWorld, tmp_path: Path, signum: int) -> None:
     proc, marker = start(world, tmp_path, "run,stubborn")
     try:
         wait_for_ranks(proc, world, marker)
-        proc.send_signal(signum)
-        sent_at = time.monotonic()
-        output, _ = proc.communicate(timeout=30)
-        elapsed = time.monotonic() - sent_at
+        output, elapsed = stop_with(proc, signum)
     finally:
         proc.kill()
     assert proc.returncode == 128 + signum, output
@@ -377,10 +382,7 @@ def test_a_signal_stops_the_copy_back(world: SshWorld, tmp_path: Path, signum: i
     try:
         seen = read_until(proc, ["meshtrain: copying alpha:"], timeout=60)
         time.sleep(0.5)  # well inside the 4 GiB file
-        proc.send_signal(signum)
-        sent_at = time.monotonic()
-        output, _ = proc.communicate(timeout=30)
-        elapsed = time.monotonic() - sent_at
+        output, elapsed = stop_with(proc, signum)
     finally:
         proc.kill()
     output = seen + output
@@ -426,10 +428,7 @@ def test_a_signal_during_the_upload_stops_the_launch_and_leaves_nothing(world: S
         while not upload_under_way(remote, "big.bin"):
             assert proc.poll() is None and time.monotonic() < deadline, "the upload never started"
             time.sleep(0.05)
-        proc.send_signal(signum)
-        sent_at = time.monotonic()
-        output, _ = proc.communicate(timeout=30)
-        elapsed = time.monotonic() - sent_at
+        output, elapsed = stop_with(proc, signum)
     finally:
         proc.kill()
     assert proc.returncode == 128 + signum, output
