@@ -62,6 +62,10 @@ def setup_hosts(inventory: Path, how: HostsSetupSettings) -> None:
         console.print(f"meshtrain {local.version} ({local.source}) with "
                       f"{', '.join(local.pins)}", highlight=False, soft_wrap=True)
         results = _with_progress(inv.hosts, lambda stage: provision_hosts(inv, local, options, stage))
+    except KeyboardInterrupt:
+        errors.print(f"interrupted: setup stopped on every host, {inventory} not changed; run `meshtrain "
+                     "hosts setup` again to finish", style="bold yellow", highlight=False, soft_wrap=True)
+        raise typer.Exit(130) from None
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

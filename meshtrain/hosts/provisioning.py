@@ -177,6 +177,7 @@ def provision_hosts(inventory: Inventory, local: LocalInstall, options: SetupOpt
 
     ``on_stage(host, text)`` is called as each host moves on ("creating venv", ...).
     Hosts with the same machine, user and workdir are set up once, by the first of them.
+    Ctrl-C closes every connection at once, which ends what runs on the hosts.
     """
     results = [HostSetup(h) for h in inventory.hosts]
     first: dict[tuple[str, int, str, str], HostSetup] = {}
@@ -192,7 +193,7 @@ def provision_hosts(inventory: Inventory, local: LocalInstall, options: SetupOpt
         started = time.monotonic()
         try:
             result.status, result.detail = _provision(result.host, local, options,
-                                                      lambda text: on_stage(result.host, text))
+                                                      lambda text: on_stage(result.host, text), opened)
             result.python = venv_python(result.host)
         except SetupFailed as exc:
             result.status, result.detail = FAILED, str(exc)
@@ -203,8 +204,16 @@ def provision_hosts(inventory: Inventory, local: LocalInstall, options: SetupOpt
         result.seconds = time.monotonic() - started
         on_stage(result.host, result.status)
 
-    with ThreadPoolExecutor(max_workers=min(16, len(leaders))) as pool:
+    opened: list[paramiko.SSHClient] = []
+    pool = ThreadPoolExecutor(max_workers=min(16, len(leaders)))
+    try:
         list(pool.map(one, leaders))
+    except BaseException:  # Ctrl-C: end every host's step now (its pty hangs up), not after pip
+        for client in opened:
+            client.close()
+        raise
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     for r in results:
         if r.shared_with is not None:
             leader = next(x for x in leaders if x.host.name == r.shared_with)
@@ -215,9 +224,10 @@ def provision_hosts(inventory: Inventory, local: LocalInstall, options: SetupOpt
 
 
 def _provision(host: Host, local: LocalInstall, options: SetupOptions,
-               stage: Callable[[str], None]) -> tuple[str, str]:
+               stage: Callable[[str], None], opened: list[paramiko.SSHClient]) -> tuple[str, str]:
     stage("connecting")
     client = connect(host, accept_new_host_keys=options.accept_new_host_keys, timeout=options.timeout)
+    opened.append(client)
     try:
         stage("checking the environment")
         state, status = _status(client, host, local)
@@ -336,7 +346,10 @@ def _check_base_python(client: paramiko.SSHClient, host: Host, local: LocalInsta
 def _must(client: paramiko.SSHClient, command: str, what: str, *, timeout: float = QUESTION_TIMEOUT,
           stdin: bytes | None = None) -> None:
     try:
-        result = run(client, sh(command), timeout=timeout, stdin=stdin, max_output=COMMAND_MAX_BYTES)
+        # A step without input ends with its connection (Ctrl-C here): a pip install left
+        # running would race the next setup's in the same venv.
+        result = run(client, sh(command), timeout=timeout, stdin=stdin, max_output=COMMAND_MAX_BYTES,
+                     hang_up=stdin is None)
     except OutputTooLarge:
         raise SetupFailed(f"{what}: the host printed more than {COMMAND_MAX_BYTES} bytes") from None
     if result.status != 0:

@@ -247,7 +247,7 @@ ANSWER_LIMIT = 1 << 20
 
 
 def run(client: paramiko.SSHClient, command: str, *, timeout: float = 60.0,
-        stdin: bytes | None = None, max_output: int = ANSWER_LIMIT) -> Result:
+        stdin: bytes | None = None, max_output: int = ANSWER_LIMIT, hang_up: bool = False) -> Result:
     """Run ``command`` (a POSIX shell line) and wait for it; no pty, separate stderr.
 
     ``stdin`` is written to the command's standard input, then closed (no pty: nothing
@@ -255,16 +255,25 @@ def run(client: paramiko.SSHClient, command: str, *, timeout: float = 60.0,
     stdout or stderr raises :class:`OutputTooLarge`: a host's answer is read in bounded
     memory, whatever its shell's start-up files print.
 
+    Without a pty a command outlives its connection (Ctrl-C here, a dropped link). A long
+    one (a pip install) runs with ``hang_up``: under a pty, whose hang-up when the
+    connection closes ends it; its stderr then comes merged into stdout, and it takes no
+    ``stdin`` (a pty would echo it and read control characters in it).
+
     stderr is read in a second thread while this one reads stdout: SSH's flow control is one
     window per channel, so a command that fills one stream while the other is not read
     stops until ``timeout`` (a 2 MiB flood on either used to stall a question for a minute).
     """
+    if hang_up and stdin is not None:
+        raise ValueError("run(hang_up=True) takes no stdin")
     transport = client.get_transport()
     if transport is None or not transport.is_active():
         raise ConnectionError("SSH connection is closed")
     channel = transport.open_session(timeout=timeout)
     try:
         channel.settimeout(timeout)
+        if hang_up:
+            channel.get_pty(term="dumb", width=200, height=50)  # "dumb": no colours, no cursor codes
         channel.exec_command(command)
         if stdin is not None:
             channel.sendall(stdin)
