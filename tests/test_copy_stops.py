@@ -23,11 +23,11 @@ from pathlib import Path
 import paramiko
 import pytest
 from paramiko.buffered_pipe import BufferedPipe, PipeTimeout
-from ssh_fixtures import SshWorld
+from ssh_fixtures import PYTHON, SshWorld
 
 from meshtrain.hosts import transfer
 from meshtrain.hosts.inventory import load_inventory
-from meshtrain.hosts.ssh import connect
+from meshtrain.hosts.ssh import Shell, connect, sh, shell_line
 from meshtrain.hosts.transfer import TransferError, fetch_tree, put_files
 from meshtrain.launch.launcher import Interrupted, _stop_on_signals
 
@@ -109,11 +109,14 @@ def test_a_host_that_goes_silent_mid_copy_is_an_error(client: paramiko.SSHClient
     def freeze_the_host_tar() -> None:
         nonlocal calls
         calls += 1
-        if not frozen:
+        # Until tar itself is frozen: its shell, stopped a moment before it forks tar, would
+        # leave tar free to send everything.
+        if not any(Path(f"/proc/{pid}/comm").read_text().strip() == "tar" for pid in frozen):
             found = subprocess.run(["pgrep", "-f", f"tar -C {remote} -cf -"], capture_output=True, text=True)
-            for pid in found.stdout.split():
-                os.kill(int(pid), signal.SIGSTOP)
-                frozen.append(int(pid))
+            for pid in map(int, found.stdout.split()):
+                if pid not in frozen:
+                    os.kill(pid, signal.SIGSTOP)
+                    frozen.append(pid)
 
     started = time.monotonic()
     try:
@@ -127,6 +130,28 @@ def test_a_host_that_goes_silent_mid_copy_is_an_error(client: paramiko.SSHClient
     assert time.monotonic() - started < 30
     assert calls > 5  # polled while waiting: a signal would have been seen within 0.2 s
     assert list(local.iterdir()) == []
+
+
+def test_a_host_that_never_says_how_its_command_ended_is_an_error(client: paramiko.SSHClient,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its output closed, its exit status never sent: the wait for that status once had no
+    end (a copy-back hung there), and a stop was not seen during it."""
+    monkeypatch.setattr(transfer, "STALL_TIMEOUT", 1.0)
+    marker = f"mt-never-ends-{os.getpid()}-{time.monotonic_ns()}"
+    channel = transfer._exec(client, sh(shell_line("exec", Shell(">&- 2>&-;"), "exec", PYTHON, "-c",
+                                                   "import time; time.sleep(600)", marker)))
+    try:
+        with pytest.raises(TransferError, match=r"^x: the host did not say how it ended within 1 s$"):
+            transfer._check_status(channel, "x", lambda: None)
+        with pytest.raises(Stop):
+            transfer._check_status(channel, "x", stop_now)
+    finally:
+        channel.close()
+        subprocess.run(["pkill", "-f", marker])
+
+
+def stop_now() -> None:
+    raise Stop
 
 
 def test_the_signal_handler_never_raises_into_the_code_it_interrupts() -> None:

@@ -40,7 +40,7 @@ from meshtrain.hosts import blobstore
 from meshtrain.hosts.host_output import host_json, visible
 from meshtrain.hosts.inventory import Host
 from meshtrain.hosts.ssh import HostPath, OutputTooLarge, Shell, run, sh, shell_line
-from meshtrain.hosts.transfer import has_sftp, has_tar, sftp_path
+from meshtrain.hosts.transfer import POLL_SECONDS, has_sftp, has_tar, sftp_path
 from meshtrain.progress import human_bytes
 
 MARGIN_BYTES = 50_000_000  # room kept free on a host beyond what is shipped (the run writes too)
@@ -48,7 +48,6 @@ PER_FILE_BYTES = 4096  # a file's share of directory entries and partly filled b
 QUERY_TIMEOUT = 60.0  # seconds a host may take to answer, plus time to hash what it holds:
 HASH_RATE = 50e6  # bytes per second a slow host's disk and sha256 manage
 STALL_TIMEOUT = 60.0  # seconds an upload may go without progress
-POLL_SECONDS = 0.2  # how often a wait for the hosts calls check_stop
 ANSWER_MAX_BYTES = 64 << 20  # a host's answer to a query: its list of missing files, ~70 bytes each
 ANSWER_KEYS = {"query": ("missing", "free", "trees_ok"), "finish": ("bad", "absent")}
 

@@ -32,7 +32,7 @@ from meshtrain.hosts.ssh import HostPath, Shell, run, sh, shell_line
 CHUNK = 1 << 16
 QUESTION_TIMEOUT = 10.0  # seconds for a yes/no question to a host (one that vanished never answers)
 STALL_TIMEOUT = 60.0  # seconds a copy may go without receiving a byte
-POLL_SECONDS = 0.2  # how long a read waits before calling check_stop again
+POLL_SECONDS = 0.2  # how often a wait for a host (a read, shipping's workers) calls check_stop
 
 
 class TransferError(RunFailure):
@@ -56,7 +56,7 @@ def sftp_path(path: str) -> str:
 
 
 def put_files(client: paramiko.SSHClient, folder: str, files: list[Path], *, use_sftp: bool,
-              check_stop: Callable[[], None] | None = None) -> None:
+              check_stop: Callable[[], None] = lambda: None) -> None:
     """Copy local ``files`` into the host's ``folder`` (which exists), keeping their modes.
 
     Each file is written to a hidden name beside its own and renamed only once all its
@@ -66,14 +66,13 @@ def put_files(client: paramiko.SSHClient, folder: str, files: list[Path], *, use
     """
     if not files:
         return
-    check = check_stop or (lambda: None)
     if use_sftp:
         with client.open_sftp() as sftp:
             for f in files:
                 target = f"{sftp_path(folder)}/{f.name}"
                 partial = f"{sftp_path(folder)}/{_partial_name(f)}"
                 try:
-                    sftp.put(str(f), partial, callback=lambda sent, size: check())  # checks the size
+                    sftp.put(str(f), partial, callback=lambda sent, size: check_stop())  # checks the size
                     sftp.chmod(partial, f.stat().st_mode & 0o777)
                     sftp.posix_rename(partial, target)
                 except BaseException:
@@ -94,10 +93,10 @@ def put_files(client: paramiko.SSHClient, folder: str, files: list[Path], *, use
         try:
             with open(f, "rb") as source:
                 while block := source.read(CHUNK):
-                    check()
+                    check_stop()
                     channel.sendall(block)
             channel.shutdown_write()
-            _check_status(channel, f"writing {folder}/{f.name}")
+            _check_status(channel, f"writing {folder}/{f.name}", check_stop)
         finally:
             channel.close()
 
@@ -125,28 +124,27 @@ def has_tar(client: paramiko.SSHClient) -> bool:
 
 
 def fetch_tree(client: paramiko.SSHClient, remote: str, local: Path, *, use_sftp: bool,
-               limits: CopyLimits = CopyLimits(), check_stop: Callable[[], None] | None = None) -> None:
+               limits: CopyLimits = CopyLimits(), check_stop: Callable[[], None] = lambda: None) -> None:
     """Copy the host's folder ``remote`` to the new local folder ``local``: a tar stream,
     or SFTP if ``use_sftp`` (for a host without tar). Both are unpacked by
     :mod:`~meshtrain.hosts.safe_copy` (raises its UnsafeRunDirectory on a forbidden
     entry); on any failure ``local`` is not created.
 
     ``check_stop`` is called before every read, and at least every :data:`POLL_SECONDS`
-    while the tar stream waits (over SFTP, before each read of 64 KiB); what it raises stops
-    the copy.
+    while the tar stream waits (over SFTP, before each window of ``SFTP_WINDOW`` bytes);
+    what it raises stops the copy.
     """
-    check = check_stop or (lambda: None)
     if use_sftp:
         with client.open_sftp() as sftp:
             sftp.get_channel().settimeout(STALL_TIMEOUT)
-            unpack_sftp(sftp, sftp_path(remote), local, limits, before_read=check)
+            unpack_sftp(sftp, sftp_path(remote), local, limits, before_read=check_stop)
         return
     channel = _exec(client, sh(shell_line("tar", "-C", HostPath(remote), "-cf", "-", ".")))
     try:
-        with io.BufferedReader(_PolledChannel(channel, check), CHUNK) as stream:
+        with io.BufferedReader(_PolledChannel(channel, check_stop), CHUNK) as stream:
             unpack_tar(stream, local, limits)
         try:
-            _check_status(channel, f"tar of {remote}")
+            _check_status(channel, f"tar of {remote}", check_stop)
         except TransferError:
             shutil.rmtree(local)  # made just now by unpack_tar, links never followed
             raise
@@ -194,7 +192,15 @@ def _exec(client: paramiko.SSHClient, command: str) -> paramiko.Channel:
     return channel
 
 
-def _check_status(channel: paramiko.Channel, what: str) -> None:
+def _check_status(channel: paramiko.Channel, what: str, check_stop: Callable[[], None]) -> None:
+    """Raise TransferError unless the command ended with status 0. A host that sent its
+    bytes but never says how the command ended is an error after STALL_TIMEOUT, not a wait
+    forever; ``check_stop`` is called while waiting."""
+    waiting_since = time.monotonic()
+    while not channel.status_event.wait(POLL_SECONDS):
+        check_stop()
+        if time.monotonic() - waiting_since > STALL_TIMEOUT:
+            raise TransferError(f"{what}: the host did not say how it ended within {STALL_TIMEOUT:.0f} s")
     status = channel.recv_exit_status()
     if status != 0:
         error = b""

@@ -362,7 +362,7 @@ def _check_required_paths(client: paramiko.SSHClient, host: Host, options: Launc
 
 
 def upload(client: paramiko.SSHClient, host: Host, files: list[Path],
-           check_stop: Callable[[], None] | None = None) -> None:
+           check_stop: Callable[[], None] = lambda: None) -> None:
     """Put local files into ``host``'s workdir (e.g. the script a command runs)."""
     if files:
         put_files(client, host.workdir, files, use_sftp=has_sftp(client), check_stop=check_stop)
