@@ -113,7 +113,8 @@ def hosts_bench(
     Every host runs as a rank of a launch (same SSH checks and rendezvous
     as `launch`) and all-reduces buffers of growing size with meshtrain's
     own ring over gloo. The alpha-beta model (all-reduce = 2(g-1) latency
-    + bytes / bandwidth) is fitted to the median times by least squares;
+    + bytes / bandwidth) is fitted to the median times: the bandwidth from
+    the large sizes (the sustained rate), the latency from the small ones;
     the table compares measured and model times. Then:
 
       meshtrain simulate --strategy diloco --cluster clusters/NAME.yaml
