@@ -176,12 +176,10 @@ def fit_alpha_beta(samples: Sequence[Sample]) -> Fit:
     if bad:
         raise BenchError(f"size {bad[0].payload_bytes} B: time {bad[0].seconds!r} s is not a positive number")
     by_size = sorted(samples, key=lambda s: s.moved_bytes)
-    largest = by_size[-1].moved_bytes
-    large = [s for s in by_size if s.moved_bytes >= largest * BANDWIDTH_SIZES_FRACTION]
-    if len({s.moved_bytes for s in large}) < 2:
-        smaller = max(s.moved_bytes for s in by_size if s.moved_bytes < largest)
-        large = [s for s in by_size if s.moved_bytes >= smaller]
-    small = [s for s in by_size if s not in large]
+    sizes = sorted({s.moved_bytes for s in samples})
+    threshold = min(sizes[-1] * BANDWIDTH_SIZES_FRACTION, sizes[-2])  # the two largest at least
+    split = next(i for i, s in enumerate(by_size) if s.moved_bytes >= threshold)
+    small, large = by_size[:split], by_size[split:]
     intercept, beta = _relative_line([float(s.moved_bytes) for s in large], [s.seconds for s in large])
     if not beta > 0:
         raise BenchError("all-reduce times do not grow with size: use larger sizes (--max-size)")

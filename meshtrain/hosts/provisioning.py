@@ -188,6 +188,7 @@ def provision_hosts(inventory: Inventory, local: LocalInstall, options: SetupOpt
         else:
             first[key] = r
     leaders = list(first.values())
+    opened: list[paramiko.SSHClient] = []  # every connection made, closed at once on Ctrl-C
 
     def one(result: HostSetup) -> None:
         started = time.monotonic()
@@ -204,7 +205,6 @@ def provision_hosts(inventory: Inventory, local: LocalInstall, options: SetupOpt
         result.seconds = time.monotonic() - started
         on_stage(result.host, result.status)
 
-    opened: list[paramiko.SSHClient] = []
     pool = ThreadPoolExecutor(max_workers=min(16, len(leaders)))
     try:
         list(pool.map(one, leaders))
