@@ -3,6 +3,10 @@
 import os
 import sys
 
+from meshtrain.interrupts import quiet_ctrl_c_while_importing
+
+quiet_ctrl_c_while_importing()  # before torch's imports, the slow part of starting
+
 if sys.platform == "darwin":
     # Ops MPS lacks fall back to the CPU instead of failing; torch reads this at import.
     os.environ.setdefault("PYTORCH_ENABLE_MPS_FALLBACK", "1")

@@ -4,6 +4,7 @@ inside torch when the interpreter exits), and no half-written run."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from in_process import meshtrain_here
 
 ABORT = "terminate called"
 
@@ -91,8 +93,118 @@ def test_ctrl_c_on_a_threads_run_exits_130_and_keeps_nothing(tmp_path: Path) -> 
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=60)
         assert proc.returncode == 130, stdout + stderr
-        assert "interrupted" in stderr and ABORT not in stderr
-        assert not [p for p in out.iterdir() if p.is_dir()]  # no run directory, no .partial
+        assert "interrupted: the run was stopped" in stderr and ABORT not in stderr
+        assert list(out.iterdir()) == []  # no run directory, no .partial, no error log: all was well
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc to see torch loading")
+@pytest.mark.parametrize("command", ["console-script", "python-m"])
+def test_ctrl_c_while_the_command_imports_is_one_line_and_130(tmp_path: Path, command: str) -> None:
+    """Ctrl-C while torch is still loading: one line, exit 130 and nothing written, not a
+    Python traceback of whichever module was importing (before the command's handlers exist)."""
+    script = Path(sys.executable).parent / "meshtrain"
+    if command == "console-script" and not script.exists():
+        pytest.skip(f"no console script at {script} (meshtrain is not installed in this environment)")
+    argv = [str(script)] if command == "console-script" else [sys.executable, "-m", "meshtrain"]
+    out = tmp_path / "runs"
+    proc = subprocess.Popen(argv + ["simulate", "--out", str(out)], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        # torch's library mapped: the import of torch is under way, the slow part of starting.
+        maps = Path(f"/proc/{proc.pid}/maps")
+        while proc.poll() is None and "libtorch" not in maps.read_text():
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert (proc.returncode, stderr) == (130, "interrupted while starting: nothing was run\n"), \
+        stdout + stderr
+    assert not out.exists()
+
+
+def test_ctrl_c_while_the_model_and_data_load_is_one_line_and_130(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading a Hugging Face model can take a while; a Ctrl-C then once left click's
+    "Aborted!" and exit 1."""
+    import meshtrain.cli.main as cli_main
+
+    def loading(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_main, "build_run", loading)
+    done = meshtrain_here("simulate", "--out", str(tmp_path / "runs"), cwd=tmp_path)
+    assert (done.returncode, done.stderr) == (130, "interrupted before training began: nothing was written\n")
+    assert not (tmp_path / "runs").exists()
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``, from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if parent == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _node_server(command: int) -> int | None:
+    """The forkserver the processes runtime of ``command`` started, once it exists."""
+    for pid in _children(command):
+        with contextlib.suppress(OSError):
+            if b"multiprocessing.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+    return None
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc to see the node server")
+@pytest.mark.parametrize("when", ["node-server-imports", "nodes-start"])
+def test_a_terminals_ctrl_c_on_a_processes_run_is_one_line_and_130(tmp_path: Path, when: str) -> None:
+    """Ctrl-C from a terminal reaches every process of its group: the command, its node
+    server and the nodes. While the server preloaded torch it printed a KeyboardInterrupt
+    traceback; a Ctrl-C as the nodes started left one node never stopped, which printed
+    FileNotFoundError (its queue gone) after the command had exited."""
+    out = tmp_path / "runs"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshtrain", "simulate", "--runtime", "processes", "--nodes", "2",
+         "--steps", "100000", "--set", "H=50000", "--no-progress", "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        server = None
+        while proc.poll() is None and time.monotonic() < deadline:
+            server = server or _node_server(proc.pid)
+            if server and (_children(server) if when == "nodes-start"
+                           else "libtorch" in Path(f"/proc/{server}/maps").read_text()):
+                break
+            time.sleep(0.005)
+        assert server and proc.poll() is None, f"no {when} seen"
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    # Whatever was still running of the group has had its say once the server is gone.
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{server}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{server}").exists(), "the node server outlived the run"
+    assert proc.returncode == 130 and "Traceback" not in stdout + stderr, stdout + stderr
+    assert "interrupted" in stderr
+    assert not [p for p in out.rglob("*") if p.is_file()] if out.exists() else True
+
+
+def test_a_program_that_imports_meshtrain_keeps_its_ctrl_c() -> None:
+    """The starting-up handler is the command's alone: a program importing the library still
+    gets KeyboardInterrupt."""
+    check = "import signal, meshtrain; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    shown = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=_env(),
+                           check=True)
+    assert shown.stdout == "True\n"
 
 
 def test_node_failed_keeps_the_nodes_whole_traceback(tmp_path: Path) -> None:

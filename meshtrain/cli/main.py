@@ -36,6 +36,7 @@ from meshtrain.engine.job import NodeFailed
 from meshtrain.engine.trainer import Trainer, run_job
 from meshtrain.errors import MeshtrainError
 from meshtrain.heartbeat import start_heartbeat
+from meshtrain.interrupts import hand_back_ctrl_c
 from meshtrain.progress import human_bytes
 from meshtrain.run_dir import atomic_write_text
 from meshtrain.strategies import STRATEGIES, Strategy
@@ -54,6 +55,7 @@ def _skip_the_final_collection() -> None:
 
 
 atexit.register(_skip_the_final_collection)  # runs before atexit handlers registered earlier
+hand_back_ctrl_c()  # the imports are done: Ctrl-C is the commands' to handle again
 
 keep_option_names_whole()
 app = typer.Typer(
@@ -167,6 +169,9 @@ def simulate(
         job = trainer.prepare(strat, config=config, began=began)
     except (ValueError, FileExistsError) as exc:  # ConfigError, TaskError, SettingError
         raise fail(str(exc)) from None
+    except KeyboardInterrupt:  # loading a model or data can take a while
+        errors.print("interrupted before training began: nothing was written", style="bold red")
+        raise typer.Exit(130) from None
     # From here on, an error is a failure of the run (1), never "bad input".
     try:
         with dashboard_cli.live_dashboard(dashboard and not launched, "simulate", job.run_id,

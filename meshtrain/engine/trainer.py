@@ -207,11 +207,13 @@ def _checkpoint_folder(config: TrainConfig, run_id: str, resume: checkpoint.Foun
 
 def run_job(job: NodeJob) -> FitResult:
     """Train a prepared job on its runtime. On failure the reserved run directory is
-    removed and the error, with every node's traceback, goes to ``<out>/<run-id>.error.log``."""
+    removed and the error, with every node's traceback, goes to ``<out>/<run-id>.error.log``;
+    a run stopped by Ctrl-C leaves no log (nothing went wrong)."""
     try:
         return runtimes.run(job)
     except BaseException as exc:
         if job.run_dir is not None:
             job.run_dir.discard()
-            job.run_dir.write_error_log(exc)
+            if not isinstance(exc, KeyboardInterrupt):
+                job.run_dir.write_error_log(exc)
         raise

@@ -12,11 +12,14 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -38,10 +41,11 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
-# What every node imports anyway: torch, meshtrain, torch._dynamo (the optimizers load it at
-# their first step) and matplotlib with its Agg renderer (rank 0 draws loss.png).
-PRELOAD = ["torch", "torch._dynamo", "meshtrain.engine.runtimes.launched", "matplotlib.figure",
-           "matplotlib.backends.backend_agg"]
+# What every node imports anyway: meshtrain (first: it sets the server to ignore Ctrl-C before
+# the slow imports, meshtrain/interrupts.py) with torch, torch._dynamo (the optimizers load
+# it at their first step) and matplotlib with its Agg renderer (rank 0 draws loss.png).
+PRELOAD = ["meshtrain", "torch", "torch._dynamo", "meshtrain.engine.runtimes.launched",
+           "matplotlib.figure", "matplotlib.backends.backend_agg"]
 
 
 def node_context() -> Any:
@@ -92,6 +96,10 @@ def bind_to_cores(rank: int, nodes: int, threads: int, cores: list[int] | None) 
 
 def _node_process(job: NodeJob, rank: int, port: int, results: Any, observed: bool = False,
                   environ: dict[str, str] | None = None, cores: list[int] | None = None) -> None:
+    # The run that started this node stops it (_stop); a terminal's Ctrl-C, which reaches
+    # every process of its group, is the parent's to answer. (Forked from the node server,
+    # a node ignores it from its start already; spawned, from here.)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if environ is not None:
         # The forkserver's environment is the caller's as it was when the server started:
         # the node takes the caller's environment of now, as a spawned process would.
@@ -140,6 +148,24 @@ def _node_process(job: NodeJob, rank: int, port: int, results: Any, observed: bo
         raise SystemExit(1) from None
 
 
+@contextmanager
+def _ctrl_c_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C until the block ends. Inside ``Process.start`` it could land after the
+    node server forked a node but before the start learnt its pid: that node was never
+    stopped, and once this process exited it printed a traceback (its queue was gone)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread receives signals
+        return
+    arrived: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: arrived.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if arrived and callable(previous):
+        previous(signal.SIGINT, None)  # Python's own handler raises KeyboardInterrupt here
+
+
 def _to_bytes(state: dict[str, torch.Tensor]) -> bytes:
     buf = io.BytesIO()
     torch.save(state, buf)
@@ -160,10 +186,13 @@ def run_processes(job: NodeJob) -> FitResult:
         for r in range(n)
     ]
     try:
-        for p in procs:
-            p.start()
-    except Exception as exc:
-        _stop(procs)
+        with _ctrl_c_deferred():
+            for p in procs:
+                p.start()
+    except BaseException as exc:
+        _stop(procs)  # those started, Ctrl-C or not: left alone they would outlive the run
+        if not isinstance(exc, Exception):
+            raise
         raise RuntimeError(
             f"could not start node processes ({exc}); the model, data and strategy must be "
             "picklable (top-level functions, no lambdas) for runtime='processes'"
