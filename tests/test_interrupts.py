@@ -198,6 +198,24 @@ def test_a_terminals_ctrl_c_on_a_processes_run_is_one_line_and_130(tmp_path: Pat
     assert not [p for p in out.rglob("*") if p.is_file()] if out.exists() else True
 
 
+def test_a_ctrl_c_while_nodes_start_is_held_until_they_have() -> None:
+    """Nothing is raised inside the block (a start is never cut in half); KeyboardInterrupt
+    comes as it ends, and the handler is Python's again."""
+    from meshtrain.engine.runtimes.processes import _ctrl_c_deferred
+
+    reached_the_end = False
+    runners = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a command
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with _ctrl_c_deferred():
+                signal.raise_signal(signal.SIGINT)
+                reached_the_end = True
+        assert reached_the_end
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, runners)
+
+
 def test_a_program_that_imports_meshtrain_keeps_its_ctrl_c() -> None:
     """The starting-up handler is the command's alone: a program importing the library still
     gets KeyboardInterrupt."""

@@ -153,17 +153,20 @@ def _ctrl_c_deferred() -> Iterator[None]:
     """Hold a Ctrl-C until the block ends. Inside ``Process.start`` it could land after the
     node server forked a node but before the start learnt its pid: that node was never
     stopped, and once this process exited it printed a traceback (its queue was gone)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread receives signals
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield  # only the main thread sets handlers; None: one Python did not set, not restorable
         return
     arrived: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: arrived.append(signum))
+    signal.signal(signal.SIGINT, lambda signum, frame: arrived.append(signum))
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
     if arrived and callable(previous):
         previous(signal.SIGINT, None)  # Python's own handler raises KeyboardInterrupt here
+    elif arrived and previous == signal.SIG_DFL:
+        signal.raise_signal(signal.SIGINT)  # the caller chose to die of it
 
 
 def _to_bytes(state: dict[str, torch.Tensor]) -> bytes:
