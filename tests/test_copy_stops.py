@@ -12,6 +12,7 @@ An upload cut short once left the part it had written under the file's real name
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import signal
 import subprocess
@@ -122,19 +123,20 @@ def test_a_host_that_goes_silent_mid_copy_is_an_error(client: paramiko.SSHClient
     try:
         with pytest.raises(TransferError, match=r"^the host sent nothing for 1 s$"):
             fetch_tree(client, str(remote), local / "run-1", use_sftp=False, check_stop=freeze_the_host_tar)
-        gave_up = time.monotonic()
     finally:
         for pid in frozen:  # SIGKILL ends a stopped process too; one may be gone already
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     assert frozen, "the host's tar was never found"
     assert time.monotonic() - started < 30
-    # Polled through the stall (every POLL_SECONDS, so a signal is seen within 0.2 s): the
-    # calls in the last STALL_TIMEOUT before it gave up, 4 on an idle machine. Once this
-    # counted every call, data reads included, and asked for more than 5: when tar froze
-    # before its first byte there were only the stall's 5 (CI failed). A loaded machine
-    # stretches a poll, never shortens it, so this is a lower bound: more than one.
-    polls = [t for t in calls if t >= gave_up - transfer.STALL_TIMEOUT]
+    # Polled through the stall (every POLL_SECONDS, so a signal is seen within 0.2 s). A
+    # stall's polls are the calls that came at least half a poll after the one before; the
+    # reads of bytes tar sent before it froze follow each other at once. 4 on an idle
+    # machine in a 1 s stall; a loaded one stretches a poll, never shortens it, so fewer:
+    # at least 2 unless each took over 0.5 s. Once this counted every call, data reads
+    # included, and asked for more than 5: when tar froze before its first byte there were
+    # only the stall's 5 (CI failed).
+    polls = [b for a, b in itertools.pairwise(calls) if b - a >= transfer.POLL_SECONDS / 2]
     assert len(polls) >= 2
     assert list(local.iterdir()) == []
 

@@ -318,6 +318,16 @@ def _gloo_listeners(ns: str) -> dict[str, int]:
     return found
 
 
+def _gloo_connected(ns: str, listeners: set[str]) -> bool:
+    """Whether a connection between the ranks' gloo listeners is established: gloo's last
+    step before the group forms. The gate closes as the last rank is admitted, before gloo
+    meets; a rank seals its listeners only once the group has formed, so a flood sent in
+    between would have found them open."""
+    out = subprocess.run(["ip", "netns", "exec", ns, "ss", "-Htn", "state", "established"],
+                         capture_output=True, text=True, timeout=20).stdout
+    return any(listeners & set(line.split()[2:4]) for line in out.splitlines())
+
+
 @dataclass
 class FormedRun:
     """What one launch on the LAN showed (two tests check it)."""
@@ -370,9 +380,10 @@ def formed_run(lan, tmp_path_factory: pytest.TempPathFactory) -> FormedRun:
         subprocess.run([w.replace("%s", "del") for w in blocked], check=True, timeout=20)
         unblocked = True
         deadline = time.monotonic() + 120
-        while True:  # formed: the gate is closed, and each rank has its gloo listener
+        while True:  # formed: the gate is closed, and the ranks' gloo listeners have met
             listeners = {**_gloo_listeners(ns.hosts[0]), **_gloo_listeners(ns.hosts[1])}
-            if len(listeners) == 2 and not any(w.endswith(f":{PORT}") for w in listeners):
+            if (len(listeners) == 2 and not any(w.endswith(f":{PORT}") for w in listeners)
+                    and _gloo_connected(ns.hosts[0], set(listeners))):
                 break
             assert time.monotonic() < deadline and launch.poll() is None, f"never formed: {listeners}"
             time.sleep(0.1)

@@ -382,14 +382,22 @@ def test_live_panel_shows_every_rank_to_the_last_step(world, tmp_path: Path) -> 
     assert (logs / "box1-r1.log").is_file() and not (tmp_path / "runs" / "live.ranks").exists()
 
 
+# Rank 1 gives up a second after rank 0 has sent its first status (the hosts share this
+# machine's files): rank 0's import of torch may take longer than rank 1's, and a rank 0
+# stopped before its status showed no step.
 FAILING = textwrap.dedent("""
-    import os, sys, time
+    import os, pathlib, sys, time
     from meshtrain.heartbeat import status_reporter
     rank = int(os.environ["RANK"])
     status = status_reporter(100)  # as a training loop would
     status.step_done(1, 0.5, 1000)
     print("rank", rank, "ready", flush=True)
-    if rank == 1:
+    sent = pathlib.Path(sys.argv[1])
+    if rank == 0:
+        sent.touch()
+    else:
+        while not sent.exists():
+            time.sleep(0.01)
         time.sleep(1.0)
         print("rank 1 gives up", flush=True)
         sys.exit(3)
@@ -403,7 +411,8 @@ def test_live_panel_marks_the_failing_rank_failed_and_the_run_still_stops(world,
     (tmp_path / "failing.py").write_text(FAILING)
     code, shown = _on_a_terminal(ssh, [
         "launch", str(_inventory(ssh, tmp_path)), "--out", str(tmp_path / "runs"), "--run-id", "fails",
-        "--upload", str(tmp_path / "failing.py"), "--", "python", "failing.py"], cwd=tmp_path, timeout=90)
+        "--upload", str(tmp_path / "failing.py"), "--", "python", "failing.py", str(tmp_path / "rank0-sent")],
+        cwd=tmp_path, timeout=90)
     plain = ANSI.sub("", shown)
     assert code == 1, plain[-4000:]
     rows = _last_panel(shown)
