@@ -400,8 +400,10 @@ class Terminal:
 
 @pytest.mark.slow
 def test_simulate_dashboard_is_live_while_it_trains_and_stays_until_enter(tmp_path: Path) -> None:
+    # 3,000 steps: 4-5 s here. The checks below need the nodes' second status (0.5 s after
+    # the first) while they still train; 1,000 steps took 1.4 s, which a faster machine halves.
     term = Terminal([sys.executable, "-m", "meshtrain", "simulate", "--dashboard", "--nodes", "2",
-                     "--steps", "1000", "--no-progress", "--out", str(tmp_path), "--run-id", "seen"])
+                     "--steps", "3000", "--no-progress", "--out", str(tmp_path), "--run-id", "seen"])
     try:
         url = term.read_until(r"dashboard: .*?(http://127\.0\.0\.1:\d+/\?token=[\w-]+)", 60).group(1)
         api = url.replace("/?token=", "/api/state?token=")
@@ -418,7 +420,7 @@ def test_simulate_dashboard_is_live_while_it_trains_and_stays_until_enter(tmp_pa
         term.read_until(r"press Enter to close it", 120)
         run = json.loads(_get(api)[2])["runs"][0]
         assert run["status"] == "finished" and [n["state"] for n in run["nodes"]] == ["done", "done"]
-        assert run["mean_series"]["points"][-1][0] == 1000 and run["projected_total"] > 0
+        assert run["mean_series"]["points"][-1][0] == 3000 and run["projected_total"] > 0
         os.write(term.master, b"\n")
         assert term.proc.wait(timeout=30) == 0
     finally:

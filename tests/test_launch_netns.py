@@ -141,8 +141,10 @@ def test_host_dropping_off_the_network_stops_the_run(world, tmp_path: Path) -> N
     finally:
         proc.kill()
     assert proc.returncode == 1, output
-    # Noticed by the missing heartbeats (6 s here), not by a connection timing out.
-    assert re.search(r"rank 1 on box1 stopped answering for 6 s", output), output
+    # Noticed by the missing heartbeats (6 s here), not by a connection timing out (the
+    # silence as measured when the launcher's poll saw it: 6 s, or 7 after a late poll).
+    silent = re.search(r"rank 1 on box1 stopped answering for (\d+) s", output)
+    assert silent and 6 <= int(silent[1]) < 10, output
     # Rank 0 was stopped by the launcher; rank 1, cut off, ends when its sshd gives up on
     # the dead session (ClientAliveInterval 5 x 3 here) or the reconnected network resets it.
     assert "could not confirm these ranks stopped: rank 1 on box1" in output
