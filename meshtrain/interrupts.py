@@ -11,7 +11,8 @@ torch. ``import meshtrain`` runs :func:`quiet_ctrl_c_while_importing` before any
 - in the node server (multiprocessing's forkserver, which preloads meshtrain), Ctrl-C is
   ignored for good, as the server itself does once its preload is done; its node processes
   inherit that, and the run that started them stops them;
-- anywhere else (a program that imports meshtrain as a library) nothing changes.
+- anywhere else (a program that imports meshtrain as a library, a spawned process: macOS
+  starts the nodes so, and they ignore Ctrl-C once their function runs) nothing changes.
 """
 
 from __future__ import annotations
@@ -27,8 +28,17 @@ from types import FrameType
 STARTING_INTERRUPTED = "interrupted while starting: nothing was run"
 
 
+def _started_by_multiprocessing(module: str) -> bool:
+    """Whether multiprocessing started this process to run ``multiprocessing.<module>``
+    (``python -c 'from multiprocessing.<module> import ...'``)."""
+    return any(flag == "-c" and code.startswith(f"from multiprocessing.{module} import")
+               for flag, code in itertools.pairwise(sys.orig_argv))
+
+
 def _is_the_command() -> bool:
     """Whether this process runs the ``meshtrain`` command rather than a user's program."""
+    if _started_by_multiprocessing("spawn"):
+        return False  # a spawned child is given its parent's sys.argv before it imports
     if sys.argv and Path(sys.argv[0]).name == "meshtrain":
         return True
     # With -m, sys.argv[0] is only "-m" while the package imports; the original has the name.
@@ -36,9 +46,9 @@ def _is_the_command() -> bool:
 
 
 def _is_the_node_server() -> bool:
-    """Whether this process is a forkserver (``python -c 'from multiprocessing.forkserver
-    import main; ...'``): meshtrain's processes runtime starts one that preloads meshtrain."""
-    return any("multiprocessing.forkserver" in arg for arg in sys.orig_argv)
+    """Whether this process is a forkserver: meshtrain's processes runtime starts one that
+    preloads meshtrain."""
+    return _started_by_multiprocessing("forkserver")
 
 
 def _exit_while_starting(signum: int, frame: FrameType | None) -> None:

@@ -216,6 +216,23 @@ def test_a_ctrl_c_while_nodes_start_is_held_until_they_have() -> None:
         signal.signal(signal.SIGINT, runners)
 
 
+@pytest.mark.parametrize(("started_as", "handler"), [
+    ("from multiprocessing.forkserver import main", "ignored"),  # the node server: for good
+    ("from multiprocessing.spawn import spawn_main", "python's"),  # given its parent's argv
+])
+def test_what_multiprocessings_processes_do_with_ctrl_c(started_as: str, handler: str) -> None:
+    """As multiprocessing starts them (``python -c 'from multiprocessing.<module> import
+    ...'``), with the command's sys.argv that a spawned child is given before it imports:
+    the node server ignores Ctrl-C, and a spawned child is not taken for the command."""
+    check = (f"{started_as} as _\nimport signal, sys\nsys.argv = ['/venv/bin/meshtrain', 'simulate']\n"
+             "import meshtrain\nh = signal.getsignal(signal.SIGINT)\n"
+             "print('ignored' if h is signal.SIG_IGN else\n"
+             "      \"python's\" if h is signal.default_int_handler else h)")
+    shown = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, env=_env(),
+                           check=True)
+    assert shown.stdout == f"{handler}\n"
+
+
 def test_a_program_that_imports_meshtrain_keeps_its_ctrl_c() -> None:
     """The starting-up handler is the command's alone: a program importing the library still
     gets KeyboardInterrupt."""
