@@ -179,3 +179,82 @@ def test_a_node_that_gave_up_waiting_is_not_handed_a_slot():
     assert not hub.queued(1)
     hub.give_slot(0)
     hub.take_slot(2)  # at once: the free slot was not handed to node 1
+
+
+def test_a_node_hands_its_slot_on_at_a_step_once_its_turn_is_up(monkeypatch):
+    """Between steps a node keeps its slot while its turn lasts, then hands it to the node
+    waiting for one and queues for it again."""
+    from meshtrain.comm import threads
+
+    hub = ThreadHub(2, timeout_s=10, slots=1)
+    hub.take_slot(0)
+    ran: list[str] = []
+
+    def node_1() -> None:
+        hub.take_slot(1)
+        ran.append("node 1 ran")
+        hub.give_slot(1)
+
+    waiter = threading.Thread(target=node_1)
+    waiter.start()
+    while not hub.queued(1):
+        time.sleep(0.001)
+    monkeypatch.setattr(threads, "SLOT_TURN_SECONDS", 3600.0)
+    hub.take_turn(0)  # its turn is not up: it goes on, node 1 still waits
+    assert hub.queued(1) and ran == []
+    monkeypatch.setattr(threads, "SLOT_TURN_SECONDS", 0.0)
+    hub.take_turn(0)  # up: node 1 runs, and node 0 goes on once node 1 gives the slot back
+    ran.append("node 0 went on")
+    waiter.join(timeout=10)
+    assert ran == ["node 1 ran", "node 0 went on"]
+
+
+class _RankData(torch.utils.data.Dataset):
+    """Regression samples that carry the rank of the node reading them."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.data = regression_data(97)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        x, y = self.data[i]
+        return x, y, self.rank
+
+
+class _BreaksOnNode2(MLP):
+    steps: dict[int, int] = {}
+
+    def forward(self, batch):  # type: ignore[override]
+        rank = int(batch[2][0])
+        _BreaksOnNode2.steps[rank] = _BreaksOnNode2.steps.get(rank, 0) + 1
+        if rank == 2 and _BreaksOnNode2.steps[rank] == 3:
+            raise ValueError("node 2 broke")
+        return super().forward(batch)
+
+
+def test_nodes_that_seldom_meet_take_turns_so_a_failure_ends_the_run_early(tmp_path):
+    """DiLoCo with a huge H on one slot: node 0 once ran all 50,000 of its steps before
+    node 1 began, so node 2's failure at its third step surfaced only after two whole runs."""
+    from meshtrain import NodeFailed
+    from meshtrain.strategies import DiLoCo
+
+    _BreaksOnNode2.steps = {}
+    with pytest.raises(NodeFailed, match="node 2 broke") as failed:
+        Trainer(_BreaksOnNode2(), lambda rank, nodes, split: _RankData(rank)).fit(
+            DiLoCo(H=1_000_000), nodes=3, max_steps=50_000, batch_size=4, runtime="threads",
+            out_dir=tmp_path, progress=False, concurrent_nodes=1)
+    assert failed.value.rank == 2
+    assert _BreaksOnNode2.steps[0] < 5_000, _BreaksOnNode2.steps  # a turn of 0.1 s: hundreds
+
+
+def test_a_node_waiting_its_turn_for_a_slot_meets_no_collective_timeout(tmp_path):
+    """Each node's 3,000 steps take seconds, the collective timeout is 1 s: a node that
+    waited for node 0's whole run timed out ("waited more than 1 s for a run slot")."""
+    from meshtrain.strategies import DiLoCo
+
+    Trainer(MLP(), regression_data(97)).fit(
+        DiLoCo(H=1_000_000), nodes=2, max_steps=3_000, batch_size=4, runtime="threads",
+        out_dir=tmp_path, progress=False, concurrent_nodes=1, timeout_s=1.0)
