@@ -114,6 +114,17 @@ def test_the_bandwidth_is_the_sustained_rate_of_a_link_that_bursts() -> None:
     assert 5e-5 <= fit.latency <= 2e-4, fit
 
 
+def test_large_sizes_out_of_order_fall_back_to_a_line_through_every_size() -> None:
+    """On a fast link the large sizes take milliseconds, and a busy host can time the 1.6 MB
+    all-reduce slower than the 8 MB one (these sizes are test_launch_auto's). Their slope
+    alone is negative: the fit once refused ("do not grow with size"), though every size
+    together grows."""
+    samples = [Sample(65536, 2, 3.0e-4), Sample(327680, 2, 6.0e-4), Sample(1638400, 2, 6.2e-3),
+               Sample(8192000, 2, 5.0e-3)]
+    fit = fit_alpha_beta(samples)
+    assert 1e9 < fit.bandwidth < 1e10 and fit.latency >= 0, fit  # 8 MB in 5 ms: 1.6 GB/s
+
+
 def test_fit_refuses_what_cannot_give_a_cluster() -> None:
     with pytest.raises(BenchError, match="at least 2 different sizes"):
         fit_alpha_beta([Sample(4096, 2, 1e-3), Sample(4096, 2, 2e-3)])

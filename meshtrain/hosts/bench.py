@@ -163,8 +163,9 @@ def fit_alpha_beta(samples: Sequence[Sample]) -> Fit:
     bucket) moved 457 KB in 0.4 ms and 16 MB in 134 ms, and that fit said 1.6 GB/s, 13 times
     the rate a training step's megabytes meet. ``alpha``: the median over the other sizes of
     what their time leaves per message once the bytes are paid (the line's intercept when
-    every size is large), never below 0. Raises :class:`BenchError` when the samples cannot
-    determine both.
+    every size is large), never below 0. Where the large sizes alone do not grow with size
+    (noise), one line through every size gives both. Raises :class:`BenchError` when the
+    samples cannot determine them.
     """
     if len({s.payload_bytes for s in samples}) < 2:
         raise BenchError("the fit needs timings of at least 2 different sizes")
@@ -181,6 +182,11 @@ def fit_alpha_beta(samples: Sequence[Sample]) -> Fit:
     split = next(i for i, s in enumerate(by_size) if s.moved_bytes >= threshold)
     small, large = by_size[:split], by_size[split:]
     intercept, beta = _relative_line([float(s.moved_bytes) for s in large], [s.seconds for s in large])
+    if not beta > 0 and small:
+        # Two or three large sizes out of order: a busy host's noise on a link fast enough
+        # that they take milliseconds. The line through every size still has a slope.
+        small, large = [], by_size
+        intercept, beta = _relative_line([float(s.moved_bytes) for s in large], [s.seconds for s in large])
     if not beta > 0:
         raise BenchError("all-reduce times do not grow with size: use larger sizes (--max-size)")
     hops = by_size[0].hops  # one group size: every sample's
