@@ -135,8 +135,7 @@ class ThreadHub:
             if since is None or not self._slot_queue or time.monotonic() - since < SLOT_TURN_SECONDS:
                 return
             self._give_slot(rank)
-            self._sleep(rank, lambda: True, set)
-            self._check()
+            self.take_slot(rank)  # behind the nodes already waiting (the lock is reentrant)
 
     def queued(self, rank: int) -> bool:
         """Whether node ``rank`` is waiting for a run slot (ready to run, none free)."""

@@ -181,12 +181,12 @@ def fit_alpha_beta(samples: Sequence[Sample]) -> Fit:
     threshold = min(sizes[-1] * BANDWIDTH_SIZES_FRACTION, sizes[-2])  # the two largest at least
     split = next(i for i, s in enumerate(by_size) if s.moved_bytes >= threshold)
     small, large = by_size[:split], by_size[split:]
-    intercept, beta = _relative_line([float(s.moved_bytes) for s in large], [s.seconds for s in large])
+    intercept, beta = _relative_line(large)
     if not beta > 0 and small:
         # Two or three large sizes out of order: a busy host's noise on a link fast enough
         # that they take milliseconds. The line through every size still has a slope.
-        small, large = [], by_size
-        intercept, beta = _relative_line([float(s.moved_bytes) for s in large], [s.seconds for s in large])
+        small = []
+        intercept, beta = _relative_line(by_size)
     if not beta > 0:
         raise BenchError("all-reduce times do not grow with size: use larger sizes (--max-size)")
     hops = by_size[0].hops  # one group size: every sample's
@@ -196,9 +196,11 @@ def fit_alpha_beta(samples: Sequence[Sample]) -> Fit:
                group_size=groups.pop())
 
 
-def _relative_line(x: Sequence[float], t: Sequence[float]) -> tuple[float, float]:
-    """(intercept, slope) of the line ``t = a + x * b`` fitted by least squares on
-    relative residuals (weights ``1 / t^2``)."""
+def _relative_line(samples: Sequence[Sample]) -> tuple[float, float]:
+    """(intercept, slope) of the line ``seconds = a + moved_bytes * b`` fitted to ``samples``
+    by least squares on relative residuals (weights ``1 / seconds^2``)."""
+    x = [float(s.moved_bytes) for s in samples]
+    t = [s.seconds for s in samples]
     w = [1 / ti**2 for ti in t]
     sw = sum(w)
     sx = sum(wi * xi for wi, xi in zip(w, x, strict=True))
