@@ -142,3 +142,24 @@ def test_a_node_of_a_failed_fit_leaves_the_global_generator_alone() -> None:
             torch.rand(1)  # a forward's draw: never reached
     assert torch.equal(torch.get_rng_state(), before)
     assert shared.lock.acquire(blocking=False)  # and the generator's lock was given back
+
+
+def _report_then_exit(results) -> None:  # noqa: ANN001 - a multiprocessing queue
+    results.put((0, "error", (time.monotonic(), "ValueError: node 0 broke\ntraceback")))
+    raise SystemExit(1)
+
+
+def test_a_node_that_reported_before_it_exited_is_not_blamed_for_exiting_silently() -> None:
+    """The parent saw node 0's exit code before it had read node 0's report (CI, once:
+    "node 0 failed: process exited with code 1" instead of the node's own error). A report
+    is in the queue before its node's exit code shows: the parent reads it."""
+    from meshtrain.engine.runtimes.processes import _first_failure, node_context
+
+    ctx = node_context()
+    results = ctx.Queue()
+    node = ctx.Process(target=_report_then_exit, args=(results,))
+    node.start()
+    node.join(timeout=60)
+    assert node.exitcode == 1  # settled, its report unread: what the parent met
+    failed = _first_failure([node], results, {}, {})
+    assert failed.rank == 0 and "node 0 broke" in str(failed), failed

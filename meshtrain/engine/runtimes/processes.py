@@ -234,15 +234,21 @@ def _first_failure(
     """The failure that caused the others. A node that dies without a word (killed, out of
     memory, os._exit) makes its peers' collectives fail too, and their reports may arrive
     first: so wait briefly for every node to report or exit, then blame a node that exited
-    silently before one whose error may only be the consequence."""
+    silently before one whose error may only be the consequence.
+
+    A node's report is in the queue's pipe before its exit code shows (the queue's feeder
+    thread is joined as the process exits), so once the wait is over the queue is still
+    read until empty: with the wait ended as soon as every node was seen settled, a node
+    that reported and exited just before was once blamed for exiting silently."""
     deadline = time.monotonic() + FAILURE_GRACE_S
-    while time.monotonic() < deadline:
+    while True:
         settled = all(r in done or r in errors or p.exitcode is not None for r, p in enumerate(procs))
-        if settled:
-            break
+        waiting = not settled and time.monotonic() < deadline
         try:
-            rank, status, payload = results.get(timeout=POLL_SECONDS)
+            rank, status, payload = results.get(timeout=POLL_SECONDS if waiting else 0)
         except queue.Empty:
+            if not waiting:
+                break
             continue
         if status == "error":
             errors.setdefault(rank, payload)
