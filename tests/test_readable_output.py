@@ -3,12 +3,18 @@ says the real defaults, plurals, and errors that name the file and what kind it 
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pytest
+import typer
 from typer.testing import CliRunner
 
 from meshtrain.cli.main import app
@@ -50,6 +56,42 @@ def test_help_keeps_brackets_and_names_the_task_defaults() -> None:
     assert "default: the task's suggestion, digits 300, gpt 200, whisper 200" in text
     listed = runner.invoke(app, ["settings"])
     assert "pip install 'meshtrain[wandb]'" in " ".join(listed.output.replace("│", " ").split())
+
+
+Documented = list[tuple[tuple[str, ...], Callable[..., Any]]]
+
+
+def _documented_commands(app: typer.Typer, path: tuple[str, ...] = ()) -> Documented:
+    """(command path, callback) of every command of ``app`` that has a docstring."""
+    found = [((*path, c.name or c.callback.__name__), c.callback) for c in app.registered_commands
+             if c.callback is not None and c.callback.__doc__]
+    for group in app.registered_groups:
+        assert group.typer_instance is not None and group.name is not None
+        found += _documented_commands(group.typer_instance, (*path, group.name))
+    return found
+
+
+COMMANDS = _documented_commands(app)
+
+
+@pytest.mark.parametrize(("path", "callback"), COMMANDS, ids=[" ".join(p) for p, _ in COMMANDS])
+def test_help_wraps_a_paragraph_where_the_terminal_ends_and_keeps_examples_indented(
+        path: tuple[str, ...], callback: Callable[..., Any]) -> None:
+    """The docstring's line breaks are the source's, not the terminal's: on a wide terminal a
+    prose paragraph is one line, and an example keeps its indentation (typer had kept the
+    breaks, and dropped the indentation where one prose line preceded the examples)."""
+    result = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "1000"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    for paragraph in inspect.cleandoc(callback.__doc__ or "").split("\n\n"):
+        prose = " ".join(line.strip() for line in paragraph.splitlines() if not line.startswith(" "))
+        assert any(prose in line for line in lines), f"{' '.join(path)}: not on one line: {prose!r}"
+        for example in (line for line in paragraph.splitlines() if line.startswith(" ")):
+            assert any(re.fullmatch(rf" {re.escape(example)}\s*", line) for line in lines), \
+                f"{' '.join(path)}: example not indented as written: {example!r}"
+    listed = runner.invoke(app, [*path[:-1], "--help"], env={"COLUMNS": "1000"})
+    first = " ".join(inspect.cleandoc(callback.__doc__ or "").split("\n\n")[0].split())
+    assert any(first in line for line in listed.output.splitlines()), f"{path[-1]}'s summary is cut"
 
 
 def test_wrong_kind_and_undecodable_files_are_named(tmp_path: Path) -> None:

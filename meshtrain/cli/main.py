@@ -26,7 +26,7 @@ from meshtrain.cli import transcribe as transcribe_cli
 from meshtrain.cli import up as up_cli
 from meshtrain.cli.console import console, errors, fail, fail_on
 from meshtrain.cli.flags import takes_settings
-from meshtrain.cli.help_layout import keep_option_names_whole
+from meshtrain.cli.help_layout import keep_option_names_whole, reflow_command_help
 from meshtrain.cluster import CLUSTERS
 from meshtrain.config.environment import launched_rank
 from meshtrain.config.profiles import list_profiles, load_profile
@@ -371,6 +371,7 @@ dashboard_cli.register(app)
 plan_cli.register(app)
 transcribe_cli.register(app)
 up_cli.register(app)  # after launch: up runs the launch command as registered
+reflow_command_help(app)  # every command registered: its help wraps at the terminal's edge
 
 
 def main() -> None:  # pragma: no cover - console entry point
