@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import unicodedata
+import warnings
 from pathlib import Path
 
 import pytest
@@ -40,7 +41,10 @@ def reference_texts(base: Path, adapter: Path, clips: list[Path]) -> list[str]:
 
     from meshtrain.hf.audio import read_audio  # WAV reading and resampling to 16 kHz
 
-    model = PeftModel.from_pretrained(WhisperForConditionalGeneration.from_pretrained(base), adapter).eval()
+    with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated is_gradient_checkpointing
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        whisper = WhisperForConditionalGeneration.from_pretrained(base)
+        model = PeftModel.from_pretrained(whisper, adapter).eval()
     extractor = WhisperFeatureExtractor.from_pretrained(adapter)
     tokenizer = AutoTokenizer.from_pretrained(adapter)
     features = extractor([read_audio(c) for c in clips], sampling_rate=16_000, return_tensors="pt")
