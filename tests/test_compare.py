@@ -201,6 +201,57 @@ def test_runs_lists_finished_runs_and_marks_unfinished_ones(compared, tmp_path: 
     assert result.exit_code == 2 and result.output == f"error: {tmp_path / 'nope'}: no such folder\n"
 
 
+def test_runs_on_a_narrow_terminal_shows_every_run_whole(compared, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 80 columns the table's nine columns cannot show their words whole (rich cut every
+    cell but the id to "D…"): each run is then its id on a line and its numbers below it."""
+    folder, _ = compared
+    shutil.copytree(folder, tmp_path / folder.name)
+    from meshtrain.cli import main
+
+    monkeypatch.setattr(main.console, "_width", 80)
+    result = runner.invoke(app, ["runs", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "…" not in result.output
+    lines = result.output.splitlines()
+    for name in STRATEGIES:
+        summary = json.loads((folder / name / "summary.json").read_text())
+        at = lines.index(f"{folder.name}/{name}")  # the id alone on its line, whole: copy it
+        below = " ".join(" ".join(lines[at + 1 : at + 3]).split())  # the numbers, wrapped at 80 columns
+        label = load_run(folder / name).label
+        loss, accuracy = summary["final_val_loss"], summary["final_accuracy"]
+        for cell in ("task digits", f"strategy {label}", "nodes 4", "steps 40", f"val loss {loss:.4f}",
+                     f"accuracy {accuracy:.4f}"):
+            assert cell in below, (name, cell, below)
+    assert max(len(line.rstrip()) for line in lines) <= 80
+    # Wide enough for the table, the table it is.
+    monkeypatch.setattr(main.console, "_width", 200)
+    wide = runner.invoke(app, ["runs", str(tmp_path)])
+    assert "┃ id" in wide.output and "…" not in wide.output
+
+
+def test_a_comparison_on_a_narrow_terminal_leaves_no_column_out(compared, monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A label as long as SPARTA+DiLoCo's took the table past 80 columns, and rich left the
+    last columns (reached target, wall here) out: each run is then a line of named cells."""
+    folder, _ = compared
+    document = json.loads((folder / "comparison.json").read_text())
+    runs = [{**r, "label": "SPARTA+DiLoCo p=0.005 H=25"} if r["strategy"] == "sparta" else r
+            for r in document["runs"]]
+    from meshtrain.cli import main, research
+    from meshtrain.cli.console import print_table
+
+    monkeypatch.setattr(main.console, "_width", 80)
+    headers, cells = research.comparison_cells(runs)
+    print_table(research.comparison_table(runs, document["target_loss"], "a rule"), headers, cells)
+    out = capsys.readouterr().out
+    assert "…" not in out and max(len(line.rstrip()) for line in out.splitlines()) <= 80
+    text = " ".join(out.split())
+    for row in cells:
+        assert " ".join(f"{h} {c}" for h, c in zip(headers[1:], row[1:], strict=True)) in text, row
+    assert f"target val loss {document['target_loss']:.4f} (a rule)" in text
+
+
 def test_a_comparison_takes_the_shared_settings_by_their_one_definition() -> None:
     # No mirror of RunSpec's fields: the shared settings are RunSpec's, by name.
     assert {f.name for f in dataclasses.fields(CompareSpec)} == {"strategies", "settings", "overrides",

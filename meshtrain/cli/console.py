@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 
 import typer
 from rich.console import Console
+from rich.measure import Measurement
+from rich.padding import Padding
+from rich.table import Table
 from rich.text import Text
 
 from meshtrain.errors import MeshtrainError
@@ -32,3 +36,27 @@ def fail(message: str, code: int = 2) -> typer.Exit:
 def fail_on(exc: MeshtrainError) -> typer.Exit:
     """Stop with ``exc``'s one line and its kind's exit status (2 bad input, 1 a failure)."""
     return fail(str(exc), exc.exit_code)
+
+
+def print_table(table: Table, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Print ``table`` (columns ``headers``, rows ``rows``); or, on a terminal too narrow to
+    show every word of it whole, each row as its first cell on a line of its own and the
+    other cells below it, each after its header. rich would otherwise cut the cells short
+    ("D…") or leave whole columns out."""
+    if _narrowest(table) <= console.width:
+        console.print(table)
+        return
+    if table.title:
+        console.print(Text(str(table.title), style="italic"))
+    for row in rows:
+        console.print(Text(row[0], style="bold"))
+        named = "  ".join(f"{header} {cell}" for header, cell in zip(headers[1:], row[1:], strict=True))
+        console.print(Padding(Text(named), (0, 0, 0, 2), expand=False))
+    if table.caption:
+        console.print(Text(str(table.caption)))
+
+
+def _narrowest(table: Table) -> int:
+    """The fewest columns ``table`` needs to show every word whole (rich's measure of a
+    table never exceeds the width it is given: given no bound, it says what it needs)."""
+    return Measurement.get(console, console.options.update_width(10**6), table).minimum

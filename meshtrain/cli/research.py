@@ -14,7 +14,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from meshtrain.cli.console import console, fail, fail_on
+from meshtrain.cli.console import console, fail, fail_on, print_table
 from meshtrain.cli.flags import checked_options, takes_options, takes_settings
 from meshtrain.compare import CompareSpec, plan, run_comparison
 from meshtrain.config.research import COMPARE, PLOT, CompareSettings, PlotSettings
@@ -67,7 +67,8 @@ def compare(**given: Any) -> None:
             from None
     except Exception as exc:  # noqa: BLE001 - a run failed after it started
         raise fail(f"{type(exc).__name__}: {exc}", 1) from None
-    console.print(comparison_table(result.rows, result.target_loss, result.target_rule))
+    headers, cells = comparison_cells(result.rows)
+    print_table(comparison_table(result.rows, result.target_loss, result.target_rule), headers, cells)
     console.print(f"comparison folder: [bold]{result.folder}[/] (comparison.json, comparison.csv, "
                   f"{', '.join(p.name for p in result.plots if p.suffix == '.png')})", highlight=False)
 
@@ -79,9 +80,21 @@ def comparison_table(rows: list[dict[str, Any]], target: float, rule: str) -> Ta
     (step_seconds,) = compute if len(compute) == 1 else (None,)
     per_step = f" at {step_seconds * 1e3:.2f} ms of compute per step" if step_seconds is not None else ""
     table = Table(title=f"{len(rows)} strategies: same seed, data, nodes and steps", box=box.SIMPLE_HEAD,
-                  pad_edge=False, collapse_padding=True,  # fits 80 columns
+                  pad_edge=False, collapse_padding=True,  # 80 columns for most labels (else print_table)
                   caption=f"target val loss {target:.4f} ({rule}); projected on "
                           f"{', '.join(clusters)}{per_step}")
+    headers, cells = comparison_cells(rows)
+    for i, name in enumerate(headers):
+        # Numbers are never cut short; on a narrow terminal the headers wrap instead.
+        table.add_column(name, justify="left" if i == 0 else "right",
+                         min_width=max(len(row[i]) for row in cells))
+    for row in cells:
+        table.add_row(*row)
+    return table
+
+
+def comparison_cells(rows: list[dict[str, Any]]) -> tuple[tuple[str, ...], list[list[str]]]:
+    """The headers and the cells of :func:`comparison_table`, a row per run."""
     metrics = sorted({r["metric"] for r in rows if r["metric"]})
     cells = []
     for r in rows:
@@ -94,15 +107,9 @@ def comparison_table(rows: list[dict[str, Any]], target: float, rule: str) -> Ta
             _ratio(r["ddp_bytes_per_this"], r["strategy"]), _num(r["projected_seconds"], ".2f", " s"),
             reached, _num(r["wall_seconds"], ".1f", " s"),
         ])
-    names = ("strategy", "val loss", metrics[0] if len(metrics) == 1 else "metric", "sent/node", "vs DDP",
-             "projected", "reached target", "wall here")
-    for i, name in enumerate(names):
-        # Numbers are never cut short; on a narrow terminal the headers wrap instead.
-        table.add_column(name, justify="left" if i == 0 else "right",
-                         min_width=max(len(row[i]) for row in cells))
-    for row in cells:
-        table.add_row(*row)
-    return table
+    headers = ("strategy", "val loss", metrics[0] if len(metrics) == 1 else "metric", "sent/node", "vs DDP",
+               "projected", "reached target", "wall here")
+    return headers, cells
 
 
 def _num(value: float | None, fmt: str, unit: str = "") -> str:
@@ -154,14 +161,16 @@ def runs(
     table = Table(title=f"finished runs in {folder}")
     names = sorted({m[0] for m in (r.metric() for r in listing.finished) if m})
     metric_header = names[0] if len(names) == 1 else "metric"
-    for name in ("id", "task", "strategy", "nodes", "steps", "val loss", metric_header, "sent/node", "wall"):
+    headers = ("id", "task", "strategy", "nodes", "steps", "val loss", metric_header, "sent/node", "wall")
+    for name in headers:
         # The id is what you type next (meshtrain plot runs/ID): never cut short.
         table.add_column(name, justify="left" if name in ("id", "task", "strategy") else "right",
                          no_wrap=name == "id")
-    for run in listing.finished:
-        table.add_row(*_run_cells(run, folder, with_name=len(names) > 1))
-    if listing.finished:
-        console.print(table)
+    rows = [_run_cells(run, folder, with_name=len(names) > 1) for run in listing.finished]
+    for row in rows:
+        table.add_row(*row)
+    if rows:
+        print_table(table, headers, rows)
     for path, why in listing.unfinished:
         console.print(f"[yellow]unfinished:[/] {path.relative_to(folder)} ({why})", highlight=False)
 
