@@ -119,6 +119,29 @@ def test_hosts_check_passes_and_finds_a_busy_rendezvous_port(loopback_ssh: SshWo
     assert "beta: python: /usr/bin/nonexistent-python is not an executable" in result.stderr
 
 
+def test_hosts_check_on_an_80_column_terminal_shows_every_check_whole(
+        loopback_ssh: SshWorld, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ten columns do not fit 80: rich cut every check to "o…". Each host is then its name
+    and address on a line, and every check, named, below it."""
+    from meshtrain.cli.console import wide_console
+    from meshtrain.hosts.checks import CHECKS
+
+    inv = two_ranks(loopback_ssh, tmp_path)
+    monkeypatch.setattr(wide_console, "_width", 80)
+    result = meshtrain(loopback_ssh, "hosts", "check", str(inv), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "…" not in result.stdout and "all 2 hosts ready" in result.stdout
+    assert max(len(line.rstrip()) for line in result.stdout.splitlines()) <= 80
+    lines = result.stdout.splitlines()
+    alpha, beta, ready = lines.index("alpha"), lines.index("beta"), lines.index("all 2 hosts ready")
+    for rank, (start, end) in enumerate(((alpha, beta), (beta, ready))):
+        card = " ".join(" ".join(lines[start + 2 : end]).split())  # below the name and address
+        assert card.startswith(f"rank {rank} ssh ok"), card
+        for check in CHECKS:
+            assert f" {check} ok " in f" {card} ", (rank, check, card)
+    assert " ".join(" ".join(lines[beta + 2 : ready]).split()).endswith("rendezvous ok reached")
+
+
 def _python() -> str:
     import sys
 

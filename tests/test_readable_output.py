@@ -47,6 +47,22 @@ def test_piped_tables_are_not_cut_at_80_columns(tmp_path: Path) -> None:
     assert len(row) > 80 and "DiLoCo H=25" in row and row.rstrip().endswith("s │")  # one row, every column
 
 
+def test_profiles_on_an_80_column_terminal_shows_every_name_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A profile's name is what --profile takes: at 80 columns rich cut it to
+    "whisper-tiny-random-lo…" (and every file path); now each profile is its name on a line."""
+    from meshtrain.cli import main
+    from meshtrain.config.profiles import list_profiles
+
+    monkeypatch.setattr(main.console, "_width", 80)
+    result = runner.invoke(app, ["profiles"])
+    assert result.exit_code == 0, result.output
+    assert "…" not in result.output
+    lines = result.output.splitlines()
+    text = " ".join(result.output.split())
+    for name, path in list_profiles().items():
+        assert name in lines and str(path) in text, name
+
+
 def test_help_keeps_brackets_and_names_the_task_defaults() -> None:
     result = runner.invoke(app, ["simulate", "--help"], env={"COLUMNS": "200", "TERMINAL_WIDTH": "200"})
     assert result.exit_code == 0

@@ -38,25 +38,27 @@ def fail_on(exc: MeshtrainError) -> typer.Exit:
     return fail(str(exc), exc.exit_code)
 
 
-def print_table(table: Table, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    """Print ``table`` (columns ``headers``, rows ``rows``); or, on a terminal too narrow to
-    show every word of it whole, each row as its first cell on a line of its own and the
-    other cells below it, each after its header. rich would otherwise cut the cells short
-    ("D…") or leave whole columns out."""
-    if _narrowest(table) <= console.width:
-        console.print(table)
+def print_table(table: Table, headers: Sequence[str], rows: Sequence[Sequence[str | Text]],
+                out: Console = console) -> None:
+    """Print ``table`` (columns ``headers``, rows ``rows``) on ``out``; or, on a terminal too
+    narrow to show every word of it whole, each row as its first cell on a line of its own
+    and the other cells below it, each after its header. rich would otherwise cut the cells
+    short ("D…") or leave whole columns out."""
+    if _narrowest(table, out) <= out.width:
+        out.print(table)
         return
     if table.title:
-        console.print(Text(str(table.title), style="italic"))
-    for row in rows:
-        console.print(Text(row[0], style="bold"))
-        named = "  ".join(f"{header} {cell}" for header, cell in zip(headers[1:], row[1:], strict=True))
-        console.print(Padding(Text(named), (0, 0, 0, 2), expand=False))
+        out.print(Text(str(table.title), style="italic"))
+    for first, *cells in rows:
+        out.print(Text(first, style="bold") if isinstance(first, str) else first)
+        named = Text("  ").join(Text.assemble(f"{header} ", cell)
+                                for header, cell in zip(headers[1:], cells, strict=True))
+        out.print(Padding(named, (0, 0, 0, 2), expand=False))
     if table.caption:
-        console.print(Text(str(table.caption)))
+        out.print(Text(str(table.caption)))
 
 
-def _narrowest(table: Table) -> int:
+def _narrowest(table: Table, out: Console) -> int:
     """The fewest columns ``table`` needs to show every word whole (rich's measure of a
     table never exceeds the width it is given: given no bound, it says what it needs)."""
-    return Measurement.get(console, console.options.update_width(10**6), table).minimum
+    return Measurement.get(out, out.options.update_width(10**6), table).minimum

@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from meshtrain.cli import dashboard as dashboard_cli
-from meshtrain.cli.console import errors, fail, fail_on
+from meshtrain.cli.console import errors, fail, fail_on, print_table
 from meshtrain.cli.console import wide_console as console  # the hosts commands' output
 from meshtrain.cli.flags import checked_options, takes_options, takes_settings
 from meshtrain.cli.hosts_setup import hosts_setup
@@ -84,6 +84,7 @@ def hosts_check(
     table.add_column("rank", justify="right")
     for name in CHECKS:
         table.add_column(name)
+    rows = []
     for report in reports:
         cells: list[Any] = [f"{report.host.name}\n{report.host.label}", str(report.host.rank)]
         for name in CHECKS:
@@ -94,7 +95,8 @@ def hosts_check(
                 style = "green" if c.ok else "bold red"
                 cells.append(Text(("ok " if c.ok else "FAIL ") + c.detail, style=style))
         table.add_row(*cells)
-    console.print(table)
+        rows.append(cells)
+    print_table(table, ("host", "rank", *CHECKS), rows, console)
     failed = [(r.host.name, name, c.fix) for r in reports for name, c in r.checks.items() if c.ok is False]
     for host, name, fix in failed:
         errors.print(Text.assemble((f"{host}: {name}: ", "bold red"), fix), soft_wrap=True)

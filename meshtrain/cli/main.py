@@ -24,7 +24,7 @@ from meshtrain.cli import launch, research
 from meshtrain.cli import plan as plan_cli
 from meshtrain.cli import transcribe as transcribe_cli
 from meshtrain.cli import up as up_cli
-from meshtrain.cli.console import console, errors, fail, fail_on
+from meshtrain.cli.console import console, errors, fail, fail_on, print_table
 from meshtrain.cli.flags import takes_settings
 from meshtrain.cli.help_layout import keep_option_names_whole, reflow_command_help
 from meshtrain.cluster import CLUSTERS
@@ -353,16 +353,19 @@ def list_tasks() -> None:
 def list_profile_files() -> None:
     """List the profiles (ready-made runs: meshtrain simulate --profile NAME)."""
     table = Table(title="profiles")
-    table.add_column("name", style="bold")
+    headers = ("name", "description", "file")
+    table.add_column("name", style="bold", no_wrap=True)  # what --profile takes: never cut
     table.add_column("description")
-    table.add_column("file")
+    table.add_column("file", overflow="fold")
+    rows = []
     for name, path in list_profiles().items():
         try:
             description = load_profile(str(path)).get("description", "")
         except ConfigError as exc:
             description = f"(invalid: {exc})"
-        table.add_row(name, description, str(path))
-    console.print(table)
+        rows.append((name, description, str(path)))
+        table.add_row(*rows[-1])
+    print_table(table, headers, rows)
 
 
 launch.register(app)
