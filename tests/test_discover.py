@@ -114,6 +114,26 @@ def test_lists_advertised_hosts_and_writes_an_inventory_without_connecting(lan: 
     assert not list(target.parent.glob(".*tmp"))  # no temporary file left behind
 
 
+def test_a_narrow_terminal_shows_every_machine_whole(lan: Lan, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Mac's advertised name and its addresses (IPv6 ones run to 30 characters) make the
+    table wider than a small terminal, where rich cut them to "…": each machine is then its
+    name on a line and its advertised name, addresses, port and key below it."""
+    from meshtrain.cli.console import wide_console
+
+    monkeypatch.setattr(wide_console, "_width", 40)
+    result = discover(lan, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "…" not in result.stdout
+    lines = result.stdout.splitlines()
+    text = " ".join(result.stdout.split())
+    for name, (service, server) in zip(("studio-1", "refusing", "newbox"), ADVERTISED, strict=True):
+        assert name in lines, name
+        assert service in text and server.rstrip(".") in text, (service, text)
+    for address in lan.address[:3]:
+        assert f"addresses {address} port 22 key not checked" in text, (address, text)
+
+
 def test_check_keys_reports_each_host_and_writes_the_accepted_ones(lan: Lan, tmp_path: Path) -> None:
     known_before, before = lan.world.known_hosts.read_text(), lan.log_sizes()
     target = tmp_path / "mine.yaml"

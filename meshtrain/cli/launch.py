@@ -228,8 +228,10 @@ def hosts_discover(**options: Any) -> None:
         raw = {**raw, "hosts": [raw["hosts"][i] for i in order]}
         found = [found[i] for i in order]
     table = Table(title=f"machines advertising SSH ({len(found)} found in {timeout:g} s)")
-    for column in ("name", "advertised as", "addresses", "port", "key"):
+    headers = ("name", "advertised as", "addresses", "port", "key")
+    for column in headers:
         table.add_column(column)
+    rows: list[list[str | Text]] = []
     for entry, f in zip(raw["hosts"], found, strict=True):
         key = Text("not checked", style="dim")
         if checks is not None:
@@ -237,8 +239,9 @@ def hosts_discover(**options: Any) -> None:
             key = Text(status, style="green" if status == d.ACCEPTED else "bold red")
         # Text, not markup: an advertised name is a stranger's ("[link=...]" stays text).
         advertised = Text(f"{f.service}\n{f.server}")
+        rows.append([entry["name"], advertised, " ".join(f.addresses), str(f.port), key])
         table.add_row(entry["name"], advertised, "\n".join(f.addresses), str(f.port), key)
-    console.print(table)
+    print_table(table, headers, rows, console)
     for c in (checks or {}).values():
         if c.status != d.ACCEPTED:
             errors.print(Text(c.detail), soft_wrap=True)

@@ -25,7 +25,7 @@ from rich.prompt import Confirm, Prompt
 from rich.table import Table
 from rich.text import Text
 
-from meshtrain.cli.console import errors, fail, fail_on
+from meshtrain.cli.console import errors, fail, fail_on, print_table
 from meshtrain.cli.console import wide_console as console
 from meshtrain.cli.dashboard import require_extra
 from meshtrain.cli.flags import checked_options, takes_options
@@ -193,11 +193,15 @@ def _show_found(found: list[d.Found], hosts: tuple[Host, ...], timeout: float) -
                       "General > Sharing > Remote Login (on).", highlight=False)
         return
     table = Table(title=f"{len(found)} machine{'' if len(found) == 1 else 's'} found")
-    for column in ("name", "advertised as", "address"):
+    headers = ("name", "advertised as", "address")
+    for column in headers:
         table.add_column(column)
-    for f, h in zip(found, hosts, strict=True):
-        table.add_row(h.name, Text(f.service), f"{h.hostname}:{h.port}")  # a stranger's name: not markup
-    console.print(table)
+    # Text, not markup: an advertised name is a stranger's.
+    rows: list[list[str | Text]] = [[h.name, Text(f.service), f"{h.hostname}:{h.port}"]
+                                    for f, h in zip(found, hosts, strict=True)]
+    for row in rows:
+        table.add_row(*row)
+    print_table(table, headers, rows, console)
 
 
 def _choose(hosts: list[Host], yes: bool) -> list[Host]:
