@@ -242,13 +242,15 @@ def test_a_comparison_on_a_narrow_terminal_leaves_no_column_out(compared, monkey
     from meshtrain.cli.console import print_table
 
     monkeypatch.setattr(main.console, "_width", 80)
-    headers, cells = research.comparison_cells(runs)
-    print_table(research.comparison_table(runs, document["target_loss"], "a rule"), headers, cells)
+    table = research.comparison_table(runs, document["target_loss"], "a rule")
+    print_table(table)
     out = capsys.readouterr().out
     assert "…" not in out and max(len(line.rstrip()) for line in out.splitlines()) <= 80
     text = " ".join(out.split())
-    for row in cells:
+    headers = [str(c.header) for c in table.columns]
+    for row in zip(*(list(c.cells) for c in table.columns), strict=True):
         assert " ".join(f"{h} {c}" for h, c in zip(headers[1:], row[1:], strict=True)) in text, row
+    assert len(list(table.columns[0].cells)) == len(runs)
     assert f"target val loss {document['target_loss']:.4f} (a rule)" in text
 
 

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
 
 import typer
 from rich.console import Console
 from rich.measure import Measurement
 from rich.padding import Padding
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
 from meshtrain.errors import MeshtrainError
@@ -38,24 +37,28 @@ def fail_on(exc: MeshtrainError) -> typer.Exit:
     return fail(str(exc), exc.exit_code)
 
 
-def print_table(table: Table, headers: Sequence[str], rows: Sequence[Sequence[str | Text]],
-                out: Console = console) -> None:
-    """Print ``table`` (columns ``headers``, rows ``rows``) on ``out``; or, on a terminal too
-    narrow to show every word of it whole, each row as its first cell on a line of its own
-    and the other cells below it, each after its header. rich would otherwise cut the cells
-    short ("D…") or leave whole columns out."""
+def print_table(table: Table, out: Console = console) -> None:
+    """Print ``table`` on ``out``; or, on a terminal too narrow to show every word of it
+    whole, each row as its first cell on a line of its own and the other cells below it,
+    each after its column's header. rich would otherwise cut the cells short ("D…") or
+    leave whole columns out. Cells are text (str or Text), as every table here holds."""
     if _narrowest(table, out) <= out.width:
         out.print(table)
         return
     if table.title:
         out.print(Text(str(table.title), style="italic"))
-    for first, *cells in rows:
-        out.print(Text(first, style="bold") if isinstance(first, str) else first)
+    headers = [str(column.header) for column in table.columns]
+    for first, *cells in zip(*(_texts(column) for column in table.columns), strict=True):
+        out.print(Text(first.plain, style="bold"))
         named = Text("  ").join(Text.assemble(f"{header} ", cell)
                                 for header, cell in zip(headers[1:], cells, strict=True))
         out.print(Padding(named, (0, 0, 0, 2), expand=False))
     if table.caption:
         out.print(Text(str(table.caption)))
+
+
+def _texts(column: Column) -> list[Text]:
+    return [cell if isinstance(cell, Text) else Text(str(cell)) for cell in column.cells]
 
 
 def _narrowest(table: Table, out: Console) -> int:

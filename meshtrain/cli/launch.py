@@ -84,7 +84,6 @@ def hosts_check(
     table.add_column("rank", justify="right")
     for name in CHECKS:
         table.add_column(name)
-    rows = []
     for report in reports:
         cells: list[Any] = [f"{report.host.name}\n{report.host.label}", str(report.host.rank)]
         for name in CHECKS:
@@ -95,8 +94,7 @@ def hosts_check(
                 style = "green" if c.ok else "bold red"
                 cells.append(Text(("ok " if c.ok else "FAIL ") + c.detail, style=style))
         table.add_row(*cells)
-        rows.append(cells)
-    print_table(table, ("host", "rank", *CHECKS), rows, console)
+    print_table(table, console)
     failed = [(r.host.name, name, c.fix) for r in reports for name, c in r.checks.items() if c.ok is False]
     for host, name, fix in failed:
         errors.print(Text.assemble((f"{host}: {name}: ", "bold red"), fix), soft_wrap=True)
@@ -228,10 +226,8 @@ def hosts_discover(**options: Any) -> None:
         raw = {**raw, "hosts": [raw["hosts"][i] for i in order]}
         found = [found[i] for i in order]
     table = Table(title=f"machines advertising SSH ({len(found)} found in {timeout:g} s)")
-    headers = ("name", "advertised as", "addresses", "port", "key")
-    for column in headers:
+    for column in ("name", "advertised as", "addresses", "port", "key"):
         table.add_column(column)
-    rows: list[list[str | Text]] = []
     for entry, f in zip(raw["hosts"], found, strict=True):
         key = Text("not checked", style="dim")
         if checks is not None:
@@ -239,9 +235,8 @@ def hosts_discover(**options: Any) -> None:
             key = Text(status, style="green" if status == d.ACCEPTED else "bold red")
         # Text, not markup: an advertised name is a stranger's ("[link=...]" stays text).
         advertised = Text(f"{f.service}\n{f.server}")
-        rows.append([entry["name"], advertised, " ".join(f.addresses), str(f.port), key])
         table.add_row(entry["name"], advertised, "\n".join(f.addresses), str(f.port), key)
-    print_table(table, headers, rows, console)
+    print_table(table, console)
     for c in (checks or {}).values():
         if c.status != d.ACCEPTED:
             errors.print(Text(c.detail), soft_wrap=True)

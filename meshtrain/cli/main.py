@@ -353,19 +353,16 @@ def list_tasks() -> None:
 def list_profile_files() -> None:
     """List the profiles (ready-made runs: meshtrain simulate --profile NAME)."""
     table = Table(title="profiles")
-    headers = ("name", "description", "file")
     table.add_column("name", style="bold", no_wrap=True)  # what --profile takes: never cut
     table.add_column("description")
-    table.add_column("file", overflow="fold")
-    rows = []
+    table.add_column("file")
     for name, path in list_profiles().items():
         try:
             description = load_profile(str(path)).get("description", "")
         except ConfigError as exc:
             description = f"(invalid: {exc})"
-        rows.append((name, description, str(path)))
-        table.add_row(*rows[-1])
-    print_table(table, headers, rows)
+        table.add_row(name, description, str(path))
+    print_table(table)
 
 
 launch.register(app)

@@ -67,8 +67,7 @@ def compare(**given: Any) -> None:
             from None
     except Exception as exc:  # noqa: BLE001 - a run failed after it started
         raise fail(f"{type(exc).__name__}: {exc}", 1) from None
-    headers, cells = comparison_cells(result.rows)
-    print_table(comparison_table(result.rows, result.target_loss, result.target_rule), headers, cells)
+    print_table(comparison_table(result.rows, result.target_loss, result.target_rule))
     console.print(f"comparison folder: [bold]{result.folder}[/] (comparison.json, comparison.csv, "
                   f"{', '.join(p.name for p in result.plots if p.suffix == '.png')})", highlight=False)
 
@@ -83,18 +82,6 @@ def comparison_table(rows: list[dict[str, Any]], target: float, rule: str) -> Ta
                   pad_edge=False, collapse_padding=True,  # 80 columns for most labels (else print_table)
                   caption=f"target val loss {target:.4f} ({rule}); projected on "
                           f"{', '.join(clusters)}{per_step}")
-    headers, cells = comparison_cells(rows)
-    for i, name in enumerate(headers):
-        # Numbers are never cut short; on a narrow terminal the headers wrap instead.
-        table.add_column(name, justify="left" if i == 0 else "right",
-                         min_width=max(len(row[i]) for row in cells))
-    for row in cells:
-        table.add_row(*row)
-    return table
-
-
-def comparison_cells(rows: list[dict[str, Any]]) -> tuple[tuple[str, ...], list[list[str]]]:
-    """The headers and the cells of :func:`comparison_table`, a row per run."""
     metrics = sorted({r["metric"] for r in rows if r["metric"]})
     cells = []
     for r in rows:
@@ -107,9 +94,15 @@ def comparison_cells(rows: list[dict[str, Any]]) -> tuple[tuple[str, ...], list[
             _ratio(r["ddp_bytes_per_this"], r["strategy"]), _num(r["projected_seconds"], ".2f", " s"),
             reached, _num(r["wall_seconds"], ".1f", " s"),
         ])
-    headers = ("strategy", "val loss", metrics[0] if len(metrics) == 1 else "metric", "sent/node", "vs DDP",
-               "projected", "reached target", "wall here")
-    return headers, cells
+    names = ("strategy", "val loss", metrics[0] if len(metrics) == 1 else "metric", "sent/node", "vs DDP",
+             "projected", "reached target", "wall here")
+    for i, name in enumerate(names):
+        # Numbers are never cut short; on a narrow terminal the headers wrap instead.
+        table.add_column(name, justify="left" if i == 0 else "right",
+                         min_width=max(len(row[i]) for row in cells))
+    for row in cells:
+        table.add_row(*row)
+    return table
 
 
 def _num(value: float | None, fmt: str, unit: str = "") -> str:
@@ -161,16 +154,14 @@ def runs(
     table = Table(title=f"finished runs in {folder}")
     names = sorted({m[0] for m in (r.metric() for r in listing.finished) if m})
     metric_header = names[0] if len(names) == 1 else "metric"
-    headers = ("id", "task", "strategy", "nodes", "steps", "val loss", metric_header, "sent/node", "wall")
-    for name in headers:
+    for name in ("id", "task", "strategy", "nodes", "steps", "val loss", metric_header, "sent/node", "wall"):
         # The id is what you type next (meshtrain plot runs/ID): never cut short.
         table.add_column(name, justify="left" if name in ("id", "task", "strategy") else "right",
                          no_wrap=name == "id")
-    rows = [_run_cells(run, folder, with_name=len(names) > 1) for run in listing.finished]
-    for row in rows:
-        table.add_row(*row)
-    if rows:
-        print_table(table, headers, rows)
+    for run in listing.finished:
+        table.add_row(*_run_cells(run, folder, with_name=len(names) > 1))
+    if listing.finished:
+        print_table(table)
     for path, why in listing.unfinished:
         console.print(f"[yellow]unfinished:[/] {path.relative_to(folder)} ({why})", highlight=False)
 

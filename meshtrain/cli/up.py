@@ -193,15 +193,11 @@ def _show_found(found: list[d.Found], hosts: tuple[Host, ...], timeout: float) -
                       "General > Sharing > Remote Login (on).", highlight=False)
         return
     table = Table(title=f"{len(found)} machine{'' if len(found) == 1 else 's'} found")
-    headers = ("name", "advertised as", "address")
-    for column in headers:
+    for column in ("name", "advertised as", "address"):
         table.add_column(column)
-    # Text, not markup: an advertised name is a stranger's.
-    rows: list[list[str | Text]] = [[h.name, Text(f.service), f"{h.hostname}:{h.port}"]
-                                    for f, h in zip(found, hosts, strict=True)]
-    for row in rows:
-        table.add_row(*row)
-    print_table(table, headers, rows, console)
+    for f, h in zip(found, hosts, strict=True):
+        table.add_row(h.name, Text(f.service), f"{h.hostname}:{h.port}")  # a stranger's name: not markup
+    print_table(table, console)
 
 
 def _choose(hosts: list[Host], yes: bool) -> list[Host]:
