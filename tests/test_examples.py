@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 
 import torch
@@ -52,3 +53,18 @@ def test_int8_custom_strategy_matches_ddp_within_quantisation(tmp_path: Path) ->
     assert numel == 68
     assert quant.summary["bytes_sent_per_node"] == 18 + 3 * numel
     assert exact.summary["bytes_sent_per_node"] == 2 * 3 / 4 * 4 * (numel + 2)
+
+
+def test_the_readmes_python_example_runs_as_written(tmp_path: Path, monkeypatch) -> None:
+    """The first code a reader of "In Python" copies: whole, and it trains."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## In Python"):]
+    snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
+    monkeypatch.chdir(tmp_path)
+    scope: dict[str, object] = {"__name__": "__readme__"}
+    exec(compile(snippet, "README.md: In Python", "exec"), scope)
+    result = scope["result"]
+    losses = [row["train_loss"] for row in result.history]
+    assert len(losses) == 200 and result.history[-1]["total_bytes_sent"] > 0
+    assert sum(losses[-20:]) / 20 < 0.7 * sum(losses[:20]) / 20, (losses[:3], losses[-3:])
+    assert (tmp_path / result.run_dir / "metrics.csv").is_file()
