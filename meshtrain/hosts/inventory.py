@@ -42,6 +42,8 @@ SECRET_WORDS = ("password", "passphrase", "secret")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _IFACE = re.compile(r"^[A-Za-z0-9_.:@-]+$")
+# A hostname, an IPv4 or IPv6 address (``%`` scopes a link-local one) or an ssh config alias.
+_ADDRESS = re.compile(r"^[A-Za-z0-9_.:%-]+$")
 
 
 class InventoryError(InputError):
@@ -204,6 +206,14 @@ def _remote_path(value: Any, where: str) -> str:
     return text
 
 
+def _address(value: Any, where: str) -> str:
+    text = _text(value, where)
+    if not _ADDRESS.match(text):
+        raise InventoryError(f"{where}: {text!r} is not a hostname, IP address or ssh config alias "
+                             "(letters, digits, '.', '-', '_', ':' and '%')")
+    return text
+
+
 def _parse_host(defaults: dict[str, Any], entry: dict[str, Any], rank: int, where: str) -> Host:
     merged = {**defaults, **entry}
     _check_env_mapping(entry.get("env"), where)
@@ -216,7 +226,7 @@ def _parse_host(defaults: dict[str, Any], entry: dict[str, Any], rank: int, wher
         raise InventoryError(f"{where}: key 'name': {name!r} may use letters, digits, '.', '_' and '-'")
     if "host" not in entry:
         raise InventoryError(f"{where}: missing key 'host' (an address or ~/.ssh/config alias)")
-    alias = _text(entry["host"], f"{where}: key 'host'")
+    alias = _address(entry["host"], f"{where}: key 'host'")
 
     ssh_cfg = _ssh_config(merged.get("ssh_config"), alias, where)
     hostname = ssh_cfg.get("hostname", alias)
@@ -246,7 +256,7 @@ def _parse_host(defaults: dict[str, Any], entry: dict[str, Any], rank: int, wher
         iface = _text(iface, f"{where}: key 'iface'")
         if not _IFACE.match(iface):
             raise InventoryError(f"{where}: key 'iface': {iface!r} is not an interface name")
-    advertise = _text(merged.get("advertise", hostname), f"{where}: key 'advertise'")
+    advertise = _address(merged.get("advertise", hostname), f"{where}: key 'advertise'")
     threads = merged.get("threads")
     if threads is not None:
         threads = parse_threads(threads, f"{where}: key 'threads'")
