@@ -105,6 +105,12 @@ def test_help_wraps_a_paragraph_where_the_terminal_ends_and_keeps_examples_inden
         for example in (line for line in paragraph.splitlines() if line.startswith(" ")):
             assert any(re.fullmatch(rf" {re.escape(example)}\s*", line) for line in lines), \
                 f"{' '.join(path)}: example not indented as written: {example!r}"
+    # On an 80-column terminal an example is still one line, to copy whole.
+    narrow = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "80"}).output.splitlines()
+    for paragraph in inspect.cleandoc(callback.__doc__ or "").split("\n\n"):
+        for example in (line for line in paragraph.splitlines() if line.startswith(" ")):
+            assert any(re.fullmatch(rf" {re.escape(example)}\s*", line) for line in narrow), \
+                f"{' '.join(path)}: example wraps at 80 columns: {example!r}"
     listed = runner.invoke(app, [*path[:-1], "--help"], env={"COLUMNS": "1000"})
     first = " ".join(inspect.cleandoc(callback.__doc__ or "").split("\n\n")[0].split())
     assert any(first in line for line in listed.output.splitlines()), f"{path[-1]}'s summary is cut"

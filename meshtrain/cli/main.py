@@ -102,13 +102,15 @@ def simulate(
 
       meshtrain simulate --nodes 8 --strategy sparta --set p=0.01
 
-      meshtrain simulate --strategy fedavg --set H=10 --set island_size=2 --cluster wifi
+      meshtrain simulate --strategy fedavg --set H=10 --set island_size=2
+
+      meshtrain simulate --strategy diloco --cluster wifi   # projected on Wi-Fi
 
       meshtrain simulate --task gpt --data input.txt --set H=50
 
       meshtrain simulate --profile whisper-tiny-lora --nodes 2 --data recordings/
 
-      meshtrain simulate --tensorboard --wandb my-project   # also log there (extras)
+      meshtrain simulate --tensorboard --wandb demo   # also log there (extras)
     """
     began = time.time()  # the progress bar's clock counts loading the model and data too
     launched = launched_rank() is not None

@@ -36,7 +36,9 @@ def plan(**options: Any) -> None:
 
       meshtrain plan --hosts 2 --cluster wifi
 
-      meshtrain plan --task gpt --data input.txt --hosts 3 --cluster runs/bench-cluster.yaml
+      meshtrain plan --task gpt --data input.txt --hosts 3 --cluster wifi
+
+      meshtrain plan --hosts 3 --cluster clusters/lab.yaml   # from hosts bench
     """
     how = checked_options(PlanSettings, options)
     try:
