@@ -6,6 +6,8 @@ import csv
 import dataclasses
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -250,6 +252,8 @@ def test_a_comparison_on_a_narrow_terminal_leaves_no_column_out(compared, monkey
     headers = [str(c.header) for c in table.columns]
     for row in zip(*(list(c.cells) for c in table.columns), strict=True):
         assert " ".join(f"{h} {c}" for h, c in zip(headers[1:], row[1:], strict=True)) in text, row
+        for h, c in zip(headers[1:], row[1:], strict=True):  # each named cell whole on a line
+            assert any(f"{h} {c}" in line for line in out.splitlines()), (h, c, out)
     assert len(list(table.columns[0].cells)) == len(runs)
     assert f"target val loss {document['target_loss']:.4f} (a rule)" in text
 
@@ -264,3 +268,37 @@ def test_a_comparison_takes_the_shared_settings_by_their_one_definition() -> Non
         plan(CompareSpec(settings={"node": 2}))
     with pytest.raises(ConfigError, match="strategy: a comparison sets this itself"):
         plan(CompareSpec(settings={"strategy": "ddp"}))
+
+
+FIRST_RUN_PROBE = """
+import sys
+import meshtrain.compare as compare
+from meshtrain.compare import CompareSpec, run_comparison
+
+real = compare.run_job
+imported = []
+
+def run_job(job):
+    before = set(sys.modules)
+    try:
+        return real(job)
+    finally:
+        imported.append(sorted(set(sys.modules) - before))
+
+compare.run_job = run_job
+run_comparison(CompareSpec(strategies=["diloco", "ddp"], settings={"nodes": 2, "steps": 3,
+               "progress": False, "out_dir": sys.argv[1]}))
+heavy = [[m for m in run if m.split(".")[0] == "matplotlib" or m.startswith("torch._dynamo")]
+         for run in imported]
+print(heavy)
+"""
+
+
+def test_no_run_of_a_comparison_pays_the_processs_first_imports(tmp_path: Path) -> None:
+    """The first run's "wall here" had been 2-10x the others' on a short comparison: the
+    process's first optimizer step imports torch._dynamo (about 1 s) and its first plot
+    matplotlib (0.4 s). A fresh interpreter, so nothing is imported beforehand."""
+    proc = subprocess.run([sys.executable, "-c", FIRST_RUN_PROBE, str(tmp_path)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[[], []]", proc.stdout

@@ -50,11 +50,25 @@ def print_table(table: Table, out: Console = console) -> None:
     headers = [str(column.header) for column in table.columns]
     for first, *cells in zip(*(_texts(column) for column in table.columns), strict=True):
         out.print(Text(first.plain, style="bold"))
-        named = Text("  ").join(Text.assemble(f"{header} ", cell)
-                                for header, cell in zip(headers[1:], cells, strict=True))
-        out.print(Padding(named, (0, 0, 0, 2), expand=False))
+        named = [Text.assemble(f"{header} ", cell) for header, cell in zip(headers[1:], cells, strict=True)]
+        for line in _packed(named, out.width - 2):
+            out.print(Padding(Text("  ").join(line), (0, 0, 0, 2), expand=False))
     if table.caption:
         out.print(Text(str(table.caption)))
+
+
+def _packed(pieces: list[Text], width: int) -> list[list[Text]]:
+    """``pieces`` in lines of at most ``width`` cells, two spaces apart, none split between
+    lines ("projected 0.05" and "s" had been); one wider than a line has a line of its own."""
+    lines: list[list[Text]] = []
+    used = width + 1  # the first piece opens a line
+    for piece in pieces:
+        if used + 2 + piece.cell_len > width:
+            lines.append([])
+            used = -2
+        lines[-1].append(piece)
+        used += 2 + piece.cell_len
+    return lines
 
 
 def _texts(column: Column) -> list[Text]:

@@ -41,7 +41,7 @@ def compare(**given: Any) -> None:
 
       meshtrain compare --strategies ddp,diloco,sparta,fedavg,demo --cluster wifi
 
-      meshtrain compare --set diloco.H=50 --set sparta.p=0.001 --set val_interval=25
+      meshtrain compare --set diloco.H=50 --set sparta.p=0.001 --set lr=0.01
     """
     own = {f.name: given.pop(f.name) for f in dataclasses.fields(CompareSettings)}  # the rest: settings
     how = checked_options(CompareSettings, own)
@@ -81,7 +81,7 @@ def comparison_table(rows: list[dict[str, Any]], target: float, rule: str) -> Ta
     table = Table(title=f"{len(rows)} strategies: same seed, data, nodes and steps", box=box.SIMPLE_HEAD,
                   pad_edge=False, collapse_padding=True,  # 80 columns for most labels (else print_table)
                   caption=f"target val loss {target:.4f} ({rule}); projected on "
-                          f"{', '.join(clusters)}{per_step}")
+                          f"{', '.join(clusters)}{per_step}", caption_justify="left")
     metrics = sorted({r["metric"] for r in rows if r["metric"]})
     cells = []
     for r in rows:
