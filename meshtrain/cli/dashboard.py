@@ -111,8 +111,9 @@ def _wait_for_enter() -> None:
 @takes_options(DashboardSettings, DASHBOARD)
 def dashboard(
     run_dirs: list[Path] = typer.Argument(
-        None, help="Finished run directories to show (or folders holding them, like runs/); several "
-                   "can be compared."),
+        None, metavar="RUN_DIR",
+        help="Finished run directories to show (or folders holding them, like runs/); several "
+             "can be compared."),
     **options: Any,
 ) -> None:
     """Serve a web dashboard of finished runs: loss against steps, bytes and wall-clock,

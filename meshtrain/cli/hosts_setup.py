@@ -32,7 +32,8 @@ T = TypeVar("T")
 
 
 @takes_options(HostsSetupSettings, HOSTS_SETUP)
-def hosts_setup(inventory: Path = typer.Argument(..., help="Inventory file (hosts/NAME.yaml)."),
+def hosts_setup(inventory: Path = typer.Argument(..., metavar="INVENTORY",
+                                                 help="Inventory file (hosts/NAME.yaml)."),
                 **options: Any) -> None:
     """Install this machine's meshtrain, torch, transformers and peft on every host.
 

@@ -71,7 +71,7 @@ def _inventory(path: Path) -> Inventory:
 
 @takes_options(HostsCheckSettings, CHECK)
 def hosts_check(
-    inventory: Path = typer.Argument(..., help="Inventory file (hosts/NAME.yaml)."),
+    inventory: Path = typer.Argument(..., metavar="INVENTORY", help="Inventory file (hosts/NAME.yaml)."),
     **options: Any,
 ) -> None:
     """Check every host: SSH, interpreter, versions, device, workdir, rendezvous port."""
@@ -105,7 +105,8 @@ def hosts_check(
 
 @takes_options(HostsBenchSettings, BENCH)
 def hosts_bench(
-    inventory: Path = typer.Argument(..., help="Inventory file (hosts/NAME.yaml); at least 2 hosts."),
+    inventory: Path = typer.Argument(..., metavar="INVENTORY",
+                                     help="Inventory file (hosts/NAME.yaml); at least 2 hosts."),
     **options: Any,
 ) -> None:
     """Measure latency and bandwidth between the hosts and write a cluster file.
@@ -337,10 +338,12 @@ def register(app: typer.Typer) -> None:
     @app.command("launch")
     @takes_settings("launch")
     def launch_command(
-        inventory: Path = typer.Argument(..., help="Inventory file (hosts/NAME.yaml); rank 0 first."),
+        inventory: Path = typer.Argument(..., metavar="INVENTORY",
+                                         help="Inventory file (hosts/NAME.yaml); rank 0 first."),
         command: list[str] = typer.Argument(
-            None, help="After --: a command to run on every host instead (python means the host's "
-                       "interpreter), e.g. -- python train.py --lr 3e-4"),
+            None, metavar="COMMAND",
+            help="After --: a command to run on every host instead (python means the host's "
+                 "interpreter), e.g. -- python train.py --lr 3e-4"),
         dashboard: bool = dashboard_cli.DASHBOARD_FLAG,
         **settings: Any,
     ) -> None:

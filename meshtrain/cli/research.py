@@ -121,7 +121,8 @@ def _ratio(ratio: float | None, strategy: str) -> str:
 
 
 @takes_options(PlotSettings, PLOT)
-def plot(run_dirs: list[Path] = typer.Argument(..., help="Finished run directories to draw."),
+def plot(run_dirs: list[Path] = typer.Argument(..., metavar="RUN_DIR",
+                                               help="Finished run directories to draw."),
          **options: Any) -> None:
     """Plot finished runs: val loss against steps, bytes sent per node and projected time."""
     how = checked_options(PlotSettings, options)
@@ -141,7 +142,7 @@ def plot(run_dirs: list[Path] = typer.Argument(..., help="Finished run directori
 
 
 def runs(
-    folder: Path = typer.Argument(Path("runs"), help="Folder of run directories."),
+    folder: Path = typer.Argument(Path("runs"), metavar="FOLDER", help="Folder of run directories."),
 ) -> None:
     """List the finished runs in a folder (comparison folders included)."""
     try:

@@ -15,8 +15,10 @@ from meshtrain.hosts.host_output import visible
 
 @takes_options(TranscribeSettings, TRANSCRIBE)
 def transcribe(
-    model_dir: Path = typer.Argument(..., help="A run's model/ folder (LoRA adapter or full checkpoint)."),
-    audio: list[Path] = typer.Argument(..., help="Recordings: WAV, or any format ffmpeg reads."),
+    model_dir: Path = typer.Argument(..., metavar="MODEL_DIR",
+                                     help="A run's model/ folder (LoRA adapter or full checkpoint)."),
+    audio: list[Path] = typer.Argument(..., metavar="AUDIO",
+                                       help="Recordings: WAV, or any format ffmpeg reads."),
     **options: Any,
 ) -> None:
     """Print one line per recording, `PATH: TEXT`, decoded greedily by a fine-tuned model
