@@ -29,6 +29,13 @@ def human_bytes(n: float) -> str:
     raise AssertionError
 
 
+def human_seconds(seconds: float) -> str:
+    """``seconds`` to three significant digits ("0.0705 s", "1.23 s", "123 s"): a total and
+    its parts read as what they add up to (with two decimals, 0.035 + 0.035 = 0.07 showed
+    as 0.04 + 0.04 = 0.07)."""
+    return f"{seconds:.3g} s" if abs(seconds) < 1000 else f"{seconds:,.0f} s"
+
+
 def clock(seconds: float) -> str:
     """``seconds`` as h:mm:ss."""
     whole = max(0, int(seconds))

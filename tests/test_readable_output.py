@@ -148,3 +148,25 @@ def test_wrong_kind_and_undecodable_files_are_named(tmp_path: Path) -> None:
     assert plotted.exit_code == 2 and plotted.output.strip() == (
         f"error: {broken / 'metrics.csv'}: unreadable (field larger than field limit (131072)); "
         "not a finished run")
+
+
+def test_the_projected_total_reads_as_the_sum_of_its_parts(monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str],
+                                                          tmp_path: Path) -> None:
+    """Two decimals had shown a 0.0705 s projection as "0.07 s (compute 0.04 s +
+    communication 0.04 s)"; with a probed cluster the hosts' wait was in the total but not
+    among its parts."""
+    from meshtrain.cli import main
+
+    monkeypatch.setattr(main.console, "_width", 120)
+    summary = {"strategy": "ddp", "nodes": 2, "steps": 10, "final_train_loss": 1.0,
+               "bytes_sent_per_node": 10, "trainable_parameters": 3, "wall_seconds": 1.0,
+               "projected": {"cluster": "gbe", "compute_seconds": 0.03524,
+                             "communication_seconds": 0.03526, "total_seconds": 0.0705}}
+    main.print_summary(summary, tmp_path)
+    assert "0.0705 s (compute 0.0352 s + communication 0.0353 s)" in capsys.readouterr().out
+    summary["projected"] = {"cluster": "lab", "compute_seconds": 12.0, "communication_seconds": 3.5,
+                            "sync_wait_seconds": 0.25, "total_seconds": 15.75}
+    main.print_summary(summary, tmp_path)
+    assert "15.8 s (compute 12 s + communication 3.5 s + waiting for the slowest host 0.25 s)" \
+        in capsys.readouterr().out

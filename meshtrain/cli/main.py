@@ -37,7 +37,7 @@ from meshtrain.engine.trainer import Trainer, run_job
 from meshtrain.errors import MeshtrainError
 from meshtrain.heartbeat import start_heartbeat
 from meshtrain.interrupts import hand_back_ctrl_c
-from meshtrain.progress import human_bytes
+from meshtrain.progress import human_bytes, human_seconds
 from meshtrain.run_dir import atomic_write_text
 from meshtrain.strategies import STRATEGIES, Strategy
 from meshtrain.tasks import TASKS, get_task
@@ -250,13 +250,17 @@ def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
     if projected:
         table.add_row(
             f"projected on {projected['cluster']}",
-            f"{projected['total_seconds']:.2f} s (compute {projected['compute_seconds']:.2f} s"
-            f" + communication {projected['communication_seconds']:.2f} s)",
+            f"{human_seconds(projected['total_seconds'])} (compute "
+            f"{human_seconds(projected['compute_seconds'])} + communication "
+            f"{human_seconds(projected['communication_seconds'])}"
+            + (f" + waiting for the slowest host {human_seconds(wait)})"
+               if (wait := projected.get("sync_wait_seconds")) is not None else ")"),
         )
         if summary.get("runtime") == "launched" and "measured_communication_seconds" in projected:
             # Over the real link, beside the model's figure: a user sees when the model is off.
-            table.add_row("communication measured", f"{projected['measured_communication_seconds']:.2f} s "
-                          f"(projected {projected['communication_seconds']:.2f} s)")
+            table.add_row("communication measured",
+                          f"{human_seconds(projected['measured_communication_seconds'])} "
+                          f"(projected {human_seconds(projected['communication_seconds'])})")
         if "idle_seconds" in projected:
             slow = ", ".join(f"node {s['node']} x{s['slowdown']:g}" for s in faults.get("stragglers", []))
             table.add_row("waiting for stragglers",
