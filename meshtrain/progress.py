@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
 
+from rich import get_console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -18,7 +19,13 @@ from rich.progress import (
 )
 from rich.progress import Progress as RichProgress
 from rich.progress import Task as RichTask
+from rich.table import Column
 from rich.text import Text
+
+#: The bar's width where the terminal has room for it and every column.
+BAR_WIDTH = 40
+#: The narrowest bar worth showing: below it the optional columns go first.
+MIN_BAR_WIDTH = 8
 
 
 def human_bytes(n: float) -> str:
@@ -42,12 +49,16 @@ def clock(seconds: float) -> str:
     return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
 
 
+def _one_line() -> Column:
+    return Column(no_wrap=True)
+
+
 class SinceColumn(ProgressColumn):
     """Time since ``began`` (the wall-clock time the work started, before the bar
     appeared): loading and checking count, so the clock never restarts at 0:00."""
 
     def __init__(self, began: float) -> None:
-        super().__init__()
+        super().__init__(table_column=_one_line())
         self.began = began
 
     def render(self, task: RichTask) -> Text:
@@ -58,7 +69,7 @@ class RateColumn(ProgressColumn):
     """Steps (or items) per second, as rich estimates the speed."""
 
     def __init__(self, unit: str) -> None:
-        super().__init__()
+        super().__init__(table_column=_one_line())
         self.unit = unit
 
     def render(self, task: RichTask) -> Text:
@@ -89,22 +100,47 @@ class Progress:
 
     def __enter__(self) -> Progress:
         if self.interactive:
-            self._bar = RichProgress(
-                TextColumn("[bold]{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("loss {task.fields[loss]:.4f}"),
-                TextColumn("sent {task.fields[sent]}"),
-                RateColumn("steps"),
-                SinceColumn(self.began),
-                TextColumn("left"),
-                TimeRemainingColumn(),
-            )
+            bar_width, shown = self.layout(get_console().width)
+            columns = {
+                "title": TextColumn("[bold]{task.description}", table_column=_one_line()),
+                "bar": BarColumn(bar_width=bar_width),
+                "count": MofNCompleteColumn(table_column=_one_line()),
+                "loss": TextColumn("loss {task.fields[loss]:.4f}", table_column=_one_line()),
+                "sent": TextColumn("sent {task.fields[sent]}", table_column=_one_line()),
+                "rate": RateColumn("steps"),
+                "since": SinceColumn(self.began),
+                "left": TextColumn("left", table_column=_one_line()),
+                "remaining": TimeRemainingColumn(table_column=_one_line()),
+            }
+            self._bar = RichProgress(*(columns[name] for name in shown), expand=bar_width is None)
             self._bar.__enter__()
             self._task = self._bar.add_task(self.title, total=self.total, completed=self._first_step,
                                             loss=float("nan"), sent="0 B")
         self._loop_started = time.perf_counter()
         return self
+
+    def layout(self, width: int) -> tuple[int | None, list[str]]:
+        """The bar's width (None: what the other columns leave) and its columns, by name,
+        for a terminal ``width`` wide. Every column keeps to one line: where they would not
+        fit beside a bar of :data:`MIN_BAR_WIDTH`, the time since the start goes, then the
+        rate (the plain lines of log.txt keep both). At 80 columns the bar had wrapped
+        "steps/s" onto a line of its own, and cut "2000/2000" to "2000/…"."""
+        digits = len(str(self.total))
+        widths = {"title": len(self.title), "count": 2 * digits + 1, "loss": len("loss 0.0000"),
+                  "sent": len("sent 999.99 kB"), "rate": len("9999.99 steps/s"), "since": len("0:00:00"),
+                  "left": len("left"), "remaining": len("0:00:00")}
+        shown = ["title", "bar", "count", "loss", "sent", "rate", "since", "left", "remaining"]
+
+        def room(bar: int) -> bool:  # the columns, one space apart, and a bar this wide
+            return sum(widths.get(name, bar) for name in shown) + len(shown) - 1 <= width
+
+        if room(BAR_WIDTH):
+            return BAR_WIDTH, shown
+        for optional in ("since", "rate"):
+            if room(MIN_BAR_WIDTH):
+                break
+            shown.remove(optional)
+        return None, shown
 
     def rate(self, step: int) -> float | None:
         """Steps per second since the bar started (None before the first step)."""

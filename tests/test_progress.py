@@ -3,8 +3,17 @@ that say so."""
 
 from __future__ import annotations
 
+import fcntl
+import os
+import pty
 import re
+import select
+import struct
+import subprocess
+import sys
+import termios
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -73,3 +82,58 @@ def test_a_launched_rank_announces_the_replica_check_when_it_takes_a_while(
     assert (line in out.splitlines()) is announced, out
     if announced:  # before the first step's line
         assert out.index(line) < out.index("step 1/2")
+
+
+ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[()][0-9A-B]|\x1b[=>78]")
+
+
+def _bar_frames_on_a_terminal(columns: int, args: list[str], cwd: Path) -> list[str]:
+    """Run ``meshtrain simulate ARGS`` on a pty ``columns`` wide; every line it drew."""
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    proc = subprocess.Popen([sys.executable, "-m", "meshtrain", "simulate", *args], cwd=cwd,
+                            stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
+                            env={**env, "TERM": "xterm-256color"})
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline:
+            if select.select([master], [], [], 0.2)[0]:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: the program closed the terminal
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+            elif proc.poll() is not None:
+                break
+        assert proc.wait(timeout=max(1.0, deadline - time.monotonic())) == 0
+    finally:
+        proc.kill()
+        os.close(master)
+    text = ANSI.sub("", b"".join(chunks).decode(errors="replace"))
+    return [line for line in re.split(r"[\r\n]", text) if line.strip()]
+
+
+@pytest.mark.parametrize("args, columns, shows_rate", [
+    (["--steps", "300"], 80, True),
+    (["--steps", "300", "--strategy", "sparta-diloco", "--set", "H=100"], 80, False),
+    (["--steps", "300"], 120, True),
+])
+def test_the_bar_is_one_whole_line_on_a_narrow_terminal(args: list[str], columns: int, shows_rate: bool,
+                                                        tmp_path: Path) -> None:
+    """At 80 columns the bar had wrapped "steps/s" onto a line of its own and cut
+    "2000/2000" to "2000/…" and the clocks to "0:00:…"; now the optional columns (the time
+    since the start, then the rate) make room and every frame is one line, numbers whole."""
+    frames = _bar_frames_on_a_terminal(columns, [*args, "--out", str(tmp_path)], tmp_path)
+    bars = [f for f in frames if " loss " in f and "│" not in f]
+    assert bars, frames
+    assert all(len(f.rstrip()) <= columns and "…" not in f for f in bars), bars[-3:]
+    assert not [f for f in frames if "steps/s" in f and " loss " not in f], frames
+    steps = args[1]
+    last = bars[-1]
+    assert f"{steps}/{steps} loss " in last and " sent " in last and " left 0:00:00" in last, last
+    assert ("steps/s" in last) == shows_rate, last
+    assert (re.search(r"steps/s \d+:\d\d:\d\d left", last) is not None) == (columns >= 120), last
