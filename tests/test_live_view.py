@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import io
 import os
-import pty
 import re
-import select
-import struct
-import subprocess
 import textwrap
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
+from terminal import ANSI, run_on_a_terminal
 
 from meshtrain.heartbeat import (
     STATUS_MAX_BYTES,
@@ -301,7 +297,6 @@ def test_live_output_shows_the_panel_above_the_latest_lines() -> None:
 # --------------------------------------------------------------------------- end to end
 # Runs under an interactive terminal, as a user would: a pty sized 200x50.
 TERMINAL_ENV = {"TERM": "xterm-256color", "COLUMNS": "200", "LINES": "50"}
-ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[()][0-9A-B]|\x1b[=>78]")
 
 
 @pytest.fixture(scope="module")
@@ -320,35 +315,10 @@ def _inventory(world, tmp_path: Path) -> Path:  # noqa: ANN001 - the fixture's S
 
 def _on_a_terminal(world, args: list[str], cwd: Path, timeout: float) -> tuple[int, str]:  # noqa: ANN001
     """Run ``meshtrain ARGS`` with stdout and stderr on a pty; exit status and what it showed."""
-    import fcntl
-    import termios
-
     from ssh_fixtures import PYTHON
 
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 200, 0, 0))
-    proc = subprocess.Popen(world.command(PYTHON, "-m", "meshtrain", *args), cwd=cwd,
-                            stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
-                            env={**os.environ, **TERMINAL_ENV})
-    os.close(slave)
-    chunks, deadline = [], time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            if select.select([master], [], [], 0.2)[0]:
-                try:
-                    data = os.read(master, 65536)
-                except OSError:  # EIO: every writer has closed the terminal
-                    break
-                if not data:
-                    break
-                chunks.append(data)
-            elif proc.poll() is not None:
-                break
-        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        proc.kill()
-        os.close(master)
-    return code, b"".join(chunks).decode(errors="replace")
+    return run_on_a_terminal(world.command(PYTHON, "-m", "meshtrain", *args), cwd,
+                             {**os.environ, **TERMINAL_ENV}, columns=200, timeout=timeout)
 
 
 def _last_panel(shown: str) -> dict[str, list[str]]:

@@ -3,22 +3,16 @@ that say so."""
 
 from __future__ import annotations
 
-import fcntl
 import os
-import pty
 import re
-import select
-import struct
-import subprocess
 import sys
-import termios
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from helpers import MLP, regression_data
+from terminal import ANSI, run_on_a_terminal
 
 from meshtrain import Trainer
 from meshtrain.comm.threads import ThreadCommunicator, ThreadHub
@@ -84,37 +78,13 @@ def test_a_launched_rank_announces_the_replica_check_when_it_takes_a_while(
         assert out.index(line) < out.index("step 1/2")
 
 
-ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[()][0-9A-B]|\x1b[=>78]")
-
-
 def _bar_frames_on_a_terminal(columns: int, args: list[str], cwd: Path) -> list[str]:
     """Run ``meshtrain simulate ARGS`` on a pty ``columns`` wide; every line it drew."""
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
-    proc = subprocess.Popen([sys.executable, "-m", "meshtrain", "simulate", *args], cwd=cwd,
-                            stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
-                            env={**env, "TERM": "xterm-256color"})
-    os.close(slave)
-    chunks, deadline = [], time.monotonic() + 240
-    try:
-        while time.monotonic() < deadline:
-            if select.select([master], [], [], 0.2)[0]:
-                try:
-                    data = os.read(master, 65536)
-                except OSError:  # EIO: the program closed the terminal
-                    break
-                if not data:
-                    break
-                chunks.append(data)
-            elif proc.poll() is not None:
-                break
-        assert proc.wait(timeout=max(1.0, deadline - time.monotonic())) == 0
-    finally:
-        proc.kill()
-        os.close(master)
-    text = ANSI.sub("", b"".join(chunks).decode(errors="replace"))
-    return [line for line in re.split(r"[\r\n]", text) if line.strip()]
+    code, shown = run_on_a_terminal([sys.executable, "-m", "meshtrain", "simulate", *args], cwd,
+                                    {**env, "TERM": "xterm-256color"}, columns=columns)
+    assert code == 0, shown[-2000:]
+    return [line for line in re.split(r"[\r\n]", ANSI.sub("", shown)) if line.strip()]
 
 
 @pytest.mark.parametrize("args, columns, shows_rate", [
