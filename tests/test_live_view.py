@@ -294,6 +294,33 @@ def test_live_output_shows_the_panel_above_the_latest_lines() -> None:
     assert out.tail(0)[-1] == "line 29"
 
 
+def test_on_an_80_column_terminal_every_hosts_numbers_are_whole() -> None:
+    """macOS Terminal opens at 80x24: the panel's 11 columns had been cut to "stu…",
+    "123…", "2.3…". There each host is a line with its numbers under it, each after its
+    name, and the latest log lines still fill what is left of the screen."""
+    now = [50.0]
+    out = LiveOutput(["studio-1", "macbook-air"], stream=io.StringIO(), force_terminal=True,
+                     clock=lambda: now[0])
+    out.console.size = (80, 24)  # type: ignore[assignment]
+    for rank in range(2):
+        out.watch(rank, SimpleNamespace(last_beat=48.0))
+        out.line(rank, "x" + frame(RankStatus(1234, 5000, 2.3456, steps_per_second=12.3,
+                                              bytes_sent=123_456_789, rss_bytes=2_345_678_901,
+                                              last_sync=1200, cpu_percent=98.0)))
+    for i in range(30):
+        out.line(0, f"line {i}")
+    console = Console(record=True, width=80, file=io.StringIO())
+    console.print(out.renderable())
+    lines = console.export_text().splitlines()
+    assert "…" not in "\n".join(lines) and max(len(line) for line in lines) <= 80, lines
+    for name in ("studio-1", "macbook-air"):
+        below = " ".join(lines[lines.index(name) + 1:lines.index(name) + 4])
+        for cell in ("rank ", "state training", "step 1234/5000", "loss 2.3456", "steps/s 12.3",
+                     "last sync 1200", "sent 123.46 MB", "CPU 98 %", "memory 2.35 GB", "heard 0.0 s"):
+            assert cell in below, (cell, lines)
+    assert re.fullmatch(r"studio-1 r0 +\| line 29", lines[-1]) and len(lines) == 23, lines  # a line spare
+
+
 # --------------------------------------------------------------------------- end to end
 # Runs under an interactive terminal, as a user would: a pty sized 200x50.
 TERMINAL_ENV = {"TERM": "xterm-256color", "COLUMNS": "200", "LINES": "50"}

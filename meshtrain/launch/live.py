@@ -53,6 +53,7 @@ from meshtrain.launch.output import (
 )
 from meshtrain.observers import FINISHING, STARTING, TRAINING, NodeRow, NodeUpdate
 from meshtrain.progress import human_bytes
+from meshtrain.tables import fitted
 
 STATE_STYLES = {STARTING: "dim", TRAINING: "green", FINISHING: "cyan", DONE: "bold green",
                 FAILED: "bold red", LOST: "bold red", STOPPED_STATE: "yellow"}
@@ -193,8 +194,11 @@ class LiveOutput(RankOutput):
             for rank, source in self._sources.items():
                 self.view.heard(rank, source.last_beat)
             table = render_cluster(self.view, now, self.title)
-            room = max(3, self.console.height - len(self.view.rows) - 7)
-            return Group(table, *list(self.log)[-room:])
+            panel = fitted(table, self.console)  # on a narrow terminal, a line or two per host
+            # Under the panel, as many log lines as the terminal has room for.
+            height = len(panel.renderables) if isinstance(panel, Group) else len(self.view.rows) + 6
+            room = max(3, self.console.height - height - 1)
+            return Group(panel, *list(self.log)[-room:])
 
     def _show(self, rank: int, text: str) -> None:
         self.view.heard(rank, self.clock())
