@@ -49,6 +49,26 @@ def clock(seconds: float) -> str:
     return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
 
 
+def bar_layout(width: int, widths: dict[str, int], optional: tuple[str, ...]) -> tuple[int | None, list[str]]:
+    """Which of a progress bar's columns to show on a terminal ``width`` wide, and the bar's
+    width (None: what the other columns leave it). ``widths`` are the columns, in order, at
+    their widest ("bar" among them, its width ignored). All of them beside a bar of
+    :data:`BAR_WIDTH` where they fit; else the ``optional`` ones go, in that order, until
+    the rest fit beside a bar of :data:`MIN_BAR_WIDTH`, so the bar stays one line."""
+    shown = list(widths)
+
+    def room(bar: int) -> bool:  # the columns, one space apart, and a bar this wide
+        return sum(bar if name == "bar" else widths[name] for name in shown) + len(shown) - 1 <= width
+
+    if room(BAR_WIDTH):
+        return BAR_WIDTH, shown
+    for name in optional:
+        if room(MIN_BAR_WIDTH):
+            break
+        shown.remove(name)
+    return None, shown
+
+
 def _one_line() -> Column:
     return Column(no_wrap=True)
 
@@ -120,27 +140,14 @@ class Progress:
         return self
 
     def layout(self, width: int) -> tuple[int | None, list[str]]:
-        """The bar's width (None: what the other columns leave) and its columns, by name,
-        for a terminal ``width`` wide. Every column keeps to one line: where they would not
-        fit beside a bar of :data:`MIN_BAR_WIDTH`, the time since the start goes, then the
-        rate (the plain lines of log.txt keep both). At 80 columns the bar had wrapped
-        "steps/s" onto a line of its own, and cut "2000/2000" to "2000/…"."""
+        """The bar's width and its columns, by name, for a terminal ``width`` wide
+        (:func:`bar_layout`): at 80 columns the bar had wrapped "steps/s" onto a line of its
+        own, and cut "2000/2000" to "2000/…"; log.txt's plain lines keep every number."""
         digits = len(str(self.total))
-        widths = {"title": len(self.title), "count": 2 * digits + 1, "loss": len("loss 0.0000"),
-                  "sent": len("sent 999.99 kB"), "rate": len("9999.99 steps/s"), "since": len("0:00:00"),
-                  "left": len("left"), "remaining": len("0:00:00")}
-        shown = ["title", "bar", "count", "loss", "sent", "rate", "since", "left", "remaining"]
-
-        def room(bar: int) -> bool:  # the columns, one space apart, and a bar this wide
-            return sum(widths.get(name, bar) for name in shown) + len(shown) - 1 <= width
-
-        if room(BAR_WIDTH):
-            return BAR_WIDTH, shown
-        for optional in ("since", "rate"):
-            if room(MIN_BAR_WIDTH):
-                break
-            shown.remove(optional)
-        return None, shown
+        return bar_layout(width, {
+            "title": len(self.title), "bar": 0, "count": 2 * digits + 1, "loss": len("loss 0.0000"),
+            "sent": len("sent 999.99 kB"), "rate": len("9999.99 steps/s"), "since": len("0:00:00"),
+            "left": len("left"), "remaining": len("0:00:00")}, optional=("since", "rate"))
 
     def rate(self, step: int) -> float | None:
         """Steps per second since the bar started (None before the first step)."""
@@ -251,8 +258,23 @@ class Status:
         done = 0
         bar: RichProgress | None = None
         if self.enabled and sys.stdout.isatty():
-            bar = RichProgress(TextColumn(message), BarColumn(), MofNCompleteColumn(), RateColumn(unit),
-                               SinceColumn(time.time()), TextColumn("left"), TimeRemainingColumn())
+            # On a narrow terminal the message goes on a line of its own above the bar.
+            bar_width, shown = bar_layout(get_console().width, {
+                "message": len(message), "bar": 0, "count": 2 * len(str(total)) + 1,
+                "rate": len(f"9999.99 {unit}/s"), "since": len("0:00:00"), "left": len("left"),
+                "remaining": len("0:00:00")}, optional=("message", "since", "rate"))
+            if "message" not in shown:
+                self.line(message)
+            columns = {
+                "message": TextColumn(message, table_column=_one_line()),
+                "bar": BarColumn(bar_width=bar_width),
+                "count": MofNCompleteColumn(table_column=_one_line()),
+                "rate": RateColumn(unit),
+                "since": SinceColumn(time.time()),
+                "left": TextColumn("left", table_column=_one_line()),
+                "remaining": TimeRemainingColumn(table_column=_one_line()),
+            }
+            bar = RichProgress(*(columns[name] for name in shown), expand=bar_width is None)
             bar.__enter__()
             task = bar.add_task(message, total=total)
         else:

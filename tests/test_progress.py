@@ -107,3 +107,32 @@ def test_the_bar_is_one_whole_line_on_a_narrow_terminal(args: list[str], columns
     assert f"{steps}/{steps} loss " in last and " sent " in last and " left 0:00:00" in last, last
     assert ("steps/s" in last) == shows_rate, last
     assert (re.search(r"steps/s \d+:\d\d:\d\d left", last) is not None) == (columns >= 120), last
+
+
+ITEMS_PROGRAM = """
+import time
+from meshtrain.progress import Status
+
+with Status().items("checking and computing features of 12 training clips", 12, "clips") as advance:
+    for _ in range(12):
+        time.sleep(0.05)
+        advance()
+"""
+
+
+@pytest.mark.parametrize("columns", [80, 160])
+def test_a_phase_over_items_shows_its_message_and_bar_whole(columns: int, tmp_path: Path) -> None:
+    """At 80 columns a Whisper run's "checking and computing features of 12 training clips"
+    bar had been cut to "0…", "clips…", "le…": there the message is a line of its own and
+    the bar is under it; where there is room, they share the line as before."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    code, shown = run_on_a_terminal([sys.executable, "-c", ITEMS_PROGRAM], tmp_path,
+                                    {**env, "TERM": "xterm-256color"}, columns=columns, timeout=120)
+    assert code == 0, shown
+    frames = [line for line in re.split(r"[\r\n]", ANSI.sub("", shown)) if line.strip()]
+    assert all(len(f.rstrip()) <= columns and "…" not in f for f in frames), frames
+    bars = [f for f in frames if "/12" in f]
+    assert bars and " 12/12 " in bars[-1] and "clips/s" in bars[-1] and "left 0:00:00" in bars[-1], bars
+    message = "checking and computing features of 12 training clips"
+    assert (message in frames) == (columns == 80), frames  # its own line only where narrow
+    assert all(message in f for f in bars) == (columns == 160), bars
