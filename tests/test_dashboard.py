@@ -166,6 +166,28 @@ def test_finished_run_directories_and_bad_ones(tmp_path: Path) -> None:
         state.add_run_directory(result.run_dir)
 
 
+def test_a_folder_of_runs_and_comparisons_shows_every_run_named_as_runs_names_it(tmp_path: Path) -> None:
+    """`meshtrain dashboard runs/` after a `meshtrain compare` had said "holds no run
+    directory": the comparison's runs are one folder deeper. Now they are shown, each named
+    after its comparison folder as `meshtrain runs` lists it (two comparisons' "ddp" apart)."""
+    fit = dict(nodes=2, max_steps=4, batch_size=8, progress=False)
+    Trainer(MLP(), regression_data()).fit(out_dir=str(tmp_path / "runs"), run_id="plain", **fit)
+    for folder in ("compare-a", "compare-b"):
+        for strategy in ("ddp", "diloco"):
+            Trainer(MLP(), regression_data()).fit(out_dir=str(tmp_path / "runs" / folder), run_id=strategy,
+                                                  **fit)
+        (tmp_path / "runs" / folder / "comparison.json").write_text("{}")
+    found = find_run_directories(tmp_path / "runs")
+    assert [str(p.relative_to(tmp_path / "runs")) for p in found] == [
+        "compare-a/ddp", "compare-a/diloco", "compare-b/ddp", "compare-b/diloco", "plain"]
+    state = DashboardState(Clock())
+    for run_dir in found:
+        state.add_run_directory(run_dir)
+    assert [r["id"] for r in state.snapshot()["runs"]] == [
+        "compare-a/ddp", "compare-a/diloco", "compare-b/ddp", "compare-b/diloco", "plain"]
+    assert find_run_directories(tmp_path / "runs" / "compare-a") == found[:2]  # one comparison
+
+
 def test_rows_show_cpu_gpu_memory_and_each_nodes_share_live_and_finished(tmp_path: Path) -> None:
     state = DashboardState(Clock())
     live = state.live_run("r2", ["studio", "air"], "launch")

@@ -224,6 +224,8 @@ class DashboardState:
         steps = summary.get("steps") if isinstance(summary.get("steps"), int) else None
         with self._lock:
             run_id = str(summary.get("run_id") or run_dir.name)
+            if (run_dir.parent / "comparison.json").is_file():  # "compare-.../ddp", as `runs` names it
+                run_id = f"{run_dir.parent.name}/{run_id}"
             while run_id in self.runs:  # two folders holding runs of one id
                 run_id += "'"
             run = RunState(run_id, [f"node {r}" for r in range(nodes)], kind="finished", clock=self.clock,
@@ -348,12 +350,18 @@ def read_run_directory(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any], l
 
 
 def find_run_directories(path: Path) -> list[Path]:
-    """``path`` itself if it is a run directory, else the run directories inside it."""
+    """``path`` itself if it is a run directory, else the run directories inside it and
+    inside the comparison folders it holds (as ``meshtrain runs`` lists them)."""
     if (path / "summary.json").is_file():
         return [path]
     if not path.is_dir():
         raise RunDirError(f"{path}: no such run directory")
-    found = sorted(p for p in path.iterdir() if p.is_dir() and (p / "summary.json").is_file())
+    found: list[Path] = []
+    for child in sorted(p for p in path.iterdir() if p.is_dir()):
+        if (child / "summary.json").is_file():
+            found.append(child)
+        elif (child / "comparison.json").is_file():  # meshtrain compare's folder of runs
+            found += sorted(p for p in child.iterdir() if p.is_dir() and (p / "summary.json").is_file())
     if not found:
         raise RunDirError(f"{path}: holds no run directory (a folder with summary.json and metrics.csv)")
     return found
