@@ -153,3 +153,16 @@ def list_runs(folder: str | Path) -> Listing:
             except RunError as exc:
                 listing.unfinished.append((child, str(exc).removeprefix(f"{child}: ")))
     return listing
+
+
+def load_runs(path: str | Path) -> list[FinishedRun]:
+    """The run directory ``path``, or every finished run in a folder of them (a comparison
+    folder, ``runs/``: as :func:`list_runs` finds them). :class:`RunError` naming ``path``
+    if it is a damaged run, or a folder holding no finished run."""
+    folder = Path(path)
+    if not folder.is_dir() or any((folder / name).is_file() for name in REQUIRED):
+        return [load_run(folder)]  # a run directory, or what was meant as one: its error
+    found = list_runs(folder).finished
+    if not found:
+        raise RunError(f"{folder}: not a finished run, nor a folder holding one")
+    return found

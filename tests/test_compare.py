@@ -302,3 +302,30 @@ def test_no_run_of_a_comparison_pays_the_processs_first_imports(tmp_path: Path) 
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == "[[], []]", proc.stdout
+
+
+def test_plot_takes_a_comparison_folder_for_all_its_runs(compared, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """`meshtrain plot runs/compare-...` had said "not a finished run": a folder of runs is
+    all of them, a comparison folder or runs/ itself; an empty folder is one line."""
+    folder, _ = compared
+    from meshtrain.cli import research
+
+    drawn: list[list[str]] = []
+    real = research.plot_runs
+
+    def recording(runs, out, target):  # noqa: ANN001, ANN202 - the real one's arguments
+        drawn.append(sorted(run.path.name for run in runs))
+        return real(runs, out, target)
+
+    monkeypatch.setattr(research, "plot_runs", recording)
+    result = runner.invoke(app, ["plot", str(folder), "--out", str(tmp_path / "plots")])
+    assert result.exit_code == 0, result.output
+    assert drawn == [sorted(STRATEGIES)] and (tmp_path / "plots" / "val_loss_vs_steps.png").is_file()
+    result = runner.invoke(app, ["plot", str(folder.parent), "--out", str(tmp_path / "plots")])
+    assert result.exit_code == 0 and drawn[-1] == sorted(STRATEGIES), result.output  # runs/ itself
+    (tmp_path / "empty").mkdir()
+    result = runner.invoke(app, ["plot", str(tmp_path / "empty")])
+    assert result.exit_code == 2
+    message = f"error: {tmp_path / 'empty'}: not a finished run, nor a folder holding one"
+    assert result.output.strip() == message

@@ -23,7 +23,7 @@ from meshtrain.config.spec import RunSpec
 from meshtrain.errors import SettingError
 from meshtrain.plots import plot_runs
 from meshtrain.progress import human_bytes
-from meshtrain.runs import FinishedRun, RunError, list_runs, load_run
+from meshtrain.runs import FinishedRun, RunError, list_runs, load_runs
 
 
 @takes_settings(COMPARE)
@@ -122,13 +122,14 @@ def _ratio(ratio: float | None, strategy: str) -> str:
 
 @takes_options(PlotSettings, PLOT)
 def plot(run_dirs: list[Path] = typer.Argument(..., metavar="RUN_DIR",
-                                               help="Finished run directories to draw."),
+                                               help="Finished run directories to draw, or folders of them "
+                                                    "(a comparison folder: all its runs)."),
          **options: Any) -> None:
     """Plot finished runs: val loss against steps, bytes sent per node and projected time."""
     how = checked_options(PlotSettings, options)
     out = Path(how.out)
     try:
-        runs = [load_run(d) for d in run_dirs]
+        runs = [run for d in run_dirs for run in load_runs(d)]
     except RunError as exc:
         raise fail_on(exc) from None
     if not any(run.validation() for run in runs):
