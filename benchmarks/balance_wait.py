@@ -25,8 +25,9 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from rich.console import Console
 from rich.table import Table
+
+from meshtrain.tables import print_fitted
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from cpu_limits import CpuGroup, cpu_cgroups  # noqa: E402
@@ -103,7 +104,7 @@ def main() -> None:
                       f"{statistics.median(r[1] for r in found):.1%}",
                       f"{statistics.median(r[0] - r[1] for r in found):.1%}",
                       f"{statistics.median(r[2] for r in found):.4f}")
-    Console(width=200).print(table)
+    print_fitted(table, piped_width=200)
 
 
 if __name__ == "__main__":

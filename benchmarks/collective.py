@@ -30,6 +30,7 @@ from rich.table import Table
 
 from meshtrain.comm import torch_dist
 from meshtrain.comm.torch_dist import TorchDistCommunicator, host_loopback_store, init_process_group
+from meshtrain.tables import print_fitted
 
 SIZES = [64 * 2**10, 256 * 2**10, 2**20, 1_680_000, 4 * 2**20, 16 * 2**20]
 
@@ -117,7 +118,7 @@ def main() -> None:
     for nbytes, ours, theirs in rows:
         table.add_row(f"{nbytes / 1e6:.3f} MB", f"{ours * 1e3:.2f}", f"{theirs * 1e3:.2f}",
                       f"{ours / theirs:.2f}x")
-    console.print(table)
+    print_fitted(table, piped_width=140)
 
 
 if __name__ == "__main__":

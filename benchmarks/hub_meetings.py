@@ -24,11 +24,11 @@ from collections.abc import Callable
 from types import ModuleType
 
 import torch
-from rich.console import Console
 from rich.table import Table
 from runtimes import medians
 
 import meshtrain.comm.threads as this_hub
+from meshtrain.tables import print_fitted
 
 
 def other_hub(checkout: str) -> ModuleType:
@@ -117,7 +117,7 @@ def main() -> None:
     for kind, runs in samples.items():
         wall, cpu = medians(runs)
         table.add_row(kind, f"{wall:.3f} s", f"{cpu:.3f}", f"{(wall - base) / args.meetings * 1e3:.3f} ms")
-    Console(width=160).print(table)
+    print_fitted(table, piped_width=160)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable
 
 import torch
-from rich.console import Console
 from rich.table import Table
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -39,6 +38,7 @@ from meshtrain import Trainer
 from meshtrain.comm import ThreadCommunicator, ThreadHub
 from meshtrain.engine.callbacks import node_replica
 from meshtrain.strategies import DDP, DiLoCo, Optim, Strategy
+from meshtrain.tables import print_fitted
 from meshtrain.tasks.gpt import CharGPT, CharWindows
 
 NODES, BATCH, SAMPLES = 4, 32, 20_000
@@ -249,7 +249,7 @@ def scale(nodes: int, steps: int, batch: int, concurrent_nodes: int | None = Non
         table.add_row(strategy, f"{compute * 1e3:.2f} ms", f"{overhead * 1e3:.3f} ms{spread}",
                       f"{overhead / compute:.1%}", f"{state / 2**20:.2f} MiB",
                       f"{rss[strategy] / 2**20:.2f} MiB")
-    Console(width=200).print(table)
+    print_fitted(table, piped_width=200)
     print("node state: each node's own parameters, gradients and strategy state, counted by storage; "
           "the dataset is one object all nodes read. Peak RSS growth: the process's peak resident "
           "memory over the benchmark, per node (activations and allocator slack included), after "
@@ -305,7 +305,7 @@ def breakdown(data: TensorDataset, steps: int, repeats: int) -> None:
     for name, runs in samples.items():
         wall, cpu = medians(runs)
         table.add_row(name, f"{wall:.2f} s", f"{wall / base:.2f}x", f"{cpu:.2f}")
-    Console(width=200).print(table)
+    print_fitted(table, piped_width=200)
 
 
 def _max_rss_bytes() -> int:
@@ -410,7 +410,7 @@ def main() -> None:
                 row.append(f"{cpu[strategy, kind] / cpu[strategy, 'plain']:.2f}x "
                            f"({cpu[strategy, kind]:.2f} s)")
         table.add_row(*row)
-    Console(width=240).print(table)
+    print_fitted(table, piped_width=240)
     # On a loaded machine the scheduler gives 4 node threads more of the cores than one
     # plain thread, so wall ratios flatter the threads runtime; CPU seconds do not.
     print("CPU s: CPU time of this process (every thread); node processes are not counted.")

@@ -388,8 +388,9 @@ def profile_cpu(world: SshWorld, folder: Path, invs: list[Path], links: list[str
 
 def print_cpu_table(title: str, inside: dict[tuple[str, str], list[float]],
                     whole: dict[tuple[str, str], list[float]], window: float, wall: float, runs: int) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from meshtrain.tables import print_fitted
 
     table = Table(title=f"{title}: CPU seconds (medians) in the training window ({window:.2f} s) and "
                         f"over the whole launch ({wall:.2f} s)")
@@ -403,14 +404,15 @@ def print_cpu_table(title: str, inside: dict[tuple[str, str], list[float]],
         w = median([sum(v[i] for (k, _), v in inside.items() if k == kind) for i in range(runs)])
         a = median([sum(v[i] for (k, _), v in whole.items() if k == kind) for i in range(runs)])
         table.add_row(f"[bold]{kind}[/]", "[bold]all[/]", f"{w:.2f}", f"{w / window:.1%}", f"{a:.2f}")
-    Console(width=200).print(table)
+    print_fitted(table, piped_width=200)
 
 
 def print_table(cells: list[Cell], hosts: int, steps: int, probes: dict[str, float]) -> None:
     """The medians per link and strategy, with each projection's error against the measured
     K-host time. ``probes``: the compute probe's step seconds of each link's cluster file."""
-    from rich.console import Console
     from rich.table import Table
+
+    from meshtrain.tables import print_fitted
 
     table = Table(title=f"gpt task (413,312 parameters), batch 32 per host, {steps} steps, 1 vs {hosts} "
                         f"namespace hosts, one core each; medians; seconds per {steps} steps after "
@@ -438,7 +440,7 @@ def print_table(cells: list[Cell], hosts: int, steps: int, probes: dict[str, flo
             f"{planned:.2f} s",
             f"{(planned - tk) / tk:+.0%}", f"{hosts * probe / planned:.2f}x",
             f"{min(loads):.1f}-{max(loads):.1f}")
-    Console(width=250).print(table)
+    print_fitted(table, piped_width=250)
     print(f"cores here: {os.cpu_count()}; load average now {os.getloadavg()[0]:.1f}")
     # Issue 19.3 and 17.1's checks, here rather than in a test: on a loaded machine they
     # cannot hold reliably (the load changes between the probe, the 1-host and the K-host runs).

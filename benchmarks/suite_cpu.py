@@ -90,8 +90,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 def report(folder: Path, top: int) -> None:
     """The files and the tests that used the most CPU, from a run's records."""
-    from rich.console import Console
     from rich.table import Table
+
+    from meshtrain.tables import print_fitted
 
     records = [json.loads(line) for path in sorted(folder.glob("*.jsonl")) for line in path.open()]
     if not records:
@@ -100,19 +101,18 @@ def report(folder: Path, top: int) -> None:
     per_file: Counter[str] = Counter()
     for r in records:
         per_file[r["test"].split("::")[0]] += r["cpu"]
-    console = Console(width=200)
     files = Table(title=f"CPU s per file ({len(records)} tests, {total:,.0f} s)")
     for column in ("file", "CPU s", "share"):
         files.add_column(column, justify="left" if column == "file" else "right")
     for name, cpu in per_file.most_common(top):
         files.add_row(name, f"{cpu:.1f}", f"{cpu / total:.1%}")
-    console.print(files)
+    print_fitted(files, piped_width=200)
     tests = Table(title=f"The {top} tests that used the most CPU")
     for column in ("test", "CPU s"):
         tests.add_column(column, justify="left" if column == "test" else "right")
     for r in sorted(records, key=lambda r: -r["cpu"])[:top]:
         tests.add_row(r["test"], f"{r['cpu']:.1f}")
-    console.print(tests)
+    print_fitted(tests, piped_width=200)
 
 
 if __name__ == "__main__":

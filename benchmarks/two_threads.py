@@ -22,9 +22,10 @@ import threading
 import time
 
 import torch
-from rich.console import Console
 from rich.table import Table
 from runtimes import _plain_loop, make_data, medians
+
+from meshtrain.tables import print_fitted
 
 
 def one_copy(steps: int) -> tuple[float, float]:
@@ -85,7 +86,7 @@ def main() -> None:
         wall, cpu = medians(samples)
         speedup = "" if name == "one copy alone" else f"{2 * alone / wall:.2f}x"
         table.add_row(name, f"{wall:.2f} s", f"{cpu:.2f} s", speedup)
-    Console(width=140).print(table)
+    print_fitted(table, piped_width=140)
 
 
 if __name__ == "__main__":

@@ -33,13 +33,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from rich.console import Console
 from rich.table import Table
 from torch import nn
 from torch.utils.data import Dataset
 
 from meshtrain import Trainer
 from meshtrain.strategies import DDP, DiLoCo, Strategy
+from meshtrain.tables import print_fitted
 from meshtrain.tasks.digits import DigitsMLP, load_digits_split
 from meshtrain.tasks.gpt import CharGPT, CharWindows
 
@@ -124,7 +124,7 @@ def main() -> None:
         table.add_column(col, justify="left" if col in ("workload", "strategy") else "right")
     for row in rows:
         table.add_row(*row)
-    Console(width=220).print(table)
+    print_fitted(table, piped_width=220)
 
 
 if __name__ == "__main__":

@@ -20,10 +20,10 @@ import time
 from collections.abc import Callable
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from meshtrain.engine.runtimes.vmap import _loss_function, _nodes_per_chunk
+from meshtrain.tables import print_fitted
 from meshtrain.tasks.gpt import CharGPT, CharWindows
 
 
@@ -81,7 +81,7 @@ def main() -> None:
         cpu = statistics.median(v[0] for v in values)
         faults = statistics.median(v[1] for v in values)
         table.add_row(name, f"{cpu:.3f}", f"{cpu / base:.2f}x", f"{faults:,.0f}")
-    Console(width=200).print(table)
+    print_fitted(table, piped_width=200)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ import multiprocessing as mp
 import time
 
 import torch
-from rich.console import Console
 from rich.table import Table
+
+from meshtrain.tables import print_fitted
 
 
 def _trial(function: str, threads: int, resolve: bool, results: mp.SimpleQueue) -> None:  # type: ignore[type-arg]
@@ -76,7 +77,7 @@ def main() -> None:
         fixed = _run(function, args.threads, True, args.trials, args.concurrent)
         table.add_row(function, f"{plain[0]} of {plain[1]}", f"{plain[2]:.2g}" if plain[0] else "-",
                       f"{fixed[0]} of {fixed[1]}")
-    Console().print(table)
+    print_fitted(table)
     print(f"{time.perf_counter() - start:.0f} s; torch {torch.__version__}, "
           f"{torch.__config__.show().splitlines()[3].strip()[2:60]}")
 

@@ -125,6 +125,8 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from meshtrain.tables import print_fitted
+
     console = Console()
     if args.savers:
         rows = [(m, int(n)) for n in args.nodes.split(",")
@@ -169,7 +171,7 @@ def main() -> None:
         if gpu:
             cells += [f"{result['gpu_gb']:.2f}", "" if extra_gpu is None else f"{extra_gpu:.2f}"]
         table.add_row(*cells, f"{result['seconds']:.0f}")
-    console.print(table)
+    print_fitted(table)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ its column's header ("loss 2.3456  sent 123.46 MB"), packed into lines without s
 
 from __future__ import annotations
 
+import sys
+
 from rich.console import Console, Group, RenderableType
 from rich.measure import Measurement
 from rich.padding import Padding
@@ -51,10 +53,23 @@ def _packed(pieces: list[Text], width: int) -> list[list[Text]]:
 
 
 def _texts(column: Column) -> list[Text]:
-    return [cell if isinstance(cell, Text) else Text(str(cell)) for cell in column.cells]
+    # A str cell is rich markup, as the table itself would render it ("[bold]ranks[/]").
+    return [cell if isinstance(cell, Text) else Text.from_markup(str(cell)) for cell in column.cells]
 
 
 def _narrowest(table: Table, console: Console) -> int:
     """The fewest columns ``table`` needs to show every word whole (rich's measure of a
     table never exceeds the width it is given: given no bound, it says what it needs)."""
     return Measurement.get(console, console.options.update_width(10**6), table).minimum
+
+
+def print_fitted(table: Table, *, piped_width: int | None = None) -> None:
+    """Print ``table`` on stdout: on a terminal :func:`fitted` to its width; piped (a file,
+    a log, a table copied into the README) as wide as ``piped_width`` (rich's default where
+    None), exactly as before. The benchmarks' tables, 140-250 columns wide, had been printed
+    at that width on an 80-column terminal too, every line wrapped by the terminal."""
+    if sys.stdout.isatty():
+        console = Console()
+        console.print(fitted(table, console))
+    else:
+        Console(width=piped_width).print(table)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import typer
+from terminal import ANSI, run_on_a_terminal
 from typer.testing import CliRunner
 
 from meshtrain.cli.main import app
@@ -170,3 +171,35 @@ def test_the_projected_total_reads_as_the_sum_of_its_parts(monkeypatch: pytest.M
     main.print_summary(summary, tmp_path)
     assert "15.8 s (compute 12 s + communication 3.5 s + waiting for the slowest host 0.25 s)" \
         in capsys.readouterr().out
+
+
+WIDE_TABLE_PROGRAM = """
+from rich.table import Table
+from meshtrain.tables import print_fitted
+
+table = Table(title="a benchmark")
+for name in ("strategy", "plain loop", "threads", "threads / plain", "per step", "CPU s", "CPU ratio",
+             "processes", "processes / plain", "per step (processes)"):
+    table.add_column(name)
+table.add_row("[bold]ddp[/]", "1.04 s", "1.57 s", "1.51x", "1.39x (7.19 ms)", "1.04", "1.88x (1.96 s)",
+              "2.35 s", "2.26x", "1.89x (9.80 ms)")
+print_fitted(table, piped_width=200)
+"""
+
+
+def test_a_benchmarks_table_fits_the_terminal_and_stays_whole_when_piped(tmp_path: Path) -> None:
+    """`python benchmarks/runtimes.py` printed its 240-column table at 240 columns on an
+    80-column terminal too (every line wrapped by the terminal); piped, a table keeps the
+    width the README's copies of it have."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    code, shown = run_on_a_terminal([sys.executable, "-c", WIDE_TABLE_PROGRAM], tmp_path,
+                                    {**env, "TERM": "xterm-256color"}, columns=80, timeout=120)
+    lines = [line.rstrip() for line in ANSI.sub("", shown).replace("\r", "").splitlines() if line.strip()]
+    assert code == 0 and lines[:2] == ["a benchmark", "ddp"], lines
+    assert max(len(line) for line in lines) <= 80 and "…" not in shown and "[bold]" not in shown, lines
+    joined = " ".join(lines)
+    assert "processes / plain 2.26x" in joined and "per step (processes) 1.89x (9.80 ms)" in joined
+    piped = subprocess.run([sys.executable, "-c", WIDE_TABLE_PROGRAM], capture_output=True, text=True,
+                           env=env, timeout=120)
+    assert piped.returncode == 0 and "┃ processes / plain ┃" in piped.stdout, piped.stdout
+    assert max(len(line) for line in piped.stdout.splitlines()) > 80  # the whole table, one row a line
