@@ -73,6 +73,22 @@ def _one_line() -> Column:
     return Column(no_wrap=True)
 
 
+def _rich_bar(shown: list[str], bar_width: int | None, unit: str, began: float,
+              own: dict[str, ProgressColumn]) -> RichProgress:
+    """A rich progress bar of the columns ``shown`` (:func:`bar_layout`'s names): the bar,
+    count, rate and clocks every bar here has, and the bar's ``own`` columns."""
+    columns: dict[str, ProgressColumn] = {
+        "bar": BarColumn(bar_width=bar_width),
+        "count": MofNCompleteColumn(table_column=_one_line()),
+        "rate": RateColumn(unit),
+        "since": SinceColumn(began),
+        "left": TextColumn("left", table_column=_one_line()),
+        "remaining": TimeRemainingColumn(table_column=_one_line()),
+        **own,
+    }
+    return RichProgress(*(columns[name] for name in shown), expand=bar_width is None)
+
+
 class SinceColumn(ProgressColumn):
     """Time since ``began`` (the wall-clock time the work started, before the bar
     appeared): loading and checking count, so the clock never restarts at 0:00."""
@@ -121,18 +137,10 @@ class Progress:
     def __enter__(self) -> Progress:
         if self.interactive:
             bar_width, shown = self.layout(get_console().width)
-            columns = {
+            self._bar = _rich_bar(shown, bar_width, "steps", self.began, {
                 "title": TextColumn("[bold]{task.description}", table_column=_one_line()),
-                "bar": BarColumn(bar_width=bar_width),
-                "count": MofNCompleteColumn(table_column=_one_line()),
                 "loss": TextColumn("loss {task.fields[loss]:.4f}", table_column=_one_line()),
-                "sent": TextColumn("sent {task.fields[sent]}", table_column=_one_line()),
-                "rate": RateColumn("steps"),
-                "since": SinceColumn(self.began),
-                "left": TextColumn("left", table_column=_one_line()),
-                "remaining": TimeRemainingColumn(table_column=_one_line()),
-            }
-            self._bar = RichProgress(*(columns[name] for name in shown), expand=bar_width is None)
+                "sent": TextColumn("sent {task.fields[sent]}", table_column=_one_line())})
             self._bar.__enter__()
             self._task = self._bar.add_task(self.title, total=self.total, completed=self._first_step,
                                             loss=float("nan"), sent="0 B")
@@ -265,16 +273,8 @@ class Status:
                 "remaining": len("0:00:00")}, optional=("message", "since", "rate"))
             if "message" not in shown:
                 self.line(message)
-            columns = {
-                "message": TextColumn(message, table_column=_one_line()),
-                "bar": BarColumn(bar_width=bar_width),
-                "count": MofNCompleteColumn(table_column=_one_line()),
-                "rate": RateColumn(unit),
-                "since": SinceColumn(time.time()),
-                "left": TextColumn("left", table_column=_one_line()),
-                "remaining": TimeRemainingColumn(table_column=_one_line()),
-            }
-            bar = RichProgress(*(columns[name] for name in shown), expand=bar_width is None)
+            bar = _rich_bar(shown, bar_width, unit, time.time(),
+                            {"message": TextColumn(message, table_column=_one_line())})
             bar.__enter__()
             task = bar.add_task(message, total=total)
         else:
