@@ -8,6 +8,7 @@ that fails leaves nothing half-written behind.
 from __future__ import annotations
 
 import csv
+import fcntl
 import io
 import json
 import math
@@ -72,9 +73,12 @@ def new_run_id(strategy: str, nodes: int) -> str:
 class RunDirectory:
     """Writes one run's outputs; :meth:`commit` makes them visible all at once.
 
-    :meth:`reserve` claims the name before training starts (an exclusive mkdir of the
-    hidden ``.<run-id>.partial`` folder), so two runs started in the same second get
-    different ids and an unwritable ``--out`` is reported before the first step.
+    :meth:`reserve` claims the name before training starts (the hidden
+    ``.<run-id>.partial`` folder, made and then locked), so two runs started in the same
+    second get different ids and an unwritable ``--out`` is reported before the first step.
+    The claim is an exclusive ``flock`` on that folder, held open for the run's life: the
+    kernel drops it with the process, however it ends (SIGKILL, the OOM killer, a power
+    cut), so the folder of a dead run is a stale claim that the next run of its id takes over.
     """
 
     def __init__(self, out_dir: Path, run_id: str) -> None:
@@ -82,6 +86,7 @@ class RunDirectory:
         self.run_id = run_id
         self.final = out_dir / run_id
         self.partial = out_dir / f".{run_id}.partial"
+        self._claim: int | None = None  # the locked folder's descriptor while the run holds it
 
     @classmethod
     def reserve(cls, out_dir: Path, run_id: str | None, strategy: str, nodes: int) -> RunDirectory:
@@ -105,15 +110,41 @@ class RunDirectory:
                     raise FileExistsError(f"run directory {run.final} already exists; "
                                           "pick another --run-id")
                 continue
-            try:
-                run.partial.mkdir()
-            except FileExistsError:
-                if run_id is not None:
-                    raise FileExistsError(f"run id {run_id!r} is in use by a run still going in "
-                                          f"{out_dir}") from None
-                continue
-            return run
+            if run._claim_folder():
+                return run
+            if run_id is not None:
+                raise FileExistsError(f"run id {run_id!r} is in use by a run still going in {out_dir}")
         raise ValueError(f"output folder {out_dir}: no free run id starting {base!r}")
+
+    def _claim_folder(self) -> bool:
+        """Make and lock the hidden folder, or take over one no live process holds (its
+        half-written files are cleared); False if a run still going holds it."""
+        try:
+            self.partial.mkdir()
+        except FileExistsError:
+            pass
+        try:
+            fd = os.open(self.partial, os.O_RDONLY | os.O_DIRECTORY)
+        except (FileNotFoundError, NotADirectoryError):
+            return False  # committed or discarded meanwhile, or not a folder: not ours to take
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self._claim = fd
+        for stale in self.partial.iterdir():  # a dead run's leftovers (none in a new folder)
+            if stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+            else:
+                stale.unlink(missing_ok=True)
+        return True
+
+    def release(self) -> None:
+        """Drop the claim (the run has committed, discarded or kept its folder)."""
+        if self._claim is not None:
+            os.close(self._claim)
+            self._claim = None
 
     def write_config(self, config: dict[str, Any]) -> None:
         atomic_write_text(self.partial / "config.yaml", yaml.safe_dump(config, sort_keys=False))
@@ -183,15 +214,18 @@ class RunDirectory:
 
     def commit(self) -> Path:
         os.replace(self.partial, self.final)
+        self.release()
         return self.final
 
     def discard(self) -> None:
         shutil.rmtree(self.partial, ignore_errors=True)
+        self.release()
 
     def keep_incomplete(self) -> Path:
         """Writing failed part-way (a full disk): keep what was written, visibly marked."""
         target = self.out_dir / f"{self.run_id}.incomplete"
         os.replace(self.partial, target)
+        self.release()
         return target
 
     @property
