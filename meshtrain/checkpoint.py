@@ -90,6 +90,27 @@ def commit(folder: Path, step: int, run_id: str, hashes: dict[int, str], keep: i
     return final
 
 
+def copy_checkpoint(found: Found, folder: Path) -> Path:
+    """Put the checkpoint ``found`` into ``folder`` as well, published by one rename once
+    complete. Files are hard links where the disk allows (a checkpoint's files are never
+    changed in place: each is written anew and renamed), else copies."""
+    final = step_folder(folder, found.step)
+    pending = folder / f".step-{found.step:06d}.copy"
+    shutil.rmtree(pending, ignore_errors=True)
+    pending.mkdir(parents=True)
+    names = [f"node-{r}.pt" for r in found.ranks] + [META]
+    for name in names:
+        try:
+            os.link(found.folder / name, pending / name)
+        except OSError:  # another file system, or one without hard links
+            shutil.copyfile(found.folder / name, pending / name)
+    if final.exists():  # an earlier continuation of the same checkpoint
+        shutil.rmtree(final)
+    os.replace(pending, final)
+    _fsync_dir(folder)
+    return final
+
+
 @dataclass
 class Found:
     """A checkpoint that passed every check."""

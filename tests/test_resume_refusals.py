@@ -86,3 +86,36 @@ def test_what_may_change_still_resumes(stopped: Path, tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "resuming run r after step 4" in result.output
     assert json.loads((tmp_path / "r" / "summary.json").read_text())["steps"] == 10
+
+
+def test_resuming_into_another_run_id_leaves_the_checkpoints_where_they_were(stopped: Path,
+                                                                             tmp_path: Path) -> None:
+    """Resuming run A as run B must not take A's checkpoints: A can be resumed again after,
+    and B's run directory keeps checkpoints of its own."""
+    folder = tmp_path / "r.checkpoints"
+    shutil.copytree(stopped / "stopped" / "r.checkpoints", folder)
+    before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
+    result = runner.invoke(app, ["simulate", "--resume", str(folder), "--run-id", "b", "--steps", "10",
+                                 "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").glob("step-*")) == \
+        ["step-000004", "step-000008"]
+    again = runner.invoke(app, ["simulate", "--resume", str(folder), "--steps", "10", "--no-progress"])
+    assert again.exit_code == 0, again.output
+    assert "resuming run r after step 4" in again.output
+    # Both continuations of the same checkpoint end alike.
+    one = json.loads((tmp_path / "b" / "summary.json").read_text())
+    two = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert one["final_train_loss"] == two["final_train_loss"]
+
+
+def test_a_finished_run_trained_further_under_a_new_id_keeps_its_checkpoints(stopped: Path,
+                                                                            tmp_path: Path) -> None:
+    finished = tmp_path / "r"
+    shutil.copytree(stopped / "runs" / "r", finished)
+    result = runner.invoke(app, ["simulate", "--resume", str(finished), "--run-id", "more", "--steps", "10",
+                                 "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in (finished / "checkpoints").glob("step-*")) == ["step-000004"]
+    assert (tmp_path / "more" / "summary.json").is_file()

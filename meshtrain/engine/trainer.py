@@ -196,8 +196,14 @@ def _checkpoint_folder(config: TrainConfig, run_id: str, resume: checkpoint.Foun
     """Where this run's checkpoints go (created), or None without ``checkpoint_every``."""
     if not config.checkpoint_every:
         return None
-    checkpoints = resume.folder.parent if resume else checkpoint.checkpoint_folder(config.out_dir, run_id)
+    checkpoints = checkpoint.checkpoint_folder(config.out_dir, run_id)
     checkpoints.mkdir(parents=True, exist_ok=True)
+    if resume is not None and resume.folder.parent.resolve() != checkpoints.resolve():
+        # Another run's checkpoints (or a finished run's): this run starts a folder of its
+        # own from a copy of the one it continues, and leaves theirs where they are, so the
+        # run it came from can still be resumed (a finished run moves its folder into its
+        # run directory).
+        checkpoint.copy_checkpoint(resume, checkpoints)
     # Every launched host keeps its own checkpoints, so each needs the settings too.
     if (writes or config.runtime == "launched") and "spec" in config.extra_config:
         checkpoint.write_synced(checkpoints / checkpoint.SPEC, lambda f: f.write(
