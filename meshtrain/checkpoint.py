@@ -6,6 +6,8 @@ A run with ``checkpoint_every=N`` keeps ``<out>/<run-id>.checkpoints/``:
     step-000040/         one folder per checkpoint, newest kept ``keep_checkpoints``
         node-0.pt ...    each node's state: model, optimizer and strategy state, data
                          position, random stream, and its numbers so far
+                             (with frozen parameters, LoRA's base: only what trains,
+                         plus the frozen base's SHA-256, which a resume must match)
         meta.json        written last, by rank 0: run id, step, and every node file's
                          SHA-256; a folder without it (or whose files do not match it) is
                          not a checkpoint and is skipped in favour of the one before
@@ -70,6 +72,69 @@ def save_node(folder: Path, step: int, rank: int, state: dict[str, Any]) -> str:
     path = pending / f"node-{rank}.pt"
     write_synced(path, lambda f: torch.save(state, f))
     return _sha256(path)
+
+
+def model_state(model: torch.nn.Module) -> dict[str, Any]:
+    """What a checkpoint keeps of ``model``: ``{"model": state dict, "frozen_sha256": digest}``.
+
+    Frozen parameters (a LoRA run's base) never change during a run and every node holds
+    the same ones (checked by hash at start-up), so they are left out and identified by
+    their SHA-256 instead: a tiny Whisper's 2-node checkpoint shrinks from 295 MB to the
+    adapters. Without frozen parameters the digest is None and the whole state is kept.
+    """
+    frozen = _frozen_ids(model)
+    state = {name: tensor.detach() for name, tensor in model.state_dict(keep_vars=True).items()
+             if id(tensor) not in frozen}
+    return {"model": state, "frozen_sha256": frozen_sha256(model) if frozen else None}
+
+
+def load_model_state(model: torch.nn.Module, saved: dict[str, Any], where: str) -> None:
+    """Restore :func:`model_state`'s ``saved`` into ``model`` (built from its base again);
+    :class:`CheckpointError` when the frozen base is not the one the checkpoint was
+    trained on, or the saved tensors do not fit the model. ``where`` names the file."""
+    if saved.get("frozen_sha256") is None:  # everything trains (or an older checkpoint kept it all)
+        model.load_state_dict(saved["model"])
+        return
+    _check_base(model, saved, where)
+    frozen = _frozen_ids(model)
+    expected = {name for name, t in model.state_dict(keep_vars=True).items() if id(t) in frozen}
+    result = model.load_state_dict(saved["model"], strict=False)
+    if result.unexpected_keys or set(result.missing_keys) != expected:
+        odd = [*result.unexpected_keys, *sorted(set(result.missing_keys) - expected)]
+        raise CheckpointError(f"{where} does not fit this model ({', '.join(odd[:3])}): resume with the "
+                              "model and LoRA settings the run started from")
+
+
+def check_base(found: Found, model: torch.nn.Module) -> None:
+    """Refuse, before any node starts, a checkpoint trained on another frozen base than
+    ``model``'s (:class:`CheckpointError` naming both digests)."""
+    where = f"{found.folder}/node-{found.source_rank(0)}.pt"
+    saved = torch.load(where, weights_only=True, map_location="cpu")
+    if saved.get("frozen_sha256") is not None:
+        _check_base(model, saved, where)
+
+
+def _check_base(model: torch.nn.Module, saved: dict[str, Any], where: str) -> None:
+    digest, mine = saved["frozen_sha256"], frozen_sha256(model)
+    if mine != digest:
+        raise CheckpointError(f"{where} was trained on another frozen base (sha256 {digest[:12]}, this "
+                              f"model's is {mine[:12]}): resume with the base model the run started from")
+
+
+def frozen_sha256(model: torch.nn.Module) -> str:
+    """SHA-256 of the frozen parameters' bytes, in the model's parameter order."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        if not p.requires_grad:
+            # reshape(-1): a 0-dim tensor has no byte view of its own.
+            h.update(p.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _frozen_ids(model: torch.nn.Module) -> set[int]:
+    # By identity: a tied weight (Whisper's proj_out and embed_tokens) appears under two
+    # names in the state dict but is one parameter.
+    return {id(p) for p in model.parameters() if not p.requires_grad}
 
 
 def commit(folder: Path, step: int, run_id: str, hashes: dict[int, str], keep: int, nodes: int) -> Path:

@@ -158,3 +158,41 @@ def test_tiny_whisper_learns_to_transcribe_its_recordings(speech: SpeechAssets, 
     wers = [row["val_wer"] for row in result.history if row.get("val_wer") is not None]
     assert wers[0] > 0.8  # at first it cannot transcribe
     assert result.summary["final_wer"] <= 0.2
+
+
+def lora_lm(seed: int) -> HFModel:
+    from transformers import GPT2Config
+
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    config.architectures = ["GPT2LMHeadModel"]
+    return HFModel.from_config(config, lora=LoRA(r=4, dropout=0.0, target_modules=["c_attn"]), seed=seed)
+
+
+def test_lora_checkpoints_hold_the_adapter_and_the_base_identity_only(tmp_path: Path) -> None:
+    """A checkpoint of a LoRA run stores what trains (plus the frozen base's SHA-256), not
+    the frozen base on every node; resuming on the same base continues exactly, and a
+    resume on another base is refused before training."""
+    from meshtrain.checkpoint import CheckpointError, find_latest
+
+    ids = torch.randint(0, 64, (32, 16), generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.TensorDataset(ids)
+
+    def run(model: HFModel, run_id: str, **kwargs: Any) -> Any:
+        return Trainer(model, data, collate_fn=lm_batch).fit(
+            strategy=DiLoCo(H=2, lr=3e-3), nodes=2, max_steps=6, batch_size=4, out_dir=tmp_path,
+            progress=False, run_id=run_id, **kwargs)
+
+    whole = run(lora_lm(0), "whole", checkpoint_every=2)
+    found = find_latest(whole.run_dir)
+    state = torch.load(found.folder / "node-1.pt", weights_only=True)
+    model = lora_lm(0)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert set(state["model"]) == trainable  # GPT-2 has no buffers in its state dict
+    frozen_bytes = sum(4 * p.numel() for p in model.parameters() if not p.requires_grad)
+    assert (found.folder / "node-1.pt").stat().st_size < frozen_bytes / 2  # it held them all
+
+    resumed = run(lora_lm(0), "again", resume=str(found.folder))
+    for (name, a), b in zip(whole.model.named_parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    with pytest.raises(CheckpointError, match="frozen base"):
+        run(lora_lm(1), "other", resume=str(found.folder))

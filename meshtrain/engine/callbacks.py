@@ -557,7 +557,7 @@ class Checkpointing(Callback):
         log = run.comm.log
         return {
             "run_id": run.job.run_id, "step": steps_done, "rank": run.rank,
-            "model": run.model.state_dict(), "strategy": run.strategy.state_dict(),
+            **checkpoint.model_state(run.model), "strategy": run.strategy.state_dict(),
             "data": run.batches.state_dict(), "rng": node_rng_state(run.rng_guard, run.device),
             "comm": [astuple(r) for r in log.records],
             "comm_totals": [log.bytes_sent, log.bytes_received, log.seconds],

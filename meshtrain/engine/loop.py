@@ -188,7 +188,8 @@ def _resume(run: NodeRun) -> None:
     job, cfg = run.job, run.job.config
     assert job.resume is not None
     saved = checkpoint.load_node(job.resume, run.rank)
-    run.model.load_state_dict(saved["model"])
+    source = f"{job.resume.folder}/node-{job.resume.source_rank(run.rank)}.pt"
+    checkpoint.load_model_state(run.model, saved, source)
     run.strategy.load_state_dict(saved["strategy"])
     shrunk = job.resume.nodes != cfg.nodes
     # On fewer nodes the shards are cut anew, so a saved position means nothing there:

@@ -158,6 +158,8 @@ class Trainer:
                 raise ValueError(f"batch size {config.batch_size} is larger than the shard of each node "
                                  f"({held}); {fix}")
         resume = _checkpoint_to_resume(config, strategy)
+        if resume is not None:
+            checkpoint.check_base(resume, self.model)
         interval = strategy.sync_interval()
         if config.checkpoint_every and interval:
             # Checkpoint right after an outer sync (DiLoCo, FedAvg): round up to a multiple of H.
