@@ -74,6 +74,19 @@ CLUSTERS: dict[str, Cluster] = {
 }
 
 
+# What a network and a host can physically be. A cluster file (written by `hosts bench` from
+# what the hosts reported, or downloaded) is refused outside these, so no projection is
+# built on numbers no machine measured (a host once reported 425 s a message).
+#: Bytes per second per link: 1 kB/s is no link to train over; 10 TB/s is ~200 times InfiniBand NDR.
+MIN_BANDWIDTH, MAX_BANDWIDTH = 1e3, 1e13
+#: Seconds per message: a geostationary satellite hop is ~0.6 s.
+MAX_LATENCY = 10.0
+#: Seconds of one optimizer step (and of its spread) on the slowest host.
+MAX_STEP_SECONDS = 3600.0
+#: Compute speed relative to one core of this machine.
+MIN_SPEED, MAX_SPEED = 1e-3, 1e4
+
+
 class ClusterFileError(InputError):
     """A cluster file that cannot be used: one line naming the file and the key at fault."""
 
@@ -112,14 +125,20 @@ def load_cluster_file(path: Path) -> Cluster:
     return Cluster(
         name=_text(path, data, "name", path.stem),
         description=_text(path, data, "description", f"measured cluster from {path.name}"),
-        bandwidth=_number(path, data, "bandwidth", "bytes per second > 0", allow_zero=False),
-        latency=_number(path, data, "latency", "seconds >= 0", allow_zero=True),
+        bandwidth=_number(path, data, "bandwidth",
+                          f"bytes per second from {MIN_BANDWIDTH:g} to {MAX_BANDWIDTH:g}",
+                          low=MIN_BANDWIDTH, high=MAX_BANDWIDTH),
+        latency=_number(path, data, "latency", f"seconds from 0 to {MAX_LATENCY:g}", allow_zero=True,
+                        high=MAX_LATENCY),
         shared_medium=_flag(path, data, "shared_medium"),
-        speed=_number(path, data, "speed", "relative compute speed > 0", allow_zero=False, default=1.0),
-        step_seconds=_number(path, data, "step_seconds", "seconds > 0", allow_zero=False)
+        speed=_number(path, data, "speed", f"relative compute speed from {MIN_SPEED:g} to {MAX_SPEED:g}",
+                      default=1.0, low=MIN_SPEED, high=MAX_SPEED),
+        step_seconds=_number(path, data, "step_seconds", f"seconds > 0 and at most {MAX_STEP_SECONDS:g}",
+                             high=MAX_STEP_SECONDS)
         if data.get("step_seconds") is not None else None,
         probe=_text(path, data, "probe", "") if data.get("probe") is not None else None,
-        step_jitter=_number(path, data, "step_jitter", "seconds >= 0", allow_zero=True)
+        step_jitter=_number(path, data, "step_jitter", f"seconds from 0 to {MAX_STEP_SECONDS:g}",
+                            allow_zero=True, high=MAX_STEP_SECONDS)
         if data.get("step_jitter") is not None else None,
     )
 
@@ -131,12 +150,12 @@ def _text(path: Path, data: dict[str, Any], key: str, default: str) -> str:
     return value
 
 
-def _number(path: Path, data: dict[str, Any], key: str, expected: str, *, allow_zero: bool,
-            default: float | None = None) -> float:
+def _number(path: Path, data: dict[str, Any], key: str, expected: str, *, allow_zero: bool = False,
+            default: float | None = None, low: float = 0.0, high: float = math.inf) -> float:
     value = data.get(key, default)
     # bool is an int in Python: `bandwidth: yes` is a mistake, not 1 byte per second.
     if (isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-            and value >= 0 and (value > 0 or allow_zero)):
+            and low <= value <= high and (value > 0 or allow_zero)):
         return float(value)
     raise ClusterFileError(f"{path}: {key}: expected {expected}, got {value!r}")
 

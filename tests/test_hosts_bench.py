@@ -16,6 +16,7 @@ import math
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -230,8 +231,15 @@ def test_probe_times_from_rank_0_are_parsed_strictly() -> None:
 
 @pytest.mark.parametrize(("text", "message"), [
     ("name: lab\nlatency: 0.001\n", "missing key 'bandwidth'"),
-    ("bandwidth: 1.0e+6\nlatency: 0.001\nstep_seconds: 0\n", "step_seconds: expected seconds > 0, got 0"),
-    ("bandwidth: -5\nlatency: 0.001\n", "bandwidth: expected bytes per second > 0, got -5"),
+    ("bandwidth: 1.0e+6\nlatency: 0.001\nstep_seconds: 0\n",
+     "step_seconds: expected seconds > 0 and at most 3600, got 0"),
+    ("bandwidth: -5\nlatency: 0.001\n", "bandwidth: expected bytes per second from 1000 to 1e+13, got -5"),
+    # What no network is (a cluster file from a lying host, or downloaded): `plan` printed
+    # 300-digit numbers from these.
+    ("bandwidth: 1.0e+6\nlatency: 425\n", "latency: expected seconds from 0 to 10, got 425"),
+    ("bandwidth: 1.0e+300\nlatency: 0.001\n", "bandwidth: expected bytes per second from 1000 to 1e+13"),
+    ("bandwidth: 1.0e+6\nlatency: 0.001\nstep_seconds: 1.0e+300\n", "step_seconds: expected seconds > 0 "
+                                                                    "and at most 3600, got 1e+300"),
     ("bandwidth: [1, 2\nlatency: 1\n", "not valid YAML (line 2)"),
     ("bandwith: 1e6\nlatency: 0.001\n", "unknown key 'bandwith'"),
     ("bandwidth: 1.0e+6\nlatency: 0.001\nshared_medium: maybe\n", "shared_medium: expected true or false"),
@@ -245,6 +253,77 @@ def test_bad_cluster_file_is_one_line_and_exit_2(tmp_path: Path, text: str, mess
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"error: {path}: {message}"), lines
     assert not (tmp_path / "runs").exists()  # nothing was started
+
+
+def test_plan_refuses_a_cluster_file_with_numbers_no_network_has(tmp_path: Path) -> None:
+    """`plan` on a cluster file that says 425 s a message printed 300-digit numbers."""
+    path = tmp_path / "lied.yaml"
+    path.write_text("bandwidth: 1.0e-300\nlatency: 1.0e+300\n")
+    done = meshtrain_here("plan", "--hosts", "2", "--cluster", str(path), "--step-seconds", "0.1",
+                          cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.strip() == (f"error: {path}: bandwidth: expected bytes per second from 1000 to "
+                                   "1e+13, got 1e-300"), done.stderr
+    assert done.stdout == ""
+
+
+# --------------------------------------------------------------------------- what a host reports
+def bench_json(group_size: int = 2, times: tuple[float, ...] = (1e-3, 2e-3, 1.2e-2),
+               sizes: tuple[int, ...] = (4096, 65536, 1048576)) -> str:
+    return json.dumps({"samples": [{"payload_bytes": b, "group_size": group_size, "seconds": t}
+                                   for b, t in zip(sizes, times, strict=False)]})
+
+
+@pytest.mark.parametrize(("text", "refusal"), [
+    # A list 2**52 long was built from this (MemoryError, or the kernel killed the launcher).
+    (bench_json(group_size=2**52), "group_size 4503599627370496 is not the number of hosts (2)"),
+    (bench_json(group_size=1000), "group_size 1000 is not the number of hosts (2)"),
+    (bench_json(group_size=1), "group_size 1 is not the number of hosts (2)"),
+    # 1e-200 s once ended hosts bench in a ZeroDivisionError traceback.
+    (bench_json(times=(1e-200, 2e-200, 3e-200)), "seconds 1e-200 is not a time from 1e-06 to 3600 s"),
+    (bench_json(times=(1e-3, 2e-3, 1e5)), "seconds 100000.0 is not a time from 1e-06 to 3600 s"),
+    (bench_json(sizes=(4096, 65536, 2**50)),
+     "payload_bytes 1125899906842624 is not a size that was measured"),
+])
+def test_a_host_that_reports_what_was_not_measured_is_refused_naming_the_field(text: str,
+                                                                                 refusal: str) -> None:
+    with pytest.raises(BenchError) as refused:
+        samples_from_json(text, "box0:bench.json", 2, [4096, 65536, 1048576])
+    assert str(refused.value) == f"box0:bench.json: not a benchmark result (ValueError: {refusal})"
+    assert samples_from_json(bench_json(), "box0:bench.json", 2, [4096, 65536, 1048576])  # honest: read
+
+
+def test_a_fit_to_times_no_network_gives_is_refused() -> None:
+    """425 s a message, or more bytes a second than any link, was written into the cluster file."""
+    slow = [Sample(b, 2, 850.0 + b * 1e-9) for b in (4096, 65536, 1048576)]
+    with pytest.raises(BenchError, match=r"^latency: the times give 425 s per message, more than any "
+                                         r"network to train over \(10 s\)$"):
+        fit_alpha_beta(slow)
+    fast = [Sample(b, 2, 1e-6 + b * 1e-15) for b in (4096, 65536, 1048576)]
+    with pytest.raises(BenchError, match=r"^bandwidth: the times give 1e\+15 bytes/s, outside what a link "
+                                         r"carries \(1000 to 1e\+13\)$"):
+        fit_alpha_beta(fast)
+
+
+def test_probe_step_times_beyond_an_hour_are_refused() -> None:
+    text = json.dumps({"samples": [], "probe": probe_to_json(ProbeSpec("gpt", 32), [0.1, 1e300], [0.0, 0.0])})
+    with pytest.raises(BenchError, match=r"step_seconds must hold one time > 0 and <= 3600 s per host"):
+        probe_from_json(text, "box0:bench.json", 2)
+
+
+@pytest.mark.parametrize("out", ["/proc/x.yaml", "/dev/null", "."])
+def test_bench_refuses_an_output_it_cannot_write_before_measuring(tmp_path: Path, out: str) -> None:
+    """`hosts bench --out /proc/x.yaml` measured every host, then lost the result in a traceback.
+    The hosts here do not exist: the refusal must come before any is contacted."""
+    inv = tmp_path / "inv.yaml"
+    inv.write_text(yaml.safe_dump({"defaults": {"user": "nobody", "python": "/usr/bin/python3"},
+                                   "hosts": [{"name": "box0", "host": "192.0.2.1"},
+                                             {"name": "box1", "host": "192.0.2.2"}]}))
+    done = meshtrain_here("hosts", "bench", str(inv), "--out", out, cwd=tmp_path, timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --out {out}: "), done.stderr
+    assert "192.0.2" not in done.stdout + done.stderr
 
 
 def test_missing_cluster_file_names_it(tmp_path: Path) -> None:
@@ -353,3 +432,36 @@ def test_the_probe_on_device_auto_times_what_this_host_has() -> None:
 
     median, spread = probe_step_seconds(ProbeSpec("digits", 16, 1, None, "auto"))
     assert 0 < median < 1.0 and spread >= 0
+
+
+LYING_PYTHON = """#!/bin/sh
+# A host that controls its account: its interpreter runs the real benchmark rank, then
+# rank 0 replaces what it measured (the last word of the command line is --out's path).
+{python} "$@"
+status=$?
+for word in "$@"; do out=$word; done
+if [ "$2" = meshtrain.hosts.bench ] && [ -f "$out" ]; then cat {lie} > "$out"; fi
+exit $status
+"""
+
+
+@pytest.mark.slow
+def test_bench_on_real_hosts_refuses_a_group_size_rank_0_made_up(netns_hosts, tmp_path: Path) -> None:
+    """Rank 0's host says 1000 hosts took part where 2 did: hosts bench wrote it into the
+    cluster file and exited 0 (and 2**52 made the launcher build a list that long)."""
+    world, _ = netns_hosts
+    lie = tmp_path / "lie.json"
+    lie.write_text(bench_json(group_size=1000, sizes=(4000, 64000)))  # the sizes asked for
+    python = tmp_path / "python"
+    python.write_text(LYING_PYTHON.format(python=sys.executable, lie=lie))
+    python.chmod(0o755)
+    hosts = [{"name": f"box{i}", "host": s.address, "workdir": str(tmp_path / f"box{i}")}
+             for i, s in enumerate(world.servers)]
+    inv = world.inventory(tmp_path / "lab.yaml", hosts, iface="eth0", python=str(python))
+    done = meshtrain(world, "hosts", "bench", str(inv), "--min-size", "4KB", "--max-size", "64KB",
+                     "--points", "2", "--repeats", "1", "--out", str(tmp_path / "lab-cluster.yaml"),
+                     cwd=tmp_path, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert ("error: box0:bench.json: not a benchmark result (ValueError: group_size 1000 is not the "
+            "number of hosts (2))") in done.stderr, done.stderr
+    assert not (tmp_path / "lab-cluster.yaml").exists()

@@ -33,7 +33,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshtrain.cluster import Cluster, collective_seconds
+from meshtrain.cluster import (
+    MAX_BANDWIDTH,
+    MAX_LATENCY,
+    MAX_STEP_SECONDS,
+    MIN_BANDWIDTH,
+    Cluster,
+    collective_seconds,
+)
 from meshtrain.comm import CommRecord, Communicator, ring_all_reduce_bytes
 from meshtrain.comm.sealing import bind_gloo_to_advertise
 from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group, leave_in_order
@@ -192,8 +199,17 @@ def fit_alpha_beta(samples: Sequence[Sample]) -> Fit:
     hops = by_size[0].hops  # one group size: every sample's
     per_message = ([(s.seconds - s.moved_bytes * beta) / hops for s in small] if small
                    else [intercept / hops])
-    return Fit(latency=max(0.0, statistics.median(per_message)), bandwidth=1 / beta,
-               group_size=groups.pop())
+    fit = Fit(latency=max(0.0, statistics.median(per_message)), bandwidth=1 / beta,
+              group_size=groups.pop())
+    # What the times say must be a network: anything else is a host's invention or a clock
+    # gone wrong, and would be written into a cluster file that every projection reads.
+    if not MIN_BANDWIDTH <= fit.bandwidth <= MAX_BANDWIDTH:
+        raise BenchError(f"bandwidth: the times give {fit.bandwidth:.3g} bytes/s, outside what a link "
+                         f"carries ({MIN_BANDWIDTH:g} to {MAX_BANDWIDTH:g})")
+    if not fit.latency <= MAX_LATENCY:
+        raise BenchError(f"latency: the times give {fit.latency:.3g} s per message, more than any "
+                         f"network to train over ({MAX_LATENCY:g} s)")
+    return fit
 
 
 def _relative_line(samples: Sequence[Sample]) -> tuple[float, float]:
@@ -208,6 +224,8 @@ def _relative_line(samples: Sequence[Sample]) -> tuple[float, float]:
     st = sum(wi * ti for wi, ti in zip(w, t, strict=True))
     sxt = sum(wi * xi * ti for wi, xi, ti in zip(w, x, t, strict=True))
     det = sw * sxx - sx * sx
+    if not det > 0:  # sizes too close for floats to tell apart: no line
+        raise BenchError("the sizes' timings do not determine a line: use a wider size range")
     slope = (sw * sxt - sx * st) / det
     return (st - slope * sx) / sw, slope
 
@@ -255,6 +273,10 @@ def samples_to_json(samples: Sequence[Sample]) -> str:
 
 MAX_RESULT_BYTES = 1 << 20  # bench.json as rank 0's host sends it back: a few KiB when honest
 MAX_SAMPLES = 1000
+#: One timed all-reduce: a gloo message between processes takes tens of microseconds, so
+#: less than one is no measurement (and 1e-200 s once divided by zero in the fit); an hour
+#: is longer than any launch waits.
+MIN_SAMPLE_SECONDS, MAX_SAMPLE_SECONDS = 1e-6, 3600.0
 
 
 def result_text(path: Path, source: str) -> str:
@@ -269,11 +291,16 @@ def result_text(path: Path, source: str) -> str:
         raise BenchError(f"{source}: not a benchmark result (not UTF-8 text at byte {exc.start})") from None
 
 
-def samples_from_json(text: str, source: str) -> list[Sample]:
-    """Read what :func:`samples_to_json` wrote; raises :class:`BenchError` naming ``source``.
+def samples_from_json(text: str, source: str, world_size: int | None = None,
+                      sizes: Sequence[int] | None = None) -> list[Sample]:
+    """Read what :func:`samples_to_json` wrote; raises :class:`BenchError` naming ``source``
+    and the field at fault.
 
     The file comes from rank 0's host, so it is parsed strictly: bounded size and count,
-    whole positive numbers for sizes and group, a finite positive time, no NaN/Infinity.
+    whole positive numbers for sizes and group, a time from :data:`MIN_SAMPLE_SECONDS` to
+    :data:`MAX_SAMPLE_SECONDS`, no NaN/Infinity; with ``world_size`` the group must be the
+    hosts launched (a host once said 2**52, and the fit built a list that long), with
+    ``sizes`` every buffer one that was asked for.
     """
     if len(text) > MAX_RESULT_BYTES:
         raise BenchError(f"{source}: not a benchmark result (larger than {MAX_RESULT_BYTES} bytes)")
@@ -291,9 +318,16 @@ def samples_from_json(text: str, source: str) -> list[Sample]:
         samples = []
         for r in rows:
             seconds = r["seconds"]
-            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 < seconds < 1e6:
-                raise ValueError(f"seconds {seconds!r} is not a time > 0")
-            samples.append(Sample(whole(r, "payload_bytes"), whole(r, "group_size"), float(seconds)))
+            if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                    or not MIN_SAMPLE_SECONDS <= seconds <= MAX_SAMPLE_SECONDS):
+                raise ValueError(f"seconds {seconds!r} is not a time from {MIN_SAMPLE_SECONDS:g} "
+                                 f"to {MAX_SAMPLE_SECONDS:g} s")
+            payload, group = whole(r, "payload_bytes"), whole(r, "group_size")
+            if world_size is not None and group != world_size:
+                raise ValueError(f"group_size {group} is not the number of hosts ({world_size})")
+            if sizes is not None and payload not in sizes:
+                raise ValueError(f"payload_bytes {payload} is not a size that was measured")
+            samples.append(Sample(payload, group, float(seconds)))
         return samples
     except (ValueError, KeyError, TypeError) as exc:
         raise BenchError(f"{source}: not a benchmark result ({type(exc).__name__}: {exc})") from None
@@ -381,11 +415,15 @@ def probe_from_json(text: str, source: str, world_size: int) -> dict[str, Any] |
             if value is not None and not whole:
                 raise ValueError(f"{key} {value!r} is not a whole number > 0")
         if not isinstance(times, list) or len(times) != world_size or not all(
-                isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < 1e6 for t in times):
-            raise ValueError(f"step_seconds must hold one time > 0 per host ({world_size})")
+                isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t <= MAX_STEP_SECONDS
+                for t in times):
+            raise ValueError(f"step_seconds must hold one time > 0 and <= {MAX_STEP_SECONDS:g} s per "
+                             f"host ({world_size})")
         if not isinstance(jitter, list) or len(jitter) != world_size or not all(
-                isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < 1e6 for t in jitter):
-            raise ValueError(f"step_jitter must hold one time >= 0 per host ({world_size})")
+                isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t <= MAX_STEP_SECONDS
+                for t in jitter):
+            raise ValueError(f"step_jitter must hold one time from 0 to {MAX_STEP_SECONDS:g} s per "
+                             f"host ({world_size})")
         return {"task": task, "batch_size": batch, "threads": threads,
                 "step_seconds": [float(t) for t in times], "step_jitter": [float(t) for t in jitter]}
     except (ValueError, KeyError, TypeError, AttributeError) as exc:

@@ -8,6 +8,9 @@ run; they print its :class:`Benchmark`. The rank side is :mod:`meshtrain.hosts.b
 from __future__ import annotations
 
 import dataclasses
+import os
+import secrets
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +80,7 @@ def benchmark_hosts(inventory: Path, inv: Inventory, how: HostsBenchSettings) ->
     probe = probe_spec(how, inventory_threads, inventory_device)
     name = how.name or inventory.stem
     out = Path(how.out) if how.out else Path("clusters") / f"{name}.yaml"
+    check_output_path(out)  # before minutes of measuring, not after
     argv = ["python", "-m", "meshtrain.hosts.bench", "--sizes", ",".join(map(str, sizes)),
             "--repeats", str(how.repeats), *(probe.argv() if probe else [])]
     with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as tmp:
@@ -92,11 +96,14 @@ def benchmark_hosts(inventory: Path, inv: Inventory, how: HostsBenchSettings) ->
         try:
             source = f"{inv.hosts[0].name}:{BENCH_FILE}"
             text = result_text(timings, source)
-            samples = samples_from_json(text, source)
+            samples = samples_from_json(text, source, inv.world_size, sizes)
             probed = probe_from_json(text, source, inv.world_size) if probe else None
-            fit = fit_alpha_beta(samples)
         except BenchError as exc:
             raise BenchmarkFailed(str(exc), result.failures) from None
+        try:
+            fit = fit_alpha_beta(samples)
+        except BenchError as exc:
+            raise BenchmarkFailed(f"{source}: {exc}", result.failures) from None
     labels = ", ".join(h.name for h in inv.hosts)
     cluster = fitted_cluster(fit, name, how.description or f"measured by meshtrain hosts bench on {labels}",
                              shared_medium=how.shared_medium, speed=how.speed)
@@ -112,11 +119,40 @@ def benchmark_hosts(inventory: Path, inv: Inventory, how: HostsBenchSettings) ->
                                       step_jitter=max(spread.values()),
                                       probe=probe_label(probe.task, probe.batch_size, probe.threads))
     bench = Benchmark(samples, cluster, out, how.repeats, seconds, spread, fit_warning(samples, cluster))
-    atomic_write_text(out, cluster_file_text(
-        cluster, f"meshtrain hosts bench {inventory}: {len(samples)} sizes x {how.repeats} repeats"
-                 + (f"\n{probe_note(bench)}" if probe is not None else "")
-                 + (f"\nWARNING: {bench.doubt}" if bench.doubt else "")))
+    try:
+        atomic_write_text(out, cluster_file_text(
+            cluster, f"meshtrain hosts bench {inventory}: {len(samples)} sizes x {how.repeats} repeats"
+                     + (f"\n{probe_note(bench)}" if probe is not None else "")
+                     + (f"\nWARNING: {bench.doubt}" if bench.doubt else "")))
+    except OSError as exc:  # the disk filled while measuring: say what was measured
+        raise BenchmarkFailed(f"--out {out}: cannot write the cluster file ({exc.strerror or exc}); "
+                              f"measured bandwidth {cluster.bandwidth:.4g} bytes/s, latency "
+                              f"{cluster.latency:.4g} s", []) from None
     return bench
+
+
+def check_output_path(out: Path) -> None:
+    """Refuse (:class:`InputError`) an ``--out`` the cluster file could not be written to: a
+    special file (``/proc/...``, a FIFO, a device), a folder, or a place where no file can be
+    made. It creates the folder and makes and removes one empty file there, as the final
+    write would."""
+    try:
+        mode = out.stat().st_mode
+    except FileNotFoundError:
+        mode = None
+    except OSError as exc:
+        raise InputError(f"--out {out}: cannot use it ({exc.strerror or exc})") from None
+    if mode is not None and not stat.S_ISREG(mode):
+        raise InputError(f"--out {out}: not a regular file (a folder or a special file); give a "
+                         "path for a new .yaml file")
+    probe = out.parent / f".{out.name}.{secrets.token_hex(4)}.probe"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        probe.unlink()
+    except OSError as exc:
+        raise InputError(f"--out {out}: cannot write a file in {out.parent} "
+                         f"({exc.strerror or exc})") from None
 
 
 def probe_note(bench: Benchmark) -> str:
