@@ -353,3 +353,111 @@ def test_a_bf16_model_follows_the_threads_runtime(tmp_path: Path) -> None:
     threads, vmapped = ([row["train_loss"] for row in runs[r].history] for r in ("threads", "vmap"))
     print("threads", threads, "\nvmap", vmapped)
     assert vmapped == pytest.approx(threads, rel=1e-2)
+
+
+# ------------------------------------------------- settings the vmap runtime applies or refuses
+def test_precision_bf16_is_applied_as_in_the_threads_runtime(tmp_path: Path) -> None:
+    """``--precision bf16`` under vmap was accepted and ignored: the losses were fp32's to the
+    last digit. Now the forward pass autocasts as the threads runtime's does."""
+    fp32 = _fit(DDP(lr=1e-3), "vmap", tmp_path, "fp32", steps=6)
+    bf16 = {runtime: _fit(DDP(lr=1e-3), runtime, tmp_path, runtime, steps=6, precision="bf16")
+            for runtime in ("threads", "vmap")}
+    losses = {name: [row["train_loss"] for row in run.history]
+              for name, run in (("fp32", fp32), *bf16.items())}
+    # Step 1 runs every runtime from the same weights: bf16's rounding moves the loss (4.8e-4
+    # here); batched bf16 kernels round as the per-node ones up to accumulation order (8e-5).
+    first = {name: values[0] for name, values in losses.items()}
+    assert abs(first["vmap"] - first["threads"]) < abs(first["fp32"] - first["threads"]) / 3, first
+    assert abs(first["vmap"] / first["fp32"] - 1) > 1e-4, first  # the old code: fp32's to the digit
+    assert losses["vmap"] == pytest.approx(losses["threads"], rel=2e-3)  # 8.5e-4 measured
+    assert bf16["vmap"].summary["runtime"] == "vmap"
+
+
+class CheckpointableMLP(MLP):
+    """An MLP that says it can recompute its activations (as Hugging Face models do)."""
+
+    def gradient_checkpointing_enable(self) -> None:
+        self.recomputes = True
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"gradient_checkpointing": True}, "runtime vmap: setting gradient_checkpointing: recomputing "
+                                       "activations needs the threads or processes runtime"),
+    ({"precision": "fp16"}, "runtime vmap: setting precision fp16: loss scaling"),
+])
+def test_settings_vmap_cannot_apply_are_refused_in_one_line(settings, message, tmp_path: Path) -> None:
+    with pytest.raises(InputError) as refused:  # accepted and never applied, until now
+        Trainer(CheckpointableMLP(), regression_data(96)).fit(
+            DDP(), nodes=2, max_steps=3, batch_size=8, runtime="vmap", out_dir=tmp_path / "refused",
+            progress=False, **settings)
+    assert str(refused.value).startswith(message)
+    assert "\n" not in str(refused.value)
+    assert not (tmp_path / "refused").exists() or not any((tmp_path / "refused").iterdir())
+
+
+# --------------------------------------------------------------- a non-finite gradient
+BAD_SAMPLE = 9  # 2 nodes, batch 2, no shuffle: node 1 reads samples 9 and 11 at step 3
+
+
+class NanGradientAtOneSample(MLP):
+    """Finite loss everywhere; at :data:`BAD_SAMPLE` the gradient is NaN (``where`` picks
+    a 0 over ``sqrt`` of a negative number: the forward is finite, the backward 0 * NaN)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, batch):
+        s = batch[0][:, 0] * self.scale
+        hidden = torch.where(s < 0, torch.zeros_like(s), torch.sqrt(s))
+        return super().forward(batch) + 1e-3 * hidden.mean()
+
+
+def _nan_gradient_data():
+    data = regression_data(64)
+    data.tensors[0][:, 0] = data.tensors[0][:, 0].abs() + 0.5
+    data.tensors[0][BAD_SAMPLE, 0] = -1.0
+    return data
+
+
+@pytest.mark.parametrize("runtime", ["threads", "vmap"])
+def test_a_non_finite_gradient_stops_the_run_at_its_step_naming_its_node(runtime, tmp_path: Path) -> None:
+    """The vmap runtime checked losses only: the NaN gradient reached the parameters, the
+    next step's losses were NaN on every node, and node 0 was blamed one step late, with
+    NonFiniteLoss raised raw. Both runtimes now raise NodeFailed for node 1 at step 3."""
+    from meshtrain import NodeFailed
+
+    with pytest.raises(NodeFailed) as failed:
+        Trainer(NanGradientAtOneSample(), _nan_gradient_data()).fit(
+            DDP(lr=1e-3), nodes=2, max_steps=6, batch_size=2, shuffle=False, runtime=runtime,
+            out_dir=tmp_path, progress=False)
+    assert failed.value.rank == 1
+    assert str(failed.value) == "node 1 failed: NonFiniteLoss: a gradient is not finite at step 3 on node 1"
+
+
+# ------------------------------------------------------------ what supports_vmap requires
+class Int8LikeCustom(Strategy):
+    """A custom strategy written for one node's tensors (it flattens every gradient into one
+    vector), that sets ``supports_vmap`` without treating dimension 0 as the nodes."""
+
+    name = "flat-ddp"
+    replicas_in_sync = True
+    supports_vmap = True
+
+    def before_optimizer_step(self, step: int) -> None:
+        grads = self.grads()
+        flat = torch.cat([g.reshape(-1) for g in grads] + [self.grad_flags])
+        self.comm.all_reduce(flat, op="mean")
+
+
+def test_a_custom_strategy_claiming_vmap_without_stacked_tensors_is_refused_before_training(
+        tmp_path: Path) -> None:
+    """It failed at step 1 with a raw RuntimeError about tensor dimensions."""
+    with pytest.raises(InputError) as refused:
+        _fit(Int8LikeCustom(), "vmap", tmp_path, "custom")
+    message = str(refused.value)
+    assert message.startswith("runtime vmap: strategy flat-ddp sets supports_vmap = True but its step "
+                              "fails on stacked parameters")
+    assert "[nodes, *shape]" in message and "RuntimeError" in message
+    assert "\n" not in message
+    assert not (tmp_path / "custom").exists() or not any((tmp_path / "custom").iterdir())

@@ -140,9 +140,15 @@ class Strategy:
     #: This node's samples per step under ``balance``, set by the training loop before step 0;
     #: None (the default): every node takes ``batch_size`` samples and means are plain means.
     sample_weight: float | None = None
-    #: True when the strategy can drive every node at once in the vmap runtime: its
-    #: tensors then carry the nodes along dimension 0 and every collective is over all
-    #: nodes (see :attr:`stacked_nodes` and :meth:`vmap_problem`).
+    #: True when the strategy can drive every node at once in the vmap runtime. Setting it
+    #: promises more than a flag: there ONE strategy object steps all nodes, so every tensor
+    #: it touches (``self.params``, their ``.grad``, its own state) holds all nodes along
+    #: dimension 0 (``[nodes, *shape]``, :attr:`stacked_nodes` of them); anything it computes
+    #: per node (a norm, a scale, a flattened vector) must be computed per row; and every
+    #: collective of ``self.comm`` reduces over that dimension, over all nodes (no groups).
+    #: The vmap runtime tries one step on two stacked nodes before training and refuses,
+    #: naming the strategy, one that fails (see docs/guides/custom-strategy.md). An instance
+    #: whose options do not fit says why in :meth:`vmap_problem`.
     supports_vmap: ClassVar[bool] = False
     #: Set by the vmap runtime before :meth:`setup`: how many nodes the stacked tensors hold.
     stacked_nodes: int | None = None

@@ -18,9 +18,15 @@ Results equal the threads runtime's within float tolerance, not bit for bit: bat
 kernels and a reduction over a dimension add in other orders than N separate kernels and
 the ring. Frozen parameters (LoRA's base) and buffers are held once and shared by every node.
 
+``precision`` bf16 autocasts the vectorised forward pass as the threads runtime autocasts
+each node's. A NaN or infinite loss or gradient stops the run at its step, naming the first
+node it is on (:class:`~meshtrain.engine.job.NodeFailed`, as the other runtimes raise).
+
 Refused before anything trains (:func:`vmap_refusal`): strategies that do not declare
-``supports_vmap``; models with running statistics (batch norm) or that torch.func cannot
-transform; checkpoints, resuming, simulated faults, loggers and ``skip_nonfinite``.
+``supports_vmap``, or whose step fails on stacked parameters (tried once on two nodes);
+models with running statistics (batch norm) or that torch.func cannot transform;
+checkpoints, resuming, simulated faults, loggers, ``skip_nonfinite``, gradient
+checkpointing and fp16 (its loss scaling).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +50,7 @@ from meshtrain.cluster import get_cluster, project
 from meshtrain.comm.stacked import StackedCommunicator
 from meshtrain.data import NodeBatches, fetch, resolve_dataset, split_microbatches, to_device
 from meshtrain.devices import resolve_device
+from meshtrain.engine import memory
 from meshtrain.engine.callbacks import (
     NonFiniteLoss,
     ReplicaDrift,
@@ -51,7 +59,7 @@ from meshtrain.engine.callbacks import (
     mean_loss,
     node_replica,
 )
-from meshtrain.engine.job import FitResult, NodeJob
+from meshtrain.engine.job import FitResult, NodeFailed, NodeJob
 from meshtrain.engine.loop import node_seed, sole_backward
 from meshtrain.engine.report import NodeReport, add_projected_seconds, history_rows, run_summary, write_run
 from meshtrain.errors import InputError
@@ -69,6 +77,15 @@ UNSUPPORTED_SETTINGS: dict[str, str] = {
     "tensorboard": "loggers (tensorboard) need the threads or processes runtime",
     # Per-node sample shares (main's balance): a weight per node, not one per call.
     "balance": "balance gives each node its own samples per step; use the threads runtime",
+    # torch.utils.checkpoint's recomputation is not a transform torch.func composes with here,
+    # and the setting would otherwise be accepted and silently not applied.
+    "gradient_checkpointing": "recomputing activations needs the threads or processes runtime",
+}
+
+#: Precisions the vmap runtime cannot apply, each with why (bf16 and fp32 it applies).
+UNSUPPORTED_PRECISIONS: dict[str, str] = {
+    "fp16": "loss scaling (an overflow vote that skips the step on every node) needs the threads "
+            "or processes runtime",
 }
 
 
@@ -88,6 +105,8 @@ def vmap_refusal(strategy: Strategy, config: Any, model: nn.Module, train_data: 
     for name, why in UNSUPPORTED_SETTINGS.items():
         if getattr(config, name, None):  # a setting this build does not have is not set
             return f"setting {name}: {why}"
+    if config.precision in UNSUPPORTED_PRECISIONS:
+        return f"setting precision {config.precision}: {UNSUPPORTED_PRECISIONS[config.precision]}"
     for module in model.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats:
             return (f"model {type(model).__name__} keeps running statistics in "
@@ -95,27 +114,55 @@ def vmap_refusal(strategy: Strategy, config: Any, model: nn.Module, train_data: 
                     "use --runtime threads")
     if not any(p.requires_grad for p in model.parameters()):
         return f"model {type(model).__name__} has no trainable parameters"
-    return _trial_problem(model, train_data, collate_fn, config.device)
+    return _trial_problem(strategy, model, train_data, collate_fn, config)
 
 
-def _trial_problem(model: nn.Module, train_data: Any, collate_fn: Any, device_name: str) -> str | None:
-    """Run the vectorised loss and gradient once on two nodes; say what fails, if anything."""
+#: What a strategy that sets ``supports_vmap`` must do (the refusal's and the docs' words).
+VMAP_CONTRACT = ("under vmap every tensor it touches holds all nodes along dimension 0 "
+                 "([nodes, *shape], self.stacked_nodes of them) and every collective reduces "
+                 "over that dimension")
+
+
+def _trial_problem(strategy: Strategy, model: nn.Module, train_data: Any, collate_fn: Any,
+                   config: Any) -> str | None:
+    """Run the vectorised loss and gradient once on two nodes, then one step of the strategy
+    on them; say what fails, if anything."""
     data, _ = resolve_dataset(train_data, 0, 1, "train")
-    device = resolve_device(device_name)
+    device = resolve_device(config.device)
     replica = node_replica(model, device)
-    stacked = {n: p.detach().unsqueeze(0).expand(2, *p.shape).clone().requires_grad_(True)
-               for n, p in replica.named_parameters() if p.requires_grad}
+    names = [n for n, p in replica.named_parameters() if p.requires_grad]
+    own = dict(replica.named_parameters())
+    holder = _StackedParameters(names, [own[n].detach().unsqueeze(0).expand(2, *own[n].shape).clone()
+                                        for n in names])
     one = to_device(fetch(data, [0], collate_fn), device)
     try:
         batch = _stack_batches([one, one])
-        with NodeRandomness([0, 1], device):
-            losses = _loss_function(replica, 0)(stacked, batch)
+        with NodeRandomness([0, 1], device), memory.autocast(config.precision, device):
+            losses = _loss_function(replica, 0)(holder.by_name(), batch)
         losses.sum().backward()
     except Exception as exc:  # noqa: BLE001 - any failure is a reason to refuse
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return (f"model {type(model).__name__} cannot run under torch.func.vmap "
-                f"({type(exc).__name__}: {first}); use --runtime threads")
+                f"({_first_line(exc)}); use --runtime threads")
+    # A strategy written for one node's tensors (a flattened gradient, a norm over all of a
+    # tensor) fails here, or at step 1 as a raw RuntimeError about tensor dimensions.
+    trial = copy.deepcopy(strategy)
+    trial.stacked_nodes = 2
+    try:
+        trial.setup(holder, StackedCommunicator(2), seed=config.seed, max_steps=2, num_samples=1)
+        trial.step(0)
+        shapes = [tuple(t.shape) for t in trial.params_data()]
+        expected = [tuple(t.shape) for t in holder.stacked]
+        if shapes != expected:
+            raise RuntimeError(f"its parameters came out shaped {shapes[:1]}, not {expected[:1]}")
+    except Exception as exc:  # noqa: BLE001 - any failure is a reason to refuse
+        return (f"strategy {strategy.name} sets supports_vmap = True but its step fails on stacked "
+                f"parameters ({_first_line(exc)}): {VMAP_CONTRACT}; use --runtime threads")
     return None
+
+
+def _first_line(exc: BaseException) -> str:
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def _loss_function(model: nn.Module, batch_dim: int | None,
@@ -285,7 +332,7 @@ def _train(job: NodeJob) -> FitResult:
             step_losses = _forward_backward(job, streams, indices, node_losses, randomness, holder, chunk)
             if randomness is not None and not randomness.drew:
                 randomness, node_losses = None, _loss_function(model, 0, "error")
-            values = _finite_losses(step_losses, step)
+            values = _finite_losses(step_losses, holder, step)
             strategy.step(step)
             if cfg.check_sync:
                 _check_rows(strategy, step)
@@ -316,13 +363,35 @@ def _train(job: NodeJob) -> FitResult:
                    max_steps, progress)
 
 
-def _finite_losses(step_losses: torch.Tensor, step: int) -> list[float]:
-    """Every node's loss of ``step``; a NaN or infinite one stops the run, naming the node."""
+def _finite_losses(step_losses: torch.Tensor, holder: _StackedParameters, step: int) -> list[float]:
+    """Every node's loss of ``step``. A NaN or infinite loss or gradient stops the run before
+    the strategy's step spreads it to other nodes, naming the first node it is on, as the
+    threads runtime's guard does (:class:`NodeFailed` carrying a :class:`NonFiniteLoss`)."""
     values: list[float] = step_losses.tolist()
-    bad = next((r for r, v in enumerate(values) if not math.isfinite(v)), None)
-    if bad is not None:
-        raise NonFiniteLoss(f"loss is {values[bad]} at step {step + 1} on node {bad}")
-    return values
+    bad_loss = next((r for r, v in enumerate(values) if not math.isfinite(v)), None)
+    bad_grads = _non_finite_gradient_nodes(holder)
+    if bad_loss is None and not bad_grads:
+        return values
+    node = min(r for r in (bad_loss, *bad_grads) if r is not None)
+    problem = f"loss is {values[node]}" if node == bad_loss else "a gradient is not finite"
+    error = NonFiniteLoss(f"{problem} at step {step + 1} on node {node}")
+    try:
+        raise error
+    except NonFiniteLoss:
+        raise NodeFailed(node, f"NonFiniteLoss: {error}", traceback.format_exc()) from error
+
+
+def _non_finite_gradient_nodes(holder: _StackedParameters) -> list[int]:
+    """The nodes whose gradient (their row of any stacked gradient) holds a NaN or infinity."""
+    grads = [p.grad for p in holder.stacked if p.grad is not None and p.grad.numel()]
+    if not grads:
+        return []
+    nodes = grads[0].shape[0]
+    # A row's sum is finite when every value is (a NaN or infinity propagates): one reduction
+    # per tensor. Large finite values may overflow a sum, so only then the exact check.
+    suspects = torch.stack([~g.reshape(nodes, -1).sum(dim=1).isfinite() for g in grads]) \
+        .any(dim=0).nonzero().flatten().tolist()
+    return [r for r in suspects if not all(bool(g[r].isfinite().all()) for g in grads)]
 
 
 def _finish(job: NodeJob, strategy: Strategy, model: nn.Module, comm: StackedCommunicator,
@@ -379,12 +448,14 @@ def _forward_backward(job: NodeJob, streams: list[tuple[Any, NodeBatches]], indi
             else:  # this chunk's rows as leaves of their own, their gradients copied in below
                 params = {n: t.detach()[start:stop].requires_grad_(True) for n, t in holder.by_name().items()}
                 rows = _rows(batch, start, stop)
-            if randomness is not None:
-                randomness.active = randomness.generators[start:stop]
-                with randomness:
+            # bf16: the forward pass autocast, as the threads runtime's nodes run theirs
+            with memory.autocast(job.config.precision, device):
+                if randomness is not None:
+                    randomness.active = randomness.generators[start:stop]
+                    with randomness:
+                        loss = node_losses(params, rows)
+                else:
                     loss = node_losses(params, rows)
-            else:
-                loss = node_losses(params, rows)
             # Node i's loss depends on row i only: the sum's gradient is every node's own.
             (loss.sum() * weight).backward()
             if chunk != nodes:
