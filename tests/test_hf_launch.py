@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,14 @@ def test_launch_whisper_lora_profile_on_two_hosts(
     assert summary["bytes_sent_per_node"] == 4 * 4 * summary["trainable_parameters"]
     assert summary["startup_bytes_sent_per_node"] == 0
     assert (run / "model" / "adapter_model.safetensors").is_file()
+    # The model names the base this machine was given, not rank 0's shipped copy inside
+    # its workdir (a path only the host has): with the hosts' disks gone, it still loads.
+    adapter = json.loads((run / "model" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str(speech.model.resolve())
+    shutil.rmtree(tmp_path / "remote")
+    clip = sorted((speech.data / "clips").glob("*.wav"))[0]
+    heard = meshtrain_here("transcribe", str(run / "model"), str(clip), cwd=tmp_path, timeout=120)
+    assert heard.returncode == 0 and heard.stdout.startswith(f"{clip}: "), heard.stdout + heard.stderr
     # Both ranks run on this machine (LOCAL_WORLD_SIZE=2): they share its cores, not each
     # take all of them (oversubscribed, OpenMP's waiting threads spin against each other).
     threads = yaml.safe_load((run / "config.yaml").read_text())["train"]["threads"]

@@ -285,7 +285,7 @@ def launch_hosts(inventory: Path, command: list[str] | None, dashboard: bool,
         errors.print("nothing was started; `meshtrain hosts check` shows every host's state")
         abandon_launch(prepared)  # no run exists to continue
         raise typer.Exit(2) from None
-    finish_launch(prepared, result)
+    finish_launch(prepared, result, note=_note)
     logs = output.keep_logs(result.run_dir)
     if logs:
         console.print(logs, highlight=False, soft_wrap=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from meshtrain.errors import InputError
+from meshtrain.run_dir import atomic_write_text
 
 ADAPTER_CONFIG = "adapter_config.json"
 #: What peft may train besides the adapters: no biases, every bias, or the adapted layers' biases.
@@ -271,6 +273,47 @@ def model_reference(name_or_path: str) -> str:
     (so the adapter reloads from any directory), anything else (a hub id) as given."""
     path = Path(name_or_path).expanduser()
     return str(path.resolve()) if path.exists() else name_or_path
+
+
+def base_model_of(name_or_path: str) -> str:
+    """The base model a run on ``name_or_path`` adapts, as its saved adapter should name
+    it: a saved adapter folder's own base, else :func:`model_reference`."""
+    if is_adapter_folder(name_or_path):
+        try:
+            config = json.loads((Path(name_or_path) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"{Path(name_or_path) / ADAPTER_CONFIG}: unreadable ({exc})") from None
+        base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
+        if isinstance(base, str) and base:
+            return base
+    return model_reference(name_or_path)
+
+
+#: An adapter_config.json is a few hundred bytes; a bigger one came from no peft.
+ADAPTER_CONFIG_LIMIT = 1_000_000
+
+
+def name_base_model(model_dir: Path, base: str) -> bool:
+    """Make the adapter saved in ``model_dir`` name ``base`` as its base model; False when
+    ``model_dir`` holds no adapter (a full model names no base). A launched run's rank 0
+    saved the path of its shipped copy, which exists only on its host.
+
+    Raises :class:`ModelLoadError` for an adapter_config.json that is not a small JSON
+    object (it came back from a host: anything may be there)."""
+    path = model_dir / ADAPTER_CONFIG
+    if not path.is_file():
+        return False
+    if path.stat().st_size > ADAPTER_CONFIG_LIMIT:
+        raise ModelLoadError(f"{path}: {path.stat().st_size} bytes, larger than any adapter config")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path}: not a JSON object")
+    config["base_model_name_or_path"] = base
+    atomic_write_text(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return True
 
 
 def word_error_rate(references: Sequence[str], hypotheses: Sequence[str], *,

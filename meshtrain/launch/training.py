@@ -58,6 +58,9 @@ class PreparedLaunch:
     settings_file: Path | None = None
     #: ``--strategy auto``'s choice and reasons.
     plan: Plan | None = None
+    #: The base model as this machine names it (its own folder or a hub id), when the
+    #: ranks load a shipped copy whose path only they have: the copied-back model names this.
+    base_model: str | None = None
 
     @property
     def checkpoint_every(self) -> int | None:
@@ -109,6 +112,7 @@ def prepare_launch(inventory: Path, command: list[str] | None, settings: dict[st
     plan: Plan | None = None
     spec: RunSpec | None = None
     settings_file: Path | None = None
+    base_model: str | None = None
     shipments: list[Shipment] = []
     required: list[tuple[str, str]] = []
     if training:
@@ -121,7 +125,10 @@ def prepare_launch(inventory: Path, command: list[str] | None, settings: dict[st
         spec, task = _resolve_training(flags, set_, inv.world_size, restarts=bool(resume or how.max_restarts))
         if how.allow_shrink:
             _check_shrink(spec, how.max_restarts)
+        given_model = spec.task_options.get("model")
         shipments, required = _ship_inputs(spec, task, how.no_ship)
+        if any(s.what == "task_options.model" for s in shipments):
+            base_model = _base_model_here(str(given_model))
         spec.progress = progress
         if resume:
             _check_resume_here(spec, out, resume, note)
@@ -144,7 +151,7 @@ def prepare_launch(inventory: Path, command: list[str] | None, settings: dict[st
         accept_new_host_keys=how.accept_new_host_keys, uploads=list(upload), resume=bool(resume),
         max_restarts=how.max_restarts, restart_wait=how.restart_wait, allow_shrink=how.allow_shrink,
         shipments=shipments, required_paths=required, copy_limits=limits, program=program)
-    return PreparedLaunch(inv, argv, options, training, how, strategy, spec, settings_file, plan)
+    return PreparedLaunch(inv, argv, options, training, how, strategy, spec, settings_file, plan, base_model)
 
 
 def abandon_launch(prepared: PreparedLaunch) -> None:
@@ -153,7 +160,8 @@ def abandon_launch(prepared: PreparedLaunch) -> None:
         prepared.settings_file.unlink(missing_ok=True)
 
 
-def finish_launch(prepared: PreparedLaunch, result: LaunchResult) -> None:
+def finish_launch(prepared: PreparedLaunch, result: LaunchResult,
+                  note: Callable[[str], None] = lambda line: None) -> None:
     """After the launcher: the settings file is kept while the run may be resumed (until
     its run directory is back, whose config.yaml then records the settings, and only if it
     wrote checkpoints); ``--strategy auto``'s plan goes into config.yaml."""
@@ -164,6 +172,32 @@ def finish_launch(prepared: PreparedLaunch, result: LaunchResult) -> None:
         prepared.settings_file.unlink(missing_ok=True)
     if prepared.plan is not None and result.run_dir is not None:
         record_plan(result.run_dir, prepared.plan)
+    if prepared.base_model is not None and result.run_dir is not None:
+        _name_base_model(result.run_dir / "model", prepared.base_model, note)
+
+
+def _base_model_here(model: str) -> str:
+    """How the model a run saves should name its base on this machine (see
+    :func:`meshtrain.hf.model.base_model_of`); the name as given if that cannot be read."""
+    from meshtrain.hf.model import ModelLoadError, base_model_of
+
+    try:
+        return base_model_of(model)
+    except ModelLoadError:
+        return model
+
+
+def _name_base_model(model_dir: Path, base: str, note: Callable[[str], None]) -> None:
+    """Rank 0 saved its adapter naming its shipped base, a path inside its workdir that
+    this machine does not have: name the base this launch was given instead."""
+    if not model_dir.is_dir():
+        return
+    from meshtrain.hf.model import ModelLoadError, name_base_model
+
+    try:
+        name_base_model(model_dir, base)
+    except ModelLoadError as exc:
+        note(f"warning: {exc}; the adapter in {model_dir} may not load here")
 
 
 def _resolve_training(flags: dict[str, Any], overrides: list[str], world_size: int,
