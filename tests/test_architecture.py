@@ -127,15 +127,16 @@ def test_up_runs_the_functions_commands_run_never_another_command() -> None:
     assert "registered_commands" not in Path(up.__file__).read_text()
 
 
-def test_the_readmes_layout_names_every_module() -> None:
-    """The README's Layout is how a newcomer finds their way: a module it leaves out is one
-    they cannot find. Each file is named there (packages' own files by name, inside its
-    folder's entry; a folder of one kind, such as strategies/ or tasks/, by the folder)."""
-    readme = (PACKAGE.parent / "README.md").read_text()
-    layout = readme[readme.index("## Layout"):readme.index("## Development")]
+def test_the_architecture_pages_layout_names_every_module() -> None:
+    """The Layout of docs/design/architecture.md is how a newcomer finds their way: a module it
+    leaves out is one they cannot find. Each file is named there (packages' own files by name,
+    inside its folder's entry; a folder of one kind, such as strategies/ or tasks/, by the folder)."""
+    page = (PACKAGE.parent / "docs" / "design" / "architecture.md").read_text()
+    layout = page[page.index("\n## Layout\n"):]
+    layout = layout[:layout.find("\n## ", 1) if "\n## " in layout[1:] else None]
     whole_folders = {"strategies", "tasks", "hf", "dashboard", "profiles"}
     missing = [str(p.relative_to(PACKAGE)) for p in sorted(PACKAGE.rglob("*.py"))
                if p.stem not in ("__init__", "__main__")
                and not whole_folders & set(p.relative_to(PACKAGE).parts[:-1])
                and not re.search(rf"\b{re.escape(p.stem)}\b", layout)]
-    assert not missing, f"README Layout leaves out: {missing}"
+    assert not missing, f"docs/design/architecture.md's Layout leaves out: {missing}"

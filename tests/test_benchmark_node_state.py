@@ -1,4 +1,4 @@
-"""The per-node memory figure of `benchmarks/runtimes.py --scale` (quoted in the README)
+"""The per-node memory figure of `benchmarks/runtimes.py --scale` (once quoted in the README)
 counts what a simulated node owns: its parameters, gradients and strategy state."""
 
 from __future__ import annotations

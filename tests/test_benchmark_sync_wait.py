@@ -1,4 +1,4 @@
-"""The figures the README quotes for what two hosts wait for each other: the synchronous
+"""The figures the README once quoted for what two hosts wait for each other: the synchronous
 wait and speedup ceiling of `benchmarks/core_interference.py`, and the share of all-reduces
 rank 0 arrived at last in `benchmarks/scaling.py` (which says whether `--balance` could
 help). Checked on step times and traces whose answers are known by hand."""

@@ -1,4 +1,4 @@
-"""The CPU table of `benchmarks/scaling.py --profile-cpu` (quoted in the README) gives each
+"""The CPU table of `benchmarks/scaling.py --profile-cpu` (once quoted in the README) gives each
 thread the CPU it used: checked against a child process's own clock for its threads."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ node and its nodes report the GPU memory torch holds; the compute probes (``--st
 on the CPU, with the CPU's losses. ``benchmarks/gpu_check.sh`` runs them on a GPU machine (all
 15 passed on an H200 on 2026-11-28, paramiko carried there as wheels).
 
-GPU kernels are not deterministic in general (README, Runtimes), so runs that are bit-identical
+GPU kernels are not deterministic in general (docs/guides/runtimes.md), so runs that are bit-identical
 on CPU are compared here to a relative 1e-6: a node drawing from the wrong stream changes a
 loss in the third digit.
 """

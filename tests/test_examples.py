@@ -55,14 +55,14 @@ def test_int8_custom_strategy_matches_ddp_within_quantisation(tmp_path: Path) ->
     assert exact.summary["bytes_sent_per_node"] == 2 * 3 / 4 * 4 * (numel + 2)
 
 
-def test_the_readmes_python_example_runs_as_written(tmp_path: Path, monkeypatch) -> None:
-    """The first code a reader of "In Python" copies: whole, and it trains."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## In Python"):]
+def test_the_python_api_pages_example_runs_as_written(tmp_path: Path, monkeypatch) -> None:
+    """The first code a reader of the Python API page's "In Python" copies: whole, and it trains."""
+    page = (ROOT / "docs" / "reference" / "python-api.md").read_text()
+    section = page[page.index("## In Python"):]
     snippet = re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
     monkeypatch.chdir(tmp_path)
     scope: dict[str, object] = {"__name__": "__readme__"}
-    exec(compile(snippet, "README.md: In Python", "exec"), scope)
+    exec(compile(snippet, "docs/reference/python-api.md: In Python", "exec"), scope)
     result = scope["result"]
     losses = [row["train_loss"] for row in result.history]
     assert len(losses) == 200 and result.history[-1]["total_bytes_sent"] > 0

@@ -144,7 +144,7 @@ except ValueError as exc:
 
 def test_a_launched_fit_is_one_rank_and_only_rank_0_keeps_history(loopback_ssh: SshWorld,
                                                                    tmp_path: Path) -> None:
-    """What the README says of Trainer.fit under a launch."""
+    """What docs/reference/python-api.md says of Trainer.fit under a launch."""
     inv = two_ranks(loopback_ssh, tmp_path)
     script = tmp_path / "fit_rank.py"
     script.write_text(RANK_SCRIPT)

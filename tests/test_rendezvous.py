@@ -266,7 +266,8 @@ def test_a_rank_that_died_inside_gloo_is_told_the_likely_cause() -> None:
             "  what():  [gloo/transport/tcp/pair.cc:...] accept: Too many open files"]
     assert _with_likely_cause("exited with status 134", tail) == f"exited with status 134 ({GLOO_HINT})"
     assert _with_likely_cause("exited with status 1", ["ValueError: bad"]) == "exited with status 1"
-    assert "close them to non-inventory addresses: see README, Security" in GLOO_HINT
+    assert "close them to non-inventory addresses: see docs/security.md" in GLOO_HINT
+    assert (Path(__file__).parents[1] / "docs" / "security.md").is_file()
 
 
 #: Rank 1's store client connects through its tunnel while rank 0's gate is not yet up.

@@ -245,7 +245,7 @@ class _Wide(torch.nn.Module):
 
 
 def test_same_thread_count_same_weights_in_both_runtimes(tmp_path):
-    """The README's promise: bit-identical across runtimes at the same ``threads`` setting
+    """docs/guides/runtimes.md's promise: bit-identical across runtimes at the same ``threads`` setting
     (and this model is one where the count matters, else the test would prove nothing)."""
     data = torch.utils.data.TensorDataset(torch.randn(256, 8, generator=torch.Generator().manual_seed(1)),
                                           torch.randn(256, generator=torch.Generator().manual_seed(2)))

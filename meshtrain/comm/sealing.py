@@ -10,7 +10,7 @@ while the group forms). So, on Linux, every listening TCP socket of the rank (gl
 and on rank 0 the loopback store's) gets a socket filter that drops every incoming
 packet: a new connection's SYN is discarded before it makes a socket, while the
 connections already made are untouched. Elsewhere (macOS) nothing is sealed; a firewall
-rule is the protection there (README, Security).
+rule is the protection there (docs/security.md).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ SO_ATTACH_FILTER = 26  # Linux, <asm-generic/socket.h>
 SO_ACCEPTCONN = getattr(socket, "SO_ACCEPTCONN", 30)
 #: Added to a rank's error when it failed inside gloo: the likely outside cause.
 GLOO_HINT = ("gloo failed; if connections from outside the run reached gloo's ports (a port "
-             "scan, a flood), close them to non-inventory addresses: see README, Security")
+             "scan, a flood), close them to non-inventory addresses: see docs/security.md")
 #: One classic BPF instruction, ``ret #0``: keep no byte of any packet (drop it).
 _DROP_ALL = struct.pack("HBBI", 0x06, 0, 0, 0)
 
