@@ -70,17 +70,21 @@ def test_apportion_is_proportional_sums_exactly_and_gives_everyone_a_sample():
 
 
 class _TwoRanks:
-    """Rank 0 of two, for a Balancer alone: its peer always reports ``peer`` samples/s."""
+    """Rank 0 of two, for a Balancer alone: its peer always reports ``peer`` samples/s, and
+    steps as long as its share at that speed takes (``balancer`` gives the share)."""
 
     rank, world_size = 0, 2
 
     def __init__(self, peer: float) -> None:
         self.peer = peer
         self.log = SimpleNamespace(seconds=0.0)  # never waits: every second is compute
+        self.balancer: Balancer | None = None
 
     def all_gather(self, mine: torch.Tensor, *, record: bool = True) -> list[torch.Tensor]:
         assert not record  # the shares' exchange is not training traffic
-        return [mine, torch.tensor([self.peer], dtype=torch.float64)]
+        shares = self.balancer.shares if self.balancer is not None else None
+        batch = shares.batch_sizes[1] if shares is not None else 256
+        return [mine, torch.tensor([self.peer, self.peer, batch / self.peer], dtype=torch.float64)]
 
 
 def test_measured_shares_recover_within_steps_from_a_slowed_warm_up(monkeypatch):
@@ -94,6 +98,7 @@ def test_measured_shares_recover_within_steps_from_a_slowed_warm_up(monkeypatch)
                           shuffle=False, shard=True)
     strategy = SimpleNamespace(sample_weight=None)
     balancer = Balancer(comm, 2, 256, measured=True, stragglers={}, sync_interval=1)  # type: ignore[arg-type]
+    comm.balancer = balancer
     changed = {}
     for step in range(80):
         now[0] += batches.batch_size / (1000.0 if 1 <= step <= 5 else 4000.0)
@@ -104,6 +109,79 @@ def test_measured_shares_recover_within_steps_from_a_slowed_warm_up(monkeypatch)
     speed = balancer.shares.throughputs[0]
     assert 0.9 * 4000 < speed < 4000, balancer.shares  # the warm-up still counts, a 16th as much
     assert strategy.sample_weight == changed[61]
+
+
+class _LyingPeer:
+    """Rank 0 of two whose peer computes ``actual`` samples/s and claims ``claimed`` (its
+    step time is what it truly took). Every step lasts as long as the slower rank's compute:
+    rank 0 waits the rest inside the all-reduce (its log's seconds), as on real hosts."""
+
+    rank, world_size = 0, 2
+
+    def __init__(self, actual: float, claimed: float) -> None:
+        self.actual, self.claimed = actual, claimed
+        self.log = SimpleNamespace(seconds=0.0)
+        self.balancer: Balancer | None = None
+
+    def peer_batch(self) -> int:
+        shares = self.balancer.shares if self.balancer is not None else None
+        return shares.batch_sizes[1] if shares is not None else 256
+
+    def all_gather(self, mine: torch.Tensor, *, record: bool = True) -> list[torch.Tensor]:
+        return [mine, torch.tensor([self.claimed, self.claimed, float(mine[2])], dtype=torch.float64)]
+
+
+def _run_beside(peer: _LyingPeer, monkeypatch, steps: int = 40) -> tuple[Balancer, list[int]]:
+    """Rank 0 (1,000 samples/s) trains ``steps`` steps with --balance beside ``peer``."""
+    now = [0.0]
+    monkeypatch.setattr(balance_module, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    batches = NodeBatches(TensorDataset(torch.zeros(4096, 1)), rank=0, nodes=2, batch_size=256, seed=0,
+                          shuffle=False, shard=True)
+    strategy = SimpleNamespace(sample_weight=None)
+    balancer = Balancer(peer, 2, 256, measured=True, stragglers={}, sync_interval=1)  # type: ignore[arg-type]
+    peer.balancer = balancer
+    sizes = []
+    for step in range(steps):
+        mine, theirs = batches.batch_size / 1000.0, peer.peer_batch() / peer.actual
+        now[0] += max(mine, theirs)
+        peer.log.seconds += max(0.0, theirs - mine)  # rank 0 waits for the slower peer
+        balancer.step_done(step, batches, strategy)  # type: ignore[arg-type]
+        sizes.append(batches.batch_size)
+    return balancer, sizes
+
+
+@pytest.mark.parametrize("claim", [1e308, float("nan"), float("inf"), -5.0, 0.0])
+def test_a_claim_that_is_no_speed_is_refused_naming_the_rank(claim, monkeypatch, capsys):
+    """1e308 samples/s crashed both ranks with OverflowError, NaN with ValueError."""
+    balancer, sizes = _run_beside(_LyingPeer(actual=1000.0, claimed=claim), monkeypatch, steps=10)
+    assert balancer.refused is not None and balancer.refused.startswith("rank 1 "), balancer.refused
+    assert set(sizes) == {256}  # the honest split, and no more claims taken
+    assert balancer.to_dict()["refused"] == balancer.refused
+    assert capsys.readouterr().err == f"warning: --balance: {balancer.refused}\n"
+
+
+def test_a_five_fold_lie_is_refused_by_the_steps_every_rank_times(monkeypatch):
+    """The peer computes as fast as rank 0 but claims 5x: it took 427 of 512 samples and
+    every step then took 1.7x as long (the honest host waited most of it)."""
+    balancer, sizes = _run_beside(_LyingPeer(actual=1000.0, claimed=5000.0), monkeypatch)
+    assert balancer.refused == ("rank 1's claimed speed gave it 427 of 512 samples a step, and the steps "
+                                "then took 1.7x as long as with equal shares: its claims are refused, every "
+                                "node takes equal shares"), balancer.refused
+    assert sizes[5] == 85 and sizes[-1] == 256 and balancer.shares.batch_sizes == (256, 256), sizes
+
+
+def test_a_truly_faster_peer_keeps_its_larger_share(monkeypatch):
+    balancer, sizes = _run_beside(_LyingPeer(actual=3000.0, claimed=3000.0), monkeypatch)
+    assert balancer.refused is None
+    assert balancer.shares.batch_sizes == (128, 384), balancer.shares
+
+
+def test_a_claim_of_more_compute_than_the_step_lasted_is_refused(monkeypatch):
+    """A rank may not say it computed longer than the step every rank timed."""
+    peer = _LyingPeer(actual=1000.0, claimed=10.0)  # 256 samples at 10/s: 25.6 s in 0.256 s steps
+    balancer, sizes = _run_beside(peer, monkeypatch, steps=10)
+    assert balancer.refused is not None and balancer.refused.startswith(
+        "rank 1 claimed 10 samples/s: its 256 samples would take 25.6 s, where its steps took 0.256 s")
 
 
 def test_simulated_shares_follow_the_stragglers():

@@ -41,11 +41,24 @@ Where the throughput comes from
   others). Equal nodes get equal shares, and ``balance`` then changes nothing.
 
 Shares are a largest-remainder apportionment of the global batch, at least one sample each.
+
+What a rank may claim
+---------------------
+A rank's samples per second are its own word, and its host may lie. Every claim comes with
+the window's wall time per step, which the steps' syncs make the same on every rank, and
+is refused (:func:`refused_claim`) unless it is a finite number > 0 whose compute per step
+(its samples over its speed) lies between :data:`MIN_COMPUTE_SHARE` of that wall time and
+the wall time itself (a rank cannot have computed longer than the step lasted). And the
+shares must keep their promise: when the steps with them take more than
+:data:`MAX_SLOWDOWN` times the equal split's (every rank observes that), the rank that took
+the most samples beyond its equal share is named and every rank goes back to equal shares
+for the rest of the run. Every rank takes the same decision from the same gathered numbers.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -61,6 +74,13 @@ from meshtrain.strategies import Strategy
 WARMUP_STEPS = 5  # timed training steps of a launched rank before its share is set
 REBALANCE_STEPS = 20  # the longest later window, after which the shares are set again
 MEASURED, STRAGGLERS = "measured", "straggler"
+#: A claimed compute per step below this fraction of the step's wall time is refused: no
+#: host computes in a thousandth of a step it then waits through (and 1e308 samples/s once
+#: overflowed the shares' sum on every rank).
+MIN_COMPUTE_SHARE = 1e-3
+#: Steps with the shares may take this times the equal split's before the claims are refused
+#: (hosts drift by 10 to 20% here; a 5x lie made them about 2x slower).
+MAX_SLOWDOWN = 1.5
 
 
 @dataclass(frozen=True)
@@ -122,11 +142,47 @@ def simulated_shares(nodes: int, batch_size: int, stragglers: Mapping[int, float
     return Shares(tuple(apportion(nodes * batch_size, speeds)), tuple(speeds), STRAGGLERS)
 
 
-def measured_shares(comm: Communicator, batch_size: int, samples_per_second: float) -> Shares:
-    """Shares from every rank's measured throughput (one unrecorded all-gather)."""
-    mine = torch.tensor([samples_per_second], dtype=torch.float64)
-    everyone = [float(t.item()) for t in comm.all_gather(mine, record=False)]
-    return Shares(tuple(apportion(comm.world_size * batch_size, everyone)), tuple(everyone), MEASURED)
+@dataclass(frozen=True)
+class Claim:
+    """What one rank says of the window just timed."""
+
+    speed: float  # samples per second over the windows so far (earlier ones halved): its share's weight
+    window_speed: float  # samples per second in this window alone
+    step_seconds: float  # wall seconds per step of this window (the same on every honest rank)
+
+
+def gather_claims(comm: Communicator, claim: Claim) -> list[Claim]:
+    """Every rank's claim (one unrecorded all-gather)."""
+    mine = torch.tensor([claim.speed, claim.window_speed, claim.step_seconds], dtype=torch.float64)
+    return [Claim(*(float(x) for x in t.tolist())) for t in comm.all_gather(mine, record=False)]
+
+
+def refused_claim(claims: Sequence[Claim], batch_sizes: Sequence[int]) -> str | None:
+    """Why the first rank whose claim cannot be true is refused (None when every claim may
+    be). The step's wall time is the longest any rank reports (an honest rank's is the
+    step's): a rank's compute per step on its ``batch_sizes`` samples at its window's speed
+    must lie between :data:`MIN_COMPUTE_SHARE` of it and the wall time itself (5% allowed),
+    at its smoothed speed within a thousandfold of it either way."""
+    for rank, c in enumerate(claims):
+        for name, value in (("a step time", c.step_seconds), ("a speed", c.speed),
+                            ("a window speed", c.window_speed)):
+            if not (math.isfinite(value) and value > 0):
+                return f"rank {rank} reported {name} of {value!r}, not a finite number > 0"
+    wall = max(c.step_seconds for c in claims)
+    for rank, (c, samples) in enumerate(zip(claims, batch_sizes, strict=True)):
+        compute = samples / c.window_speed
+        if not MIN_COMPUTE_SHARE * wall <= compute <= wall * 1.05:
+            return (f"rank {rank} claimed {c.window_speed:.4g} samples/s: its {samples} samples would "
+                    f"take {compute:.3g} s, where its steps took {wall:.3g} s")
+        if not MIN_COMPUTE_SHARE * wall <= samples / c.speed <= wall / MIN_COMPUTE_SHARE:
+            return (f"rank {rank} claimed {c.speed:.4g} samples/s over its windows, beside steps of "
+                    f"{wall:.3g} s")
+    return None
+
+
+def equal_shares(nodes: int, batch_size: int) -> Shares:
+    """Every node ``batch_size`` samples: what a run without ``balance`` takes."""
+    return Shares((batch_size,) * nodes, (1.0,) * nodes, MEASURED)
 
 
 class Balancer:
@@ -168,6 +224,8 @@ class Balancer:
         # moment) does not set the shares alone, and a lasting change is followed within a
         # few windows.
         self._samples = self._compute = 0.0
+        self.equal_step_seconds: float | None = None  # the warm-up's steps, with equal shares
+        self.refused: str | None = None  # why the claims were refused (equal shares since)
 
     def start(self, batches: NodeBatches, strategy: Strategy) -> None:
         """Before step 0: simulated nodes take their shares now."""
@@ -191,8 +249,33 @@ class Balancer:
         compute = (now - began) - (self.comm.log.seconds - waited)
         self._samples = self._samples / 2 + batches.batch_size * (step + 1 - first)
         self._compute = self._compute / 2 + max(compute, 1e-9)
-        speed = self._samples / self._compute
-        shares = measured_shares(self.comm, self.batch_size, speed)
+        # Checked against this window's batch sizes and wall time; the shares are set by the
+        # smoothed speed (checked more loosely: it remembers earlier windows).
+        steps = step + 1 - first
+        claims = gather_claims(self.comm, Claim(self._samples / self._compute,
+                                                batches.batch_size * steps / max(compute, 1e-9),
+                                                (now - began) / steps))
+        sizes = self.shares.batch_sizes if self.shares is not None else (self.batch_size,) * len(claims)
+        problem = refused_claim(claims, sizes)
+        wall = max(c.step_seconds for c in claims) if problem is None else math.inf
+        if self.shares is None:
+            self.equal_step_seconds = wall
+        elif problem is None and self.equal_step_seconds is not None \
+                and wall > MAX_SLOWDOWN * self.equal_step_seconds:
+            gained = max(range(len(sizes)), key=lambda r: (sizes[r], -r))
+            problem = (f"rank {gained}'s claimed speed gave it {sizes[gained]} of {sum(sizes)} samples a "
+                       f"step, and the steps then took {wall / self.equal_step_seconds:.1f}x as long "
+                       "as with equal shares")
+        if problem is None:
+            speeds = [c.speed for c in claims]
+            shares = Shares(tuple(apportion(self.comm.world_size * self.batch_size, speeds)),
+                            tuple(speeds), MEASURED)
+        else:
+            self.refused = f"{problem}: its claims are refused, every node takes equal shares"
+            self.source_fixed = True  # no more claims taken: the rest of the run is unbalanced
+            shares = equal_shares(self.comm.world_size, self.batch_size)
+            if self.comm.rank == 0:
+                print(f"warning: --balance: {self.refused}", file=sys.stderr, flush=True)
         self.rebalances += self.shares is not None
         self.shares = shares
         self._apply(batches, strategy, step + 1)
@@ -230,4 +313,4 @@ class Balancer:
             return {"source": MEASURED, "balanced_from_step": None,
                     "note": f"the run ended within its {self.warmup_steps + 1} warm-up steps"}
         return {**self.shares.to_dict(), "balanced_from_step": (self.balanced_from or 0) + 1,
-                "rebalances": self.rebalances}
+                "rebalances": self.rebalances, **({"refused": self.refused} if self.refused else {})}
