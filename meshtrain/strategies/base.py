@@ -25,6 +25,7 @@ from torch import nn
 
 from meshtrain.comm import Communicator
 from meshtrain.comm.buckets import GradientBuckets
+from meshtrain.comm.compression import PseudoGradientCompression
 
 OPTIMIZERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
     "sgd": torch.optim.SGD,
@@ -321,6 +322,25 @@ class Strategy:
             self.comm.all_reduce([*tensors, *along, total], op="sum", group=group, record=record)
         for t in tensors:
             t.div_(total)
+
+    @torch.no_grad()
+    def mean_pseudo_gradients_(self, tensors: Sequence[torch.Tensor],
+                               compression: PseudoGradientCompression | None, *,
+                               group: list[int] | None = None, record: bool = True,
+                               weight: float | None = None) -> None:
+        """Replace pseudo-gradients (outer gradients, round deltas) in place by their mean over
+        ``group``: :meth:`mean_over_nodes_` without ``compression`` (fp32, bit for bit as
+        before), else the compressed all-gather of
+        :class:`~meshtrain.comm.compression.PseudoGradientCompression` (sample-weighted under
+        ``balance`` as well, or by ``weight`` when given: FedAvg's sample counts). Every
+        strategy that averages pseudo-gradients goes through here."""
+        if compression is None:
+            self.mean_over_nodes_(tensors, group=group, record=record)
+            return
+        if self.sample_weight is not None:
+            weight = self.sample_weight
+        compression.mean_(self.comm, tensors, group=group, weight=weight,
+                          stacked_nodes=self.stacked_nodes, record=record)
 
     # --------------------------------------------------------------- queries
     def params_data(self) -> list[torch.Tensor]:

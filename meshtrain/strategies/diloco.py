@@ -16,13 +16,15 @@ from typing import Any
 
 import torch
 
+from meshtrain.comm.compression import PseudoGradientCompression, compression_from
 from meshtrain.strategies.base import CommunicationModule, Optim, Strategy
 
 
 class OuterSync(CommunicationModule):
     """The outer loop of DiLoCo: every ``H`` steps, average the outer gradient and step."""
 
-    def __init__(self, H: int, outer_lr: float, outer_momentum: float, nesterov: bool) -> None:
+    def __init__(self, H: int, outer_lr: float, outer_momentum: float, nesterov: bool,
+                 compression: PseudoGradientCompression | None = None) -> None:
         if H < 1:
             raise ValueError(f"H must be >= 1, got {H}")
         if not (math.isfinite(outer_lr) and outer_lr > 0):
@@ -33,6 +35,7 @@ class OuterSync(CommunicationModule):
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
         self.nesterov = nesterov
+        self.compression = compression  # None: the exact fp32 all-reduce
 
     def setup(self, strategy: Strategy) -> None:
         super().setup(strategy)
@@ -61,7 +64,7 @@ class OuterSync(CommunicationModule):
         workers = self.strategy.params
         deltas = [theta - p for theta, p in zip(self.outer, workers, strict=True)]
         # Under balance each pseudo-gradient counts by the samples its node saw this round.
-        self.strategy.mean_over_nodes_(deltas)
+        self.strategy.mean_pseudo_gradients_(deltas, self.compression)
         for theta, delta in zip(self.outer, deltas, strict=True):
             theta.grad = delta
         self.outer_optimizer.step()
@@ -77,17 +80,22 @@ class OuterSync(CommunicationModule):
         return (self.outer, None) if self.last_sync == step else None
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state = {
             "outer": [t.clone() for t in self.outer],
             "outer_optimizer": self.outer_optimizer.state_dict(),
             "last_sync": self.last_sync,
         }
+        if self.compression is not None:  # the error-feedback residual is this node's own
+            state["compression"] = self.compression.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for theta, saved in zip(self.outer, state["outer"], strict=True):
             theta.copy_(saved)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.last_sync = state["last_sync"]
+        if self.compression is not None:
+            self.compression.load_state_dict(state.get("compression", {}))
 
 
 class DiLoCo(Strategy):
@@ -96,6 +104,10 @@ class DiLoCo(Strategy):
     Args:
         H: inner steps between syncs (500 in the paper; 20-100 in small experiments).
         outer_lr, outer_momentum, nesterov: the outer SGD (paper: 0.7, 0.9, True).
+        compression: how the outer gradient travels: fp32 (exact ring all-reduce), bf16,
+            fp16, int8 or int4 (an all-gather of the encoded payloads, meshtrain/comm/compression.py).
+        compression_block: values per float32 scale (int8, int4).
+        error_feedback: carry what a payload lost into the next round's outer gradient.
         optim, lr: the inner optimizer (paper: AdamW, lr 4e-4, wd 0.1, betas 0.9/0.95).
     """
 
@@ -115,6 +127,9 @@ class DiLoCo(Strategy):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
+        compression: str = "fp32",
+        compression_block: int = 128,
+        error_feedback: bool = False,
         optim: str | Optim = Optim("adamw", weight_decay=0.1, betas=(0.9, 0.95)),
         lr: float = 4e-4,
         **common: Any,
@@ -123,9 +138,12 @@ class DiLoCo(Strategy):
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
         self.nesterov = nesterov
-        super().__init__(
-            optim, lr, modules=[OuterSync(H, outer_lr, outer_momentum, nesterov)], **common
-        )
+        self.compression = compression
+        self.compression_block = compression_block
+        self.error_feedback = error_feedback
+        sync = OuterSync(H, outer_lr, outer_momentum, nesterov,
+                         compression_from(compression, compression_block, error_feedback))
+        super().__init__(optim, lr, modules=[sync], **common)
 
     def sync_interval(self) -> int | None:
         return self.H

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from meshtrain.comm.compression import PseudoGradientCompression, compression_from
 from meshtrain.seeding import seeded_generator
 from meshtrain.strategies.base import CommunicationModule, Optim, Strategy
 
@@ -28,7 +29,8 @@ from meshtrain.strategies.base import CommunicationModule, Optim, Strategy
 class ModelAveraging(CommunicationModule):
     """Average parameters every ``H`` steps, globally or within seeded islands."""
 
-    def __init__(self, H: int, island_size: int | None, weighted: bool) -> None:
+    def __init__(self, H: int, island_size: int | None, weighted: bool,
+                 compression: PseudoGradientCompression | None = None) -> None:
         if H < 1:
             raise ValueError(f"H must be >= 1, got {H}")
         if island_size is not None and island_size < 2:
@@ -36,8 +38,16 @@ class ModelAveraging(CommunicationModule):
         self.H = H
         self.island_size = island_size
         self.weighted = weighted
+        self.compression = compression
         self.last_average = -1
         self.last_group: list[int] | None = None
+
+    def setup(self, strategy: Strategy) -> None:
+        super().setup(strategy)
+        # Compressed rounds send the round's delta from the last average (its anchor), not
+        # the parameters: quantising the parameters themselves would lose far more.
+        self.anchor = ([p.detach().clone() for p in strategy.params]
+                       if self.compression is not None else [])
 
     def islands(self, sync_round: int) -> list[list[int]]:
         """The groups of ``sync_round``: a seeded shuffle cut into island_size pieces."""
@@ -73,8 +83,22 @@ class ModelAveraging(CommunicationModule):
         for p, b in zip(params, buffers[:-1], strict=True):
             p.copy_(b / total)
 
+    @torch.no_grad()
+    def compressed_average(self, group: list[int] | None) -> None:
+        """theta = anchor - mean_i(anchor - theta_i), the mean through the compressed all-gather."""
+        params = self.strategy.params_data()
+        deltas = [a - p for a, p in zip(self.anchor, params, strict=True)]
+        weight = float(max(1, self.strategy.num_samples)) if self.weighted else None
+        self.strategy.mean_pseudo_gradients_(deltas, self.compression, group=group, weight=weight)
+        for a, p, d in zip(self.anchor, params, deltas, strict=True):
+            p.copy_(a - d)
+            a.copy_(p)
+
     def average(self, step: int, group: list[int] | None) -> None:
-        self.averaged(self.strategy.params_data(), group)
+        if self.compression is not None:
+            self.compressed_average(group)
+        else:
+            self.averaged(self.strategy.params_data(), group)
         self.last_average, self.last_group = step, group
 
     def synced(self, step: int) -> tuple[list[torch.Tensor], list[int] | None] | None:
@@ -106,10 +130,18 @@ class ModelAveraging(CommunicationModule):
         return params
 
     def state_dict(self) -> dict[str, Any]:
-        return {"last_average": self.last_average}
+        state: dict[str, Any] = {"last_average": self.last_average}
+        if self.compression is not None:
+            state["anchor"] = [a.clone() for a in self.anchor]
+            state["compression"] = self.compression.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.last_average = state["last_average"]
+        if self.compression is not None and "anchor" in state:
+            for a, saved in zip(self.anchor, state["anchor"], strict=True):
+                a.copy_(saved)
+            self.compression.load_state_dict(state.get("compression", {}))
 
 
 class FedAvg(Strategy):
@@ -121,6 +153,9 @@ class FedAvg(Strategy):
             last step one full average over all nodes gives the global model.
         weighted: weight each node by its number of training samples (McMahan et al.),
             in every average including the final one.
+        compression, compression_block, error_feedback: as DiLoCo's: with a codec other
+            than fp32 each round averages the delta from the last average (the round's
+            pseudo-gradient) through the compressed all-gather; not with islands.
     """
 
     name = "fedavg"
@@ -136,6 +171,9 @@ class FedAvg(Strategy):
         H: int = 1,
         island_size: int | None = None,
         weighted: bool = False,
+        compression: str = "fp32",
+        compression_block: int = 128,
+        error_feedback: bool = False,
         optim: str | Optim = "sgd",
         lr: float = 0.05,
         **common: Any,
@@ -143,8 +181,17 @@ class FedAvg(Strategy):
         self.H = H
         self.island_size = island_size
         self.weighted = weighted
+        self.compression = compression
+        self.compression_block = compression_block
+        self.error_feedback = error_feedback
+        codec = compression_from(compression, compression_block, error_feedback)
+        if codec is not None and island_size is not None:
+            # A node's anchor is its last island's average: members of a new island start
+            # from different anchors, so their deltas do not share an origin.
+            raise ValueError(f"compression={compression} does not combine with island_size: "
+                             "islands average parameters, not deltas from a shared origin")
         super().__init__(
-            optim, lr, modules=[ModelAveraging(H, island_size, weighted)], **common
+            optim, lr, modules=[ModelAveraging(H, island_size, weighted, codec)], **common
         )
 
     def sync_interval(self) -> int | None:

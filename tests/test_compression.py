@@ -1,0 +1,287 @@
+"""Compressed pseudo-gradient averaging (``compression``) and SparseLoCo, against references.
+
+The references below are written from the definitions (blockwise absmax int8/int4, the
+SparseLoCo paper's update, arXiv 2508.15706) with plain torch: one model copy per node,
+quantisation by explicit loops over blocks, no meshtrain helpers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from helpers import MLP, regression_data
+from torch.testing import assert_close
+
+from meshtrain import Trainer
+from meshtrain.comm.compression import Codec, SparseCodec
+from meshtrain.config.spec import ConfigError
+from meshtrain.strategies import STRATEGIES, DiLoCo, FedAvg, SPARTADiLoCo
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def fit(strategy, tmp_path, data, **kwargs):
+    kwargs.setdefault("shuffle", False)
+    kwargs.setdefault("progress", False)
+    return Trainer(MLP(), data).fit(strategy, out_dir=tmp_path, **kwargs)
+
+
+# ------------------------------------------------------------------------------ the codecs
+def reference_blockwise(x: torch.Tensor, levels: int, block: int) -> torch.Tensor:
+    """What a blockwise absmax quantiser carries: per block s = max|x| / levels, each value
+    round(x / s) * s (an all-zero block stays zero)."""
+    out = torch.zeros_like(x)
+    for start in range(0, x.numel(), block):
+        piece = x[start : start + block]
+        s = piece.abs().max() / levels
+        if s > 0:
+            out[start : start + block] = torch.clamp(torch.round(piece / s), -levels, levels) * s
+    return out
+
+
+@pytest.mark.parametrize(("name", "levels"), [("int8", 127), ("int4", 7)])
+@pytest.mark.parametrize("numel", [1, 127, 300])  # 127, 300: a short last block; odd nibble count
+def test_int_codecs_carry_the_blockwise_quantisation(name, levels, numel):
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(numel))
+    x[: min(10, numel)] = 0.0  # a block may start with zeros
+    codec = Codec(name, block_size=64)
+    payload = codec.encode(x.unsqueeze(0))[0]
+    assert payload.dtype == torch.uint8 and payload.numel() == codec.payload_bytes(numel)
+    assert_close(codec.decode(payload, numel), reference_blockwise(x, levels, 64), rtol=0, atol=0)
+
+
+def test_int4_packs_two_values_per_byte_low_nibble_first():
+    x = torch.tensor([[7.0, -7.0, 0.0, 1.0, -1.0]])
+    payload = Codec("int4", block_size=8).encode(x)[0]
+    # one float32 scale (7 / 7 = 1.0), then codes q + 8: (15, 1), (8, 9), (7, pad 8)
+    assert payload[:4].clone().view(torch.float32).item() == 1.0
+    assert payload[4:].tolist() == [15 | 1 << 4, 8 | 9 << 4, 7 | 8 << 4]
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_half_codecs_are_casts(name):
+    x = torch.randn(1, 50)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+    codec = Codec(name)
+    assert codec.payload_bytes(50) == 100
+    assert torch.equal(codec.decode(codec.encode(x)[0], 50), x[0].to(dtype).float())
+
+
+def test_payload_bytes_are_exact_fractions_of_fp32():
+    n, block = 10_000, 128
+    blocks = math.ceil(n / block)
+    assert Codec("fp32").payload_bytes(n) == 4 * n
+    assert Codec("int8", block).payload_bytes(n) == n + 4 * blocks  # 1/4 of fp32 + scales
+    assert Codec("int4", block).payload_bytes(n) == n // 2 + 4 * blocks  # 1/8 of fp32 + scales
+    # SparseLoCo: per 4,096 values one scale, 64 indices of 12 bits, 64 values of 2 bits
+    assert SparseCodec(4096, 64).payload_bytes(3 * 4096) == 3 * (4 + 96 + 16)
+
+
+def test_codec_refuses_unknown_names_and_bad_blocks():
+    with pytest.raises(ValueError, match="compression must be one of fp32, bf16, fp16, int8, int4"):
+        Codec("int3")
+    with pytest.raises(ValueError, match="compression_block must be an integer >= 1"):
+        Codec("int8", 0)
+    with pytest.raises(ValueError, match="topk must be a multiple of 4"):
+        SparseCodec(4096, 62)
+
+
+def reference_sparse(x: torch.Tensor, chunk: int, k: int) -> torch.Tensor:
+    """SparseLoCo's Q(TopK(x)): per chunk the k largest |x|, each as (c - 1.5) s with
+    s = max|kept| / 1.5, c = clamp(round(v / s + 1.5), 0, 3); the rest zero."""
+    padded = torch.cat([x, torch.zeros((-x.numel()) % chunk)])
+    out = torch.zeros_like(padded)
+    for start in range(0, padded.numel(), chunk):
+        piece = padded[start : start + chunk]
+        order = sorted(range(chunk), key=lambda i: -abs(piece[i].item()))[:k]
+        kept = piece[order]
+        s = kept.abs().max() / 1.5
+        if s > 0:
+            codes = torch.clamp(torch.round(kept / s + 1.5), 0, 3)
+            out[start + torch.tensor(order)] = (codes - 1.5) * s
+    return out[: x.numel()]
+
+
+def test_sparse_codec_carries_top_k_in_two_bits_with_twelve_bit_indices():
+    x = torch.randn(4096 + 1000, generator=torch.Generator().manual_seed(3))
+    codec = SparseCodec(4096, 64)
+    payload = codec.encode(x.unsqueeze(0))[0]
+    assert payload.numel() == 2 * 116
+    decoded = codec.decode(payload, x.numel())
+    assert_close(decoded, reference_sparse(x, 4096, 64), rtol=0, atol=0)
+    assert int((decoded != 0).sum()) == 128
+    # an index above 255 survives the 12-bit packing (the largest value sits at 4000)
+    y = torch.zeros(1, 4096)
+    y[0, 4000], y[0, 7] = 5.0, -5.0
+    back = SparseCodec(4096, 4).decode(SparseCodec(4096, 4).encode(y)[0], 4096)
+    assert back[4000] == 5.0 and back[7] == -5.0
+
+
+# --------------------------------------------------------------- DiLoCo with compression
+def sharded_batch(data, rank, nodes, step, batch):
+    """Node ``rank``'s batch ``step``: samples rank, rank + nodes, ... in order."""
+    rows = torch.arange(rank, len(data) - len(data) % nodes, nodes)[step * batch : (step + 1) * batch]
+    return tuple(t[rows] for t in data.tensors)
+
+
+def reference_compressed_diloco(data, nodes, steps, batch, *, H, inner_lr, levels, block,
+                                error_feedback) -> list[torch.Tensor]:
+    """DiLoCo whose outer gradient each node quantises blockwise (absmax, ``levels``) over its
+    parameters laid end to end; the nodes' dequantised deltas averaged in float32; with error
+    feedback each node adds what its last payload lost to its next delta."""
+    models = [MLP() for _ in range(nodes)]
+    inner = [torch.optim.AdamW(m.parameters(), lr=inner_lr, weight_decay=0.1, betas=(0.9, 0.95))
+             for m in models]
+    theta = [p.detach().clone().requires_grad_(True) for p in MLP().parameters()]
+    outer = torch.optim.SGD(theta, lr=0.7, momentum=0.9, nesterov=True)
+    lost = [torch.zeros(sum(t.numel() for t in theta)) for _ in range(nodes)]
+
+    def outer_step() -> None:
+        with torch.no_grad():
+            carried = []
+            for r, m in enumerate(models):
+                delta = torch.cat([(t - p).reshape(-1) for t, p in zip(theta, m.parameters(),
+                                                                        strict=True)])
+                if error_feedback:
+                    delta = delta + lost[r]
+                q = reference_blockwise(delta, levels, block)
+                lost[r] = delta - q
+                carried.append(q)
+            mean = sum(carried) / nodes
+            offset = 0
+            for t in theta:
+                t.grad = mean[offset : offset + t.numel()].view_as(t).clone()
+                offset += t.numel()
+        outer.step()
+        with torch.no_grad():
+            for m in models:
+                for p, t in zip(m.parameters(), theta, strict=True):
+                    p.copy_(t)
+
+    for s in range(steps):
+        for r, (m, opt) in enumerate(zip(models, inner, strict=True)):
+            opt.zero_grad()
+            m(sharded_batch(data, r, nodes, s, batch)).backward()
+            opt.step()
+        if (s + 1) % H == 0 or s == steps - 1:
+            outer_step()
+    return [t.detach() for t in theta]
+
+
+@pytest.mark.parametrize(("name", "levels"), [("int8", 127), ("int4", 7)])
+@pytest.mark.parametrize("error_feedback", [False, True])
+def test_compressed_diloco_matches_the_reference(name, levels, error_feedback, tmp_path):
+    nodes, steps, batch, H, block = 3, 7, 4, 3, 32
+    data = regression_data(nodes * batch * steps)
+    strategy = DiLoCo(H=H, lr=0.01, compression=name, compression_block=block,
+                      error_feedback=error_feedback)
+    result = fit(strategy, tmp_path, data, nodes=nodes, max_steps=steps, batch_size=batch)
+    expected = reference_compressed_diloco(data, nodes, steps, batch, H=H, inner_lr=0.01,
+                                           levels=levels, block=block, error_feedback=error_feedback)
+    for p, e in zip(result.model.parameters(), expected, strict=True):
+        assert_close(p.detach(), e, **TOL)
+    if error_feedback:  # the residual changed the trajectory
+        plain = reference_compressed_diloco(data, nodes, steps, batch, H=H, inner_lr=0.01,
+                                            levels=levels, block=block, error_feedback=False)
+        assert any(not torch.allclose(p.detach(), e, **TOL)
+                   for p, e in zip(result.model.parameters(), plain, strict=True))
+
+
+def comm_bytes(strategy, tmp_path, **kwargs):
+    data = regression_data(64)
+    result = fit(strategy, tmp_path, data, nodes=2, max_steps=4, batch_size=4, **kwargs)
+    return result.summary["bytes_sent_per_node"], result.summary["bytes_received_per_node"]
+
+
+def test_wire_bytes_are_exact_quarter_and_eighth_of_fp32_plus_scales(tmp_path):
+    numel = sum(p.numel() for p in MLP().parameters())
+    syncs, block = 2, 128
+    fp32 = comm_bytes(DiLoCo(H=2), tmp_path / "fp32")
+    assert fp32 == (syncs * 4 * numel, syncs * 4 * numel)  # 2 nodes: the ring moves S each way
+    scales = 4 * math.ceil(numel / block)
+    for name, payload in [("bf16", 2 * numel), ("fp16", 2 * numel),
+                          ("int8", numel + scales), ("int4", math.ceil(numel / 2) + scales)]:
+        sent = comm_bytes(DiLoCo(H=2, compression=name, compression_block=block), tmp_path / name)
+        assert sent == (syncs * payload, syncs * payload), name
+
+
+def test_fp32_compression_is_todays_all_reduce_bit_for_bit(tmp_path):
+    data = regression_data(96)
+    kwargs = dict(nodes=3, max_steps=6, batch_size=4)
+    plain = fit(DiLoCo(H=3, lr=0.01), tmp_path / "a", data, **kwargs)
+    fp32 = fit(DiLoCo(H=3, lr=0.01, compression="fp32", error_feedback=True), tmp_path / "b",
+               data, **kwargs)
+    for a, b in zip(plain.model.parameters(), fp32.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert plain.summary["bytes_sent_per_node"] == fp32.summary["bytes_sent_per_node"]
+
+
+def test_compressed_diloco_is_identical_on_threads_and_vmap(tmp_path):
+    data = regression_data(96)
+    kwargs = dict(nodes=2, max_steps=6, batch_size=4)
+    threads = fit(DiLoCo(H=3, lr=0.01, compression="int8", error_feedback=True), tmp_path / "t",
+                  data, **kwargs)
+    vmapped = fit(DiLoCo(H=3, lr=0.01, compression="int8", error_feedback=True), tmp_path / "v",
+                  data, runtime="vmap", **kwargs)
+    for a, b in zip(threads.model.parameters(), vmapped.model.parameters(), strict=True):
+        assert_close(a, b, **TOL)
+    assert threads.summary["bytes_sent_per_node"] == vmapped.summary["bytes_sent_per_node"]
+
+
+def test_sparta_diloco_and_fedavg_take_compression(tmp_path):
+    numel = sum(p.numel() for p in MLP().parameters())
+    payload = numel + 4 * math.ceil(numel / 128)
+    fed = comm_bytes(FedAvg(H=2, compression="int8"), tmp_path / "fed")
+    assert fed == (2 * payload, 2 * payload)
+    sparta = SPARTADiLoCo(p=0.5, H=2, compression="int8")
+    assert sparta.modules[1].compression is not None
+
+
+def test_compressed_fedavg_averages_round_deltas(tmp_path):
+    """FedAvg with int8: theta = anchor - mean_i Q(anchor - theta_i): with H=1, SGD, plain
+    torch, two nodes, one round by hand."""
+    nodes, batch = 2, 4
+    data = regression_data(nodes * batch)
+    result = fit(FedAvg(H=1, lr=0.1, compression="int8", compression_block=16), tmp_path, data,
+                 nodes=nodes, max_steps=1, batch_size=batch)
+    start = [p.detach().clone() for p in MLP().parameters()]
+    deltas = []
+    for r in range(nodes):
+        m = MLP()
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        m(sharded_batch(data, r, nodes, 0, batch)).backward()
+        opt.step()
+        flat = torch.cat([(a - p.detach()).reshape(-1) for a, p in zip(start, m.parameters(),
+                                                                        strict=True)])
+        deltas.append(reference_blockwise(flat, 127, 16))
+    mean = (deltas[0] + deltas[1]) / 2
+    offset = 0
+    for p, a in zip(result.model.parameters(), start, strict=True):
+        assert_close(p.detach(), a - mean[offset : offset + a.numel()].view_as(a), **TOL)
+        offset += a.numel()
+
+
+def test_compression_refusals_are_one_line():
+    with pytest.raises(ValueError, match="does not combine with island_size"):
+        FedAvg(H=2, island_size=2, compression="int8")
+    with pytest.raises(ValueError, match="compression must be one of"):
+        DiLoCo(compression="int2")
+
+
+def test_compression_setting_reaches_every_pseudo_gradient_strategy():
+    for name in ("diloco", "sparta-diloco", "fedavg"):
+        params = STRATEGIES[name].parameters()
+        assert params["compression"].default == "fp32", name
+        assert {"compression_block", "error_feedback"} <= set(params), name
+
+
+def test_set_compression_on_the_command_line_is_checked(tmp_path):
+    from meshtrain.config.spec import RunSpec
+    from meshtrain.config.strategy_options import build_strategy
+
+    built = build_strategy(RunSpec(strategy="diloco", strategy_options={"compression": "int4"}))
+    assert built.modules[0].compression is not None
+    with pytest.raises(ConfigError, match="strategy 'diloco': compression must be one of"):
+        build_strategy(RunSpec(strategy="diloco", strategy_options={"compression": "int3"}))
