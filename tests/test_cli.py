@@ -124,7 +124,8 @@ def test_listings(tmp_path: Path) -> None:
     strategies = runner.invoke(app, ["strategies"], env={"COLUMNS": "200"})
     assert strategies.exit_code == 0
     for name in ("ddp", "diloco", "sparta", "sparta-diloco", "fedavg", "demo", "outer_lr=0.7",
-                 "compression_topk=32", "island_size=None"):
+                 "compression_topk=32", "island_size=None", "sparseloco", "topk=64", "decay=0.95",
+                 "compression='fp32'"):
         assert name in strategies.output
     tasks = runner.invoke(app, ["tasks"], env={"COLUMNS": "200"})
     assert tasks.exit_code == 0 and "digits" in tasks.output and "gpt" in tasks.output

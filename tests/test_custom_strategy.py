@@ -27,7 +27,7 @@ runner = CliRunner()
 def test_each_strategy_declares_its_name_label_and_whether_it_continues_on_fewer_nodes() -> None:
     assert all(cls.display_name for cls in STRATEGIES.values())
     assert [n for n, cls in STRATEGIES.items() if cls.continues_on_fewer_nodes] == \
-        ["ddp", "diloco", "sparta-diloco", "fedavg"]
+        ["ddp", "diloco", "sparta-diloco", "fedavg", "sparseloco"]
     assert strategy_label("sparta-diloco", {"p": 0.005, "H": 100}) == "SPARTA+DiLoCo p=0.005 H=100"
     assert strategy_label("fedavg", {"H": 5, "island_size": 2}) == "FedAvg H=5 islands=2"
     assert strategy_label("demo", {"compression_topk": 32}) == "DeMo topk=32"
@@ -35,7 +35,7 @@ def test_each_strategy_declares_its_name_label_and_whether_it_continues_on_fewer
     assert fewer_nodes_refusal(DDP()) is None
     assert "island_size=2" in (fewer_nodes_refusal(FedAvg(island_size=2)) or "")
     assert fewer_nodes_refusal(DeMo()) == ("strategy demo: a checkpoint cannot continue on fewer nodes "
-                                           "(only ddp, diloco, sparta-diloco, fedavg hold the whole "
+                                           "(only ddp, diloco, sparta-diloco, fedavg, sparseloco hold the whole "
                                            "global state on every node)")
 
 

@@ -21,6 +21,7 @@ from meshtrain.strategies import (
     DiLoCo,
     FedAvg,
     Optim,
+    SparseLoCo,
     SPARTADiLoCo,
     Strategy,
 )
@@ -28,20 +29,22 @@ from meshtrain.strategies.base import OPTIMIZERS
 from meshtrain.strategies.demo import ChunkedDCT, dct_matrix
 
 COMMON = ["max_norm", "warmup_steps", "lr_schedule", "min_lr"]
+COMPRESSION = ["compression", "compression_block", "error_feedback"]
 EXPECTED_PARAMETERS = {
     "ddp": ["optim", "lr", *COMMON],
-    "diloco": ["H", "outer_lr", "outer_momentum", "nesterov", "optim", "lr", *COMMON],
+    "diloco": ["H", "outer_lr", "outer_momentum", "nesterov", *COMPRESSION, "optim", "lr", *COMMON],
     "sparta": ["p", "selector", "optim", "lr", *COMMON],
     "sparta-diloco": ["p", "sparse_interval", "selector", "H", "outer_lr", "outer_momentum", "nesterov",
-                      "optim", "lr", *COMMON],
-    "fedavg": ["H", "island_size", "weighted", "optim", "lr", *COMMON],
+                      *COMPRESSION, "optim", "lr", *COMMON],
+    "fedavg": ["H", "island_size", "weighted", *COMPRESSION, "optim", "lr", *COMMON],
+    "sparseloco": ["H", "outer_lr", "topk", "chunk", "decay", "optim", "lr", *COMMON],
     "demo": ["lr", "compression_decay", "compression_topk", "compression_chunk", "weight_decay", *COMMON],
 }
 
 
 def test_registry_names():
     assert STRATEGIES == {"ddp": DDP, "diloco": DiLoCo, "sparta": SPARTA, "sparta-diloco": SPARTADiLoCo,
-                          "fedavg": FedAvg, "demo": DeMo}
+                          "fedavg": FedAvg, "demo": DeMo, "sparseloco": SparseLoCo}
 
 
 @pytest.mark.parametrize("name", list(EXPECTED_PARAMETERS))

@@ -12,6 +12,7 @@ from meshtrain.strategies.ddp import DDP, GradientAveraging
 from meshtrain.strategies.demo import DeMo
 from meshtrain.strategies.diloco import DiLoCo, OuterSync
 from meshtrain.strategies.fedavg import FedAvg, ModelAveraging
+from meshtrain.strategies.sparseloco import SparseLoCo
 from meshtrain.strategies.sparta import SPARTA, SparseAveraging
 from meshtrain.strategies.sparta_diloco import SPARTADiLoCo
 
@@ -46,5 +47,6 @@ __all__ = [
     "OuterSync",
     "SPARTADiLoCo",
     "SparseAveraging",
+    "SparseLoCo",
     "Strategy",
 ]
