@@ -35,8 +35,8 @@ def test_each_strategy_declares_its_name_label_and_whether_it_continues_on_fewer
     assert fewer_nodes_refusal(DDP()) is None
     assert "island_size=2" in (fewer_nodes_refusal(FedAvg(island_size=2)) or "")
     assert fewer_nodes_refusal(DeMo()) == ("strategy demo: a checkpoint cannot continue on fewer nodes "
-                                           "(only ddp, diloco, sparta-diloco, fedavg, sparseloco hold the whole "
-                                           "global state on every node)")
+                                           "(only ddp, diloco, sparta-diloco, fedavg, sparseloco hold "
+                                           "the whole global state on every node)")
 
 
 class EveryFour(Strategy):
