@@ -285,6 +285,11 @@ def rank_command(inventory: Inventory, host: Host, run_id: str, argv: list[str],
 
 
 # --------------------------------------------------------------------------- preflight
+#: The preflight's interpreter check may take this long: a cold interpreter on a network
+#: home or a sleeping disk takes well over the 10 s a connection gets.
+INTERPRETER_START_S = 60.0
+
+
 def preflight(inventory: Inventory, options: LaunchOptions) -> list[paramiko.SSHClient]:
     """One authenticated connection per rank, each host's interpreter and workdir checked.
 
@@ -303,7 +308,14 @@ def preflight(inventory: Inventory, options: LaunchOptions) -> list[paramiko.SSH
             if options.program:  # where the rank runs it: in the workdir, on the login PATH
                 words += [Shell("; cd"), HostPath(host.workdir), Shell("&& command -v"), options.program,
                           Shell(">/dev/null 2>&1 || exit 44")]
-            check = run(client, sh(shell_line(*words)), timeout=options.connect_timeout)
+            check = run(client, sh(shell_line(*words)), timeout=max(options.connect_timeout,
+                                                                    INTERPRETER_START_S))
+        except TimeoutError:  # paramiko's socket.timeout says nothing ("TimeoutError: ")
+            client.close()
+            raise SSHError(host, f"python {host.python} did not start and check workdir {host.workdir} "
+                                 f"within {max(options.connect_timeout, INTERPRETER_START_S):g} s: the "
+                                 "interpreter hangs or its disk does not answer (run it there by hand)"
+                           ) from None
         except Exception:
             client.close()
             raise
