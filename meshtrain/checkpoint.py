@@ -137,13 +137,16 @@ def _frozen_ids(model: torch.nn.Module) -> set[int]:
     return {id(p) for p in model.parameters() if not p.requires_grad}
 
 
-def commit(folder: Path, step: int, run_id: str, hashes: dict[int, str], keep: int, nodes: int) -> Path:
+def commit(folder: Path, step: int, run_id: str, hashes: dict[int, str], keep: int, nodes: int,
+           settings: dict[str, Any] | None = None) -> Path:
     """Once every node has saved: write meta.json (the checksums of the node files in this
-    folder), publish the folder, prune old ones. Local runtimes share one folder, which rank
-    0 commits; each launched rank commits its own folder on its own host."""
+    folder, and the run's ``settings`` a resume is checked against), publish the folder,
+    prune old ones. Local runtimes share one folder, which rank 0 commits; each launched
+    rank commits its own folder on its own host."""
     pending = folder / f".step-{step:06d}.partial"
     meta = {"run_id": run_id, "step": step, "nodes": nodes,
-            "files": {f"node-{r}.pt": h for r, h in sorted(hashes.items())}}
+            "files": {f"node-{r}.pt": h for r, h in sorted(hashes.items())},
+            **({"settings": settings} if settings is not None else {})}
     write_synced(pending / META, lambda f: f.write(json.dumps(meta, indent=2).encode()))
     final = step_folder(folder, step)
     if final.exists():  # a resumed run passing the same step again
@@ -186,6 +189,7 @@ class Found:
     nodes: int
     skipped: list[str]  # why newer checkpoint folders were not used
     ranks: tuple[int, ...] = ()  # the node files this folder holds (a launched host: its own)
+    settings: dict[str, Any] | None = None  # what the run recorded of its settings (None: nothing)
 
     def source_rank(self, rank: int) -> int:
         """The saved node that node ``rank`` continues from: on a launched host the one file
@@ -213,8 +217,9 @@ def find_latest(path: str | Path) -> Found:
         if problem is None:
             meta = json.loads((candidate / META).read_text())
             ranks = tuple(sorted(int(name[len("node-"):-len(".pt")]) for name in meta["files"]))
+            settings = meta.get("settings")
             return Found(candidate, int(meta["step"]), str(meta["run_id"]), int(meta["nodes"]), skipped,
-                         ranks)
+                         ranks, settings if isinstance(settings, dict) else None)
         skipped.append(f"{candidate.name}: {problem}")
     detail = f" ({'; '.join(skipped)})" if skipped else ""
     raise CheckpointError(f"--resume {path}: no complete checkpoint found{detail}")

@@ -119,3 +119,12 @@ def test_a_finished_run_trained_further_under_a_new_id_keeps_its_checkpoints(sto
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in (finished / "checkpoints").glob("step-*")) == ["step-000004"]
     assert (tmp_path / "more" / "summary.json").is_file()
+
+
+def test_how_it_runs_may_change_concurrent_nodes_too(stopped: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "r.checkpoints"
+    shutil.copytree(stopped / "stopped" / "r.checkpoints", folder)
+    result = runner.invoke(app, ["simulate", "--resume", str(folder), "--steps", "6",
+                                 "--concurrent-nodes", "1", "--runtime", "threads", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "resuming run r after step 4" in result.output

@@ -13,7 +13,7 @@ import math
 import re
 import types
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from typing import Any, Union
 
 from meshtrain.cluster import get_cluster
@@ -77,13 +77,38 @@ class Flag:
         return dict(self.panels).get(command, self.panel)
 
 
+#: What a resumed run may do with a setting; every setting's definition says which
+#: (``on_resume=``), and :mod:`meshtrain.config.resume` enforces it for ``Trainer.fit``
+#: and the CLI alike.
+#:
+#: KEEP: part of what is trained (the model, data order, optimizer, strategy): a change
+#: would continue another run from this one's state, so it is refused. The default: a
+#: setting that does not say is kept, so a new one is safe until someone decides otherwise.
+KEEP = "keep"
+#: MAY_CHANGE: how or where the run runs, checkpoints or logs; the state it continues
+#: from means the same whatever the value (threads, device, runtime, validation, output).
+MAY_CHANGE = "may change"
+#: AT_LEAST_STEP: may change, but not below the checkpoint's step (``steps``).
+AT_LEAST_STEP = "at least the checkpoint's step"
+ON_RESUME = (KEEP, MAY_CHANGE, AT_LEAST_STEP)
+
+
+def on_resume(setting_field: Field[Any]) -> str:
+    """What a resumed run may do with the setting ``setting_field`` (one of ON_RESUME);
+    KEEP where its definition does not say."""
+    return str(setting_field.metadata.get("on_resume", KEEP))
+
+
 def setting(default: Any, help: str, *, minimum: float | None = None, above: float | None = None,
              maximum: float | None = None, choices: tuple[str, ...] | None = None,
-             factory: Any = None, flag: Flag | None = None) -> Any:
-    """A dataclass field carrying the setting's help text, limits and command-line flag
-    (none: given by a profile or ``--set`` only)."""
+             factory: Any = None, flag: Flag | None = None, on_resume: str = KEEP) -> Any:
+    """A dataclass field carrying the setting's help text, limits, command-line flag
+    (none: given by a profile or ``--set`` only) and what a resumed run may do with it
+    (``on_resume``: KEEP unless said, see ON_RESUME)."""
+    if on_resume not in ON_RESUME:
+        raise ValueError(f"on_resume must be one of {ON_RESUME}, got {on_resume!r}")
     meta = {"help": help, "minimum": minimum, "above": above, "maximum": maximum, "choices": choices,
-            "flag": flag}
+            "flag": flag, "on_resume": on_resume}
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -94,35 +119,38 @@ class TrainConfig:
     """Everything about a run except the model, the data and the strategy."""
 
     nodes: int = setting(4, "Number of nodes (simulated, or ranks of a launch).", minimum=1,
-                      flag=Flag(("--nodes", "-n"), CLUSTER, ("simulate", "compare")))
+                      flag=Flag(("--nodes", "-n"), CLUSTER, ("simulate", "compare")), on_resume=MAY_CHANGE)
     steps: int | None = setting(None, "Training steps; each node takes one batch a step "
                                        "(default 100 when epochs is not given).", minimum=1,
-                                flag=Flag(("--steps",), WHAT, ALL))
+                                flag=Flag(("--steps",), WHAT, ALL), on_resume=AT_LEAST_STEP)
     epochs: float | None = setting(None, "Train for this many passes over the smallest node's "
                                           "data instead of a number of steps.", above=0,
-                                  flag=Flag(("--epochs",), WHAT))
+                                  flag=Flag(("--epochs",), WHAT), on_resume=MAY_CHANGE)
     batch_size: int = setting(32, "Batch size per node.", minimum=1,
-                                flag=Flag(("--batch-size", "-b"), WHAT, BOTH))
+                                flag=Flag(("--batch-size", "-b"), WHAT, BOTH), on_resume=KEEP)
     microbatch_size: int | None = setting(None, "Accumulate gradients in pieces of this size.",
-                                           minimum=1, flag=Flag(("--microbatch-size",), WHAT, BOTH))
+                                           minimum=1, flag=Flag(("--microbatch-size",), WHAT, BOTH),
+                                           on_resume=KEEP)
     seed: int = setting(0, "Seed of weights, data order and shared random choices (0 to 2**63 - 1).",
-                         minimum=0, maximum=MAX_SEED, flag=Flag(("--seed",), WHAT, ALL))
-    device: str = setting("cpu", "cpu, cuda, mps or auto.", flag=Flag(("--device",), CLUSTER, BOTH))
+                         minimum=0, maximum=MAX_SEED, flag=Flag(("--seed",), WHAT, ALL), on_resume=KEEP)
+    device: str = setting("cpu", "cpu, cuda, mps or auto.", flag=Flag(("--device",), CLUSTER, BOTH),
+    on_resume=MAY_CHANGE)
     precision: str = setting("fp32", "Forward-pass precision: fp32, or bf16/fp16 autocast (mixed "
                                      "precision: less memory for activations; weights, gradients "
                                      "and what nodes send stay fp32). bf16 runs on cpu and recent "
                                      "GPUs, fp16 on cuda and mps only (with loss scaling).",
-                             choices=PRECISIONS, flag=Flag(("--precision",), WHAT, BOTH))
+                             choices=PRECISIONS, flag=Flag(("--precision",), WHAT, BOTH),
+                             on_resume=MAY_CHANGE)
     gradient_checkpointing: bool = setting(False, "Recompute activations in the backward pass "
                                                   "instead of keeping them: less memory, more "
                                                   "compute (each layer's forward runs twice; "
                                                   "Hugging Face models and the gpt task).",
                                            flag=Flag(("--gradient-checkpointing/--no-gradient-checkpointing",),
-                                                     WHAT, BOTH))
+                                                     WHAT, BOTH), on_resume=MAY_CHANGE)
     runtime: str = setting("threads", "Where simulated nodes live: threads (fast), processes "
                                       "(one process per node over gloo) or vmap (every node in one "
                                       "vectorised computation; DDP, DiLoCo, SPARTA, FedAvg).",
-                           choices=RUNTIMES, flag=Flag(("--runtime",), CLUSTER))
+                           choices=RUNTIMES, flag=Flag(("--runtime",), CLUSTER), on_resume=MAY_CHANGE)
     threads: int | None = setting(None, "Torch intra-op threads per node (default: 1 per simulated "
                                          "node, a launched rank's cores shared by the ranks on its "
                                          "machine; MESHTRAIN_THREADS "
@@ -131,85 +159,92 @@ class TrainConfig:
                                  maximum=MAX_THREADS, flag=Flag(("--threads",), CLUSTER, BOTH, help=(
                                      ("launch", "Torch intra-op threads of every rank (overrides the "
                                                 "inventory's 'threads'; default: each host's cores, "
-                                                "shared by the ranks on it)."),)))
+                                                "shared by the ranks on it)."),)), on_resume=MAY_CHANGE)
     concurrent_nodes: int | None = setting(None, "Threads runtime: how many nodes compute at "
                                                   "once (default: the cores this process may use "
                                                   "divided by threads). Each node's Python waits "
                                                   "its turn instead of contending for the "
                                                   "interpreter lock; 1 runs the nodes one after "
                                                   "another, as a plain loop would.", minimum=1,
-                                           flag=Flag(("--concurrent-nodes",), CLUSTER))
-    shuffle: bool = setting(True, "Reshuffle each node's shard every epoch (seeded).")
+                                           flag=Flag(("--concurrent-nodes",), CLUSTER), on_resume=MAY_CHANGE)
+    shuffle: bool = setting(True, "Reshuffle each node's shard every epoch (seeded).", on_resume=KEEP)
     val_interval: int | None = setting(None, "Evaluate the global model every N steps.", minimum=1,
-                                     flag=Flag(("--val-interval",), OUTPUT, BOTH))
+                                     flag=Flag(("--val-interval",), OUTPUT, BOTH), on_resume=MAY_CHANGE)
     val_size: int | None = setting(None, "Evaluate on at most this many validation samples.",
-                                    minimum=1)
+                                    minimum=1, on_resume=MAY_CHANGE)
     out_dir: str = setting("runs", "Where run directories go.", flag=Flag(("--out",), OUTPUT, ALL, help=(
         ("launch", "Local folder for rank 0's run directory (default: runs)."),
-        ("compare", "Folder that gets the compare-<time> folder (default: runs)."))))
+        ("compare", "Folder that gets the compare-<time> folder (default: runs)."))), on_resume=MAY_CHANGE)
     run_id: str | None = setting(None, "Name of the run directory (letters, digits, . _ -).",
-                                 flag=Flag(("--run-id",), OUTPUT, BOTH))
+                                 flag=Flag(("--run-id",), OUTPUT, BOTH), on_resume=MAY_CHANGE)
     progress: bool = setting(True, "Show a progress bar (plain lines when not a terminal).",
                               flag=Flag(("--progress/--no-progress",), OUTPUT, ALL, help=(
                                   ("launch", "Progress lines from rank 0."),
-                                  ("compare", "Progress bar of each run."))))
+                                  ("compare", "Progress bar of each run."))), on_resume=MAY_CHANGE)
     timeout_s: float = setting(1800.0, "Seconds a collective may wait before the run fails.",
-                                above=0)
+                                above=0, on_resume=MAY_CHANGE)
     cluster: str = setting("gbe", "Project wall-clock on this named cluster "
                                    "(`meshtrain clusters` lists them).",
-                           flag=Flag(("--cluster",), CLUSTER, ("simulate", "compare")))
+                           flag=Flag(("--cluster",), CLUSTER, ("simulate", "compare")), on_resume=MAY_CHANGE)
     step_seconds: float | None = setting(None, "A node's compute per step on that cluster, if "
                                                 "known (default: measured here).", above=0,
-                                        flag=Flag(("--step-seconds",), CLUSTER))
+                                        flag=Flag(("--step-seconds",), CLUSTER), on_resume=MAY_CHANGE)
     checkpoint_every: int | None = setting(None, "Write a checkpoint every N steps (DiLoCo-like "
                                                    "strategies: rounded up to a multiple of H, so "
                                                    "it follows an outer sync).", minimum=1,
                                            flag=Flag(("--checkpoint-every",), LONG_RUNS, BOTH, help=(
                                                ("launch", "Every rank checkpoints its state every N "
                                                           "steps into its host's workdir "
-                                                          "(runs/RUN-ID.checkpoints/)."),)))
+                                                          "(runs/RUN-ID.checkpoints/)."),)),
+                                                          on_resume=MAY_CHANGE)
     keep_checkpoints: int = setting(2, "How many of the newest checkpoints to keep.", minimum=1,
                                    flag=Flag(("--keep",), LONG_RUNS, BOTH, help=(
-                                       ("launch", "Checkpoints each host keeps (default 2)."),)))
+                                       ("launch", "Checkpoints each host keeps (default 2)."),)),
+                                       on_resume=MAY_CHANGE)
     resume: str | None = setting(None, "Continue a stopped run from its newest intact checkpoint "
                                         "(its <run-id>.checkpoints folder or run directory; its settings "
                                         "come from there).",
                                 flag=Flag(("--resume",), LONG_RUNS, BOTH, help=(
                                     ("launch", "Continue the launch RUN-ID from the newest checkpoint "
-                                               "every host holds (give the same inventory and flags)."),)))
+                                               "every host holds (give the same inventory and flags)."),)),
+                                               on_resume=MAY_CHANGE)
     check_sync: bool = setting(False, "After every sync, verify by a hash all-gather that the "
                                        "nodes hold the identical parameters the strategy promises "
                                        "(DDP, DeMo: all; DiLoCo: the outer ones; FedAvg: each "
                                        "island); a difference stops the run naming the nodes.",
-                              flag=Flag(("--check-sync/--no-check-sync",), LONG_RUNS))
+                              flag=Flag(("--check-sync/--no-check-sync",), LONG_RUNS), on_resume=MAY_CHANGE)
     skip_nonfinite: bool = setting(False, "When a loss or gradient is NaN or infinite on any node, "
                                            "skip that step on every node (counted in metrics) "
                                            "instead of stopping the run.",
-                                  flag=Flag(("--skip-nonfinite/--stop-on-nonfinite",), LONG_RUNS))
+                                  flag=Flag(("--skip-nonfinite/--stop-on-nonfinite",), LONG_RUNS),
+                                  on_resume=MAY_CHANGE)
     wandb: str | None = setting(None, "Also log to Weights & Biases, in this project (rank 0: loss, "
                                        "bytes, validation, summary; needs pip install "
                                        "'meshtrain[wandb]'; WANDB_MODE=offline logs locally).",
-                              flag=Flag(("--wandb",), OUTPUT, metavar="PROJECT"))
+                              flag=Flag(("--wandb",), OUTPUT, metavar="PROJECT"), on_resume=MAY_CHANGE)
     tensorboard: bool = setting(False, "Also write TensorBoard event files into <run>/tensorboard/ "
                                         "(the numbers of metrics.csv; needs pip install "
                                         "'meshtrain[tensorboard]').",
-                                flag=Flag(("--tensorboard/--no-tensorboard",), OUTPUT))
+                                flag=Flag(("--tensorboard/--no-tensorboard",), OUTPUT), on_resume=MAY_CHANGE)
     fail: list[str] | str = setting(None, "Simulate a node leaving: node=2,step=150 makes node 2 take "
                                      "150 steps, then stop; the others go on without it "
                                      "(repeatable; simulate only; node 0 cannot fail).",
-                               factory=list, flag=Flag(("--fail",), CLUSTER, metavar="node=N,step=S"))
+                               factory=list, flag=Flag(("--fail",), CLUSTER, metavar="node=N,step=S"),
+                               on_resume=MAY_CHANGE)
     straggler: list[str] | str = setting(None, "Project a slow node: node=1,slowdown=3 makes node 1's "
                                           "compute 3x longer in the projected timeline, the others "
                                           "waiting for it (repeatable; simulate only).",
                                     factory=list,
-                                    flag=Flag(("--straggler",), CLUSTER, metavar="node=N,slowdown=X"))
+                                    flag=Flag(("--straggler",), CLUSTER, metavar="node=N,slowdown=X"),
+                                    on_resume=MAY_CHANGE)
     balance: bool = setting(False, "Give each node a share of every step's samples in proportion "
                                    "to its throughput (launch: measured by warm-up passes; simulate: "
                                    "1/slowdown of --straggler). The global batch stays nodes x "
                                    "batch_size and every average is weighted by samples (see "
                                    "meshtrain.engine.balance).",
-                            flag=Flag(("--balance/--no-balance",), WHAT, BOTH))
-    extra_config: dict[str, Any] = setting(None, "Recorded in config.yaml as given.", factory=dict)
+                            flag=Flag(("--balance/--no-balance",), WHAT, BOTH), on_resume=KEEP)
+    extra_config: dict[str, Any] = setting(None, "Recorded in config.yaml as given.", factory=dict,
+    on_resume=MAY_CHANGE)
 
     def validate(self) -> None:
         """Check every setting and the rules between them; raise :class:`SettingError`."""

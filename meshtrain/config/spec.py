@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from meshtrain import yaml12
-from meshtrain.config.settings import ALL, BOTH, WHAT, Flag, TrainConfig
+from meshtrain.config.settings import ALL, BOTH, KEEP, MAY_CHANGE, WHAT, Flag, TrainConfig
 from meshtrain.errors import SettingError
 from meshtrain.strategies import STRATEGIES
 
@@ -31,23 +31,26 @@ class RunSpec(TrainConfig):
     plus every :class:`~meshtrain.config.settings.TrainConfig` setting."""
 
     description: str = field(default="", metadata={"help": "What this run is for (profiles).",
-                                                    "may_be_empty": True})
+                                                    "may_be_empty": True,
+                                                    "on_resume": MAY_CHANGE})
     task: str = field(default="digits", metadata={
         "help": "What to train: `meshtrain tasks` lists the tasks.",
-        "flag": Flag(("--task", "-t"), WHAT, ALL)})
+        "flag": Flag(("--task", "-t"), WHAT, ALL), "on_resume": KEEP})
     task_options: dict[str, Any] = field(default_factory=dict, metadata={
-        "help": "The task's own options (task_options.arch=cnn)."})
+        "help": "The task's own options (task_options.arch=cnn).", "on_resume": KEEP})
     data: str | None = field(default=None, metadata={"help": "Data file or folder the task reads.",
-                                                      "flag": Flag(("--data",), WHAT, ALL)})
+                                                      "flag": Flag(("--data",), WHAT, ALL),
+                                                      # a path: the file may have moved
+                                                      "on_resume": MAY_CHANGE})
     strategy: str = field(default="diloco", metadata={
         "help": "Strategy: " + ", ".join(STRATEGIES) + " (`meshtrain strategies`), or "
                 "package.module:Class for your own.",
-        "flag": Flag(("--strategy", "-s"), WHAT, BOTH)})
+        "flag": Flag(("--strategy", "-s"), WHAT, BOTH), "on_resume": KEEP})
     strategy_options: dict[str, Any] = field(default_factory=dict, metadata={
-        "help": "The strategy's parameters (H=50 with --set)."})
+        "help": "The strategy's parameters (H=50 with --set).", "on_resume": KEEP})
     lr: float | None = field(default=None, metadata={
         "help": "Learning rate (DiLoCo: the inner optimizer's).", "above": 0,
-        "flag": Flag(("--lr",), WHAT, ALL)})
+        "flag": Flag(("--lr",), WHAT, ALL), "on_resume": KEEP})
 
     @classmethod
     def field_names(cls) -> list[str]:

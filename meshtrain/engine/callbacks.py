@@ -25,6 +25,7 @@ from torch import nn
 
 from meshtrain import checkpoint, observers, seeding
 from meshtrain.comm import Communicator
+from meshtrain.config.resume import recorded_settings
 from meshtrain.data import NodeBatches, fetch, resolve_dataset, to_device
 from meshtrain.engine import loggers
 from meshtrain.engine.balance import Balancer
@@ -545,12 +546,14 @@ class Checkpointing(Callback):
         assert job.checkpoints is not None
         digest_hex = checkpoint.save_node(job.checkpoints, steps_done, run.rank, self._state(run, steps_done))
         hashes = comm.gather_json({"rank": run.rank, "sha256": digest_hex})  # also: every node has saved
+        settings = recorded_settings(cfg, run.strategy)  # what a resume is checked against
         if cfg.runtime == "launched":  # every host keeps its own rank's checkpoint
             checkpoint.commit(job.checkpoints, steps_done, job.run_id, {run.rank: digest_hex},
-                              cfg.keep_checkpoints, cfg.nodes)
+                              cfg.keep_checkpoints, cfg.nodes, settings)
         elif hashes is not None:
             checkpoint.commit(job.checkpoints, steps_done, job.run_id,
-                              {h["rank"]: h["sha256"] for h in hashes}, cfg.keep_checkpoints, cfg.nodes)
+                              {h["rank"]: h["sha256"] for h in hashes}, cfg.keep_checkpoints, cfg.nodes,
+                              settings)
 
     @staticmethod
     def _state(run: NodeRun, steps_done: int) -> dict[str, Any]:

@@ -28,13 +28,14 @@ from meshtrain.config.environment import (
     resolve_threads,
     writes_run_directory,
 )
+from meshtrain.config.resume import fit_conflict
 from meshtrain.config.settings import TrainConfig, check_run_id
 from meshtrain.data import Collate, DataFactory
 from meshtrain.devices import check_gpus_for_processes, resolve_device
 from meshtrain.engine import balance, loggers, memory, runtimes
 from meshtrain.engine.job import FitResult, NodeJob
 from meshtrain.engine.runtimes.vmap import vmap_refusal
-from meshtrain.errors import InputError
+from meshtrain.errors import InputError, SettingError
 from meshtrain.run_dir import RunDirectory
 from meshtrain.strategies import DiLoCo, Strategy
 
@@ -190,6 +191,10 @@ def _checkpoint_to_resume(config: TrainConfig, strategy: Strategy) -> checkpoint
         if refusal:
             raise ValueError(f"--resume {config.resume} on {config.nodes} of its {resume.nodes} "
                              f"nodes: {refusal}")
+    if resume is not None:  # each setting's definition says whether it may change (config/resume.py)
+        conflict = fit_conflict(resume.settings, config, strategy, resume.step)
+        if conflict:
+            raise SettingError(f"--resume {config.resume}: {conflict}")
     return resume
 
 
