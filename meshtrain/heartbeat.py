@@ -256,7 +256,7 @@ class StatusReporter:
                 rate = (step - self._sent_step) / (now - self._sent_at)
         status = RankStatus(
             step, self.steps, loss if loss is not None and math.isfinite(loss) else None, rate,
-            bytes_sent, resident_bytes(), last_sync_step(strategy, step) if strategy is not None else None,
+            bytes_sent, resident_bytes(), last_sync_step(strategy) if strategy is not None else None,
             cpu, accelerator_bytes(), self.batch_size)
         try:
             os.write(self.fd, status.encode())
@@ -285,18 +285,13 @@ def status_reporter(steps: int, first_step: int = 0) -> StatusReporter | None:
     return reporter
 
 
-def last_sync_step(strategy: Any, step: int) -> int | None:
-    """The step after which ``strategy`` last synchronised the replicas, or None if it
-    does not say: every step for strategies that keep replicas in sync (DDP), else the
-    ``last_sync`` step (0-based, -1 before any) its modules keep (DiLoCo); None also
-    before the first sync."""
-    if getattr(strategy, "replicas_in_sync", False):
-        return step
-    for module in getattr(strategy, "modules", ()):
-        last = getattr(module, "last_sync", None)
-        if isinstance(last, int) and not isinstance(last, bool):
-            return last + 1 if last >= 0 else None
-    return None
+def last_sync_step(strategy: Any) -> int | None:
+    """Steps done when ``strategy`` last synchronised the nodes (part of the strategy
+    contract, :meth:`~meshtrain.strategies.Strategy.last_synced`), or None before the first
+    sync and for an object that is no strategy."""
+    answer = getattr(strategy, "last_synced", None)
+    done = answer() if callable(answer) else None
+    return done if isinstance(done, int) and not isinstance(done, bool) else None
 
 
 def resident_bytes() -> int | None:

@@ -174,16 +174,17 @@ def test_a_status_pipe_closed_before_the_first_step_never_stops_training() -> No
         os.close(write_fd)
 
 
-def test_last_sync_step_where_the_strategy_keeps_one() -> None:
+def test_last_sync_step_is_the_strategys_answer() -> None:
+    """The heartbeat asks the strategy (tests/test_strategy_registry.py checks every
+    registered one on real communicators); before set-up, and for what is no strategy,
+    there is no answer."""
     from meshtrain.strategies import DDP, DiLoCo
 
-    assert DDP.replicas_in_sync and last_sync_step(DDP(), 7) == 7  # every step syncs
-    diloco = DiLoCo(H=5)
-    assert last_sync_step(diloco, 3) is None  # not set up: no modules yet
-    diloco.modules = [SimpleNamespace(last_sync=-1)]
-    assert last_sync_step(diloco, 3) is None  # before the first outer sync
-    diloco.modules = [SimpleNamespace(last_sync=9)]
-    assert last_sync_step(diloco, 12) == 10  # after the 10th step
+    assert last_sync_step(DDP()) is None  # not set up: no communicator, nothing synced
+    assert last_sync_step(DiLoCo(H=5)) is None
+    assert last_sync_step(SimpleNamespace(last_sync=9)) is None  # the old attribute means nothing now
+    assert last_sync_step(SimpleNamespace(last_synced=lambda: 10)) == 10
+    assert last_sync_step(SimpleNamespace(last_synced=lambda: True)) is None
 
 
 # --------------------------------------------------------------------------- the model

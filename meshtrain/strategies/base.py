@@ -98,6 +98,12 @@ class CommunicationModule:
         """The global model's trainable parameters, if this module keeps them."""
         return None
 
+    def last_synced(self) -> int | None:
+        """Steps done when this module last brought the nodes to one global state (DiLoCo's
+        outer sync, FedAvg's average): 0 before its first; None when it keeps no such step
+        (the strategy then answers from its communication, see :meth:`Strategy.last_synced`)."""
+        return None
+
     def synced(self, step: int) -> tuple[list[torch.Tensor], list[int] | None] | None:
         """If this module synced at ``step``: the tensors every member of the group (None:
         all nodes) now holds identically, for ``check_sync`` to verify."""
@@ -284,6 +290,24 @@ class Strategy:
             if promised is not None:
                 return promised
         return None
+
+    def last_synced(self) -> int | None:
+        """Steps done when this strategy last synchronised the nodes (the live view's "last
+        sync"), or None before the first sync.
+
+        A module that keeps its sync step answers (the latest, if several do: SPARTA+DiLoCo's
+        is DiLoCo's outer sync). Otherwise the answer is the last step in which this node
+        took part in a recorded collective: every step for DDP, DeMo and SPARTA, and a
+        correct default for a strategy that says nothing (start-up traffic, step -1, and
+        unrecorded collectives such as a validation mean do not count). Override it when
+        a strategy communicates without synchronising.
+        """
+        kept = [done for done in (m.last_synced() for m in self.modules) if done is not None]
+        if kept:
+            return max(kept) or None
+        comm = getattr(self, "comm", None)  # None before setup
+        records = comm.log.records if comm is not None else []
+        return records[-1].step + 1 if records and records[-1].step >= 0 else None
 
     # ------------------------------------------------------------- averaging
     @torch.no_grad()

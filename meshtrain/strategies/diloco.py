@@ -36,6 +36,7 @@ class OuterSync(CommunicationModule):
         self.outer_momentum = outer_momentum
         self.nesterov = nesterov
         self.compression = compression  # None: the exact fp32 all-reduce
+        self.last_sync = -1  # the 0-based step of the last outer sync
 
     def setup(self, strategy: Strategy) -> None:
         super().setup(strategy)
@@ -75,6 +76,9 @@ class OuterSync(CommunicationModule):
 
     def global_parameters(self) -> list[torch.Tensor]:
         return self.outer
+
+    def last_synced(self) -> int | None:
+        return self.last_sync + 1  # 0 before the first outer sync
 
     def synced(self, step: int) -> tuple[list[torch.Tensor], list[int] | None] | None:
         return (self.outer, None) if self.last_sync == step else None

@@ -101,6 +101,10 @@ class ModelAveraging(CommunicationModule):
             self.averaged(self.strategy.params_data(), group)
         self.last_average, self.last_group = step, group
 
+    def last_synced(self) -> int | None:
+        # An island round counts: its nodes agree among themselves (the island is the group).
+        return self.last_average + 1  # 0 before the first average
+
     def synced(self, step: int) -> tuple[list[torch.Tensor], list[int] | None] | None:
         if self.last_average != step:
             return None
