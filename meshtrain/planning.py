@@ -12,6 +12,11 @@ what DDP hides behind the backward pass, counted as the run projection counts it
     DiLoCo(H)      one all-reduce of the outer gradient every H steps
     SPARTA(p)      one all-reduce of a fraction p of the parameters every step
     DeMo           one all-gather of top-k DCT coefficients (fp32 value + int16 index)
+    DiLoCo int8    one all-gather of the int8 outer gradient (1 byte per value + a float32
+                   scale per 128) every H steps, plus the compute of encoding it and
+                   decoding every host's (meshtrain/comm/compression.py)
+    SparseLoCo     one all-gather of 116 bytes per 4,096 values every 30 steps, plus its
+                   top-k and 2-bit encoding
 
 Each host processes its own batch, so the throughput on n hosts over one host is
 ``n * compute / (compute + communication)``. The rule:
@@ -20,7 +25,9 @@ Each host processes its own batch, so the throughput on n hosts over one host is
    exactly what one host with an n-times larger batch would, so it costs no quality.
 2. Otherwise DiLoCo with the smallest H (from :data:`DILOCO_H`) that keeps communication
    within the budget: fewer inner steps between syncs stay closer to DDP.
-3. If even the largest H does not, that largest H, and the table shows the share.
+3. Otherwise int8 DiLoCo with the smallest H within the budget (int8 outer gradients
+   matched fp32 in INTELLECT-1 and OpenDiLoCo), then SparseLoCo (H=30).
+4. If none does, whichever of them communicates least, and the table shows the share.
 
 The ``quality`` column summarises what the papers report; it is advice, not a measurement.
 """
@@ -46,6 +53,7 @@ from meshtrain.cluster import (
 )
 from meshtrain.comm import CommRecord, ring_all_reduce_bytes
 from meshtrain.comm.buckets import BUCKET_BYTES
+from meshtrain.comm.compression import Codec, SparseCodec
 from meshtrain.config.plan import COMM_BUDGET
 from meshtrain.data import Collate, DataFactory, fetch, resolve_dataset, to_device
 from meshtrain.strategies.base import Optim
@@ -55,6 +63,10 @@ DILOCO_H = (5, 10, 20, 50, 100, 200, 500)
 SPARTA_P = 0.005
 DEMO_TOPK, DEMO_CHUNK = 32, 64
 FLOAT_BYTES, INDEX_BYTES = 4, 2
+SPARSELOCO_H = 30
+#: Seconds per value to encode one host's outer gradient and to decode one payload, measured
+#: on the 2-core development machine (benchmarks/outer_compression.py prints them).
+CODEC_SECONDS = {"int8": (9e-9, 1e-9), "sparseloco": (31e-9, 4.5e-9)}
 
 #: What the papers report about each strategy's effect on quality (short; sources below).
 QUALITY = {
@@ -62,11 +74,15 @@ QUALITY = {
     "diloco": "near DDP up to H=500 [1]",
     "sparta": "near DDP at p=0.005 [2]",
     "demo": "matched AdamW at 1B params [3]",
+    "diloco int8": "int8 outer gradients matched fp32 [4]",
+    "sparseloco": "beat fp32 DiLoCo at 1-3% density [5]",
 }
 SOURCES = ("[1] DiLoCo, arXiv 2311.08105: 8 workers, H=500, C4 perplexity of DDP at 500x less traffic; "
            "larger H needs more steps for the same loss. [2] SPARTA (exo labs): p=0.005 close to DDP on "
            "small models; replicas drift more as p shrinks. [3] DeMo, arXiv 2411.19870: top-32 of 64x64 "
-           "DCT chunks, sign updates with their own learning rate.")
+           "DCT chunks, sign updates with their own learning rate. [4] INTELLECT-1 and OpenDiLoCo: int8 "
+           "pseudo-gradients without loss degradation. [5] SparseLoCo, arXiv 2508.15706: top-64 of "
+           "4,096, 2-bit values, error feedback; 512M parameters.")
 
 
 @dataclass(frozen=True)
@@ -98,7 +114,8 @@ class Candidate:
     @property
     def label(self) -> str:
         short = {"compression_topk": "topk", "compression_chunk": "chunk"}
-        opts = ", ".join(f"{short.get(k, k)}={v:g}" for k, v in self.options.items())
+        opts = ", ".join(f"{short.get(k, k)}={v:g}" if isinstance(v, (int, float)) else
+                         f"{short.get(k, k)}={v}" for k, v in self.options.items())
         return f"{self.strategy} ({opts})" if opts else self.strategy
 
 
@@ -156,10 +173,17 @@ def demo_bytes_per_step(parameters: int) -> float:
     return parameters * DEMO_TOPK / DEMO_CHUNK**2 * (FLOAT_BYTES + INDEX_BYTES)
 
 
+def codec_seconds(codec: str, parameters: int, hosts: int) -> float:
+    """Compute of one compressed sync: encode this host's vector, decode every host's."""
+    encode, decode = CODEC_SECONDS[codec]
+    return parameters * (encode + hosts * decode)
+
+
 def _candidate(strategy: str, options: dict[str, Any], comm: float, work: Workload) -> Candidate:
     step = work.step_seconds + comm
     speedup = work.hosts * work.step_seconds / step if step > 0 else float(work.hosts)
-    return Candidate(strategy, options, comm, step, speedup, QUALITY[strategy])
+    quality = QUALITY["diloco int8"] if options.get("compression") == "int8" else QUALITY[strategy]
+    return Candidate(strategy, options, comm, step, speedup, quality)
 
 
 def candidates(work: Workload, cluster: Cluster) -> list[Candidate]:
@@ -173,6 +197,14 @@ def candidates(work: Workload, cluster: Cluster) -> list[Candidate]:
     found = [_candidate("ddp", {}, ddp + every_step, work)]
     found += [_candidate("diloco", {"H": h}, (full_sync + sync_wait_seconds(h, n, cluster)) / h, work)
               for h in DILOCO_H]
+    int8 = all_gather_seconds(Codec("int8").payload_bytes(work.trainable_parameters), n, cluster) \
+        + codec_seconds("int8", work.trainable_parameters, n)
+    found += [_candidate("diloco", {"H": h, "compression": "int8"},
+                         (int8 + sync_wait_seconds(h, n, cluster)) / h, work) for h in DILOCO_H]
+    sparse = all_gather_seconds(SparseCodec().payload_bytes(work.trainable_parameters), n, cluster) \
+        + codec_seconds("sparseloco", work.trainable_parameters, n)
+    found.append(_candidate("sparseloco", {"H": SPARSELOCO_H},
+                            (sparse + sync_wait_seconds(SPARSELOCO_H, n, cluster)) / SPARSELOCO_H, work))
     found.append(_candidate("sparta", {"p": SPARTA_P},
                             all_reduce_seconds(size * SPARTA_P, n, cluster) + every_step, work))
     demo = all_gather_seconds(demo_bytes_per_step(work.trainable_parameters), n, cluster)
@@ -187,7 +219,9 @@ def recommend(work: Workload, cluster: Cluster, budget: float = COMM_BUDGET) -> 
         raise ValueError("a plan needs hosts >= 1, trainable parameters >= 1 and step seconds > 0")
     found = candidates(work, cluster)
     ddp = found[0]
-    diloco = [c for c in found if c.strategy == "diloco"]
+    diloco = [c for c in found if c.strategy == "diloco" and "compression" not in c.options]
+    compressed = [c for c in found if c.strategy == "diloco" and "compression" in c.options]
+    sparseloco = [c for c in found if c.strategy == "sparseloco"]
     if work.hosts == 1:
         return Plan(work, cluster, ddp, found, ["one host: nothing to communicate, plain training"])
     share = f"{ddp.comm_share:.0%}"
@@ -201,16 +235,28 @@ def recommend(work: Workload, cluster: Cluster, budget: float = COMM_BUDGET) -> 
                    f"(budget {budget:.0%}), and it is exact: no quality cost", *waiting,
                    f"projected {ddp.speedup:.2f}x the samples per second of one host"]
         return Plan(work, cluster, ddp, found, reasons)
-    fitting = [c for c in diloco if c.comm_share <= budget]
-    choice = fitting[0] if fitting else diloco[-1]
     reasons = [f"DDP would spend {share} of each step communicating on {cluster.name} "
                f"({ddp.speedup:.2f}x one host)", *waiting]
+    fitting = [c for c in diloco if c.comm_share <= budget]
     if fitting:
+        choice = fitting[0]
         reasons.append(f"DiLoCo H={choice.options['H']} is the smallest H that keeps communication "
                        f"within {budget:.0%} ({choice.comm_share:.1%}): {choice.speedup:.2f}x one host")
-    else:
-        reasons.append(f"even DiLoCo H={choice.options['H']} spends {choice.comm_share:.0%} "
-                       f"communicating: {choice.speedup:.2f}x one host; a faster link would pay off")
+        return Plan(work, cluster, choice, found, reasons)
+    largest = diloco[-1]
+    reasons.append(f"even DiLoCo H={largest.options['H']} spends {largest.comm_share:.0%} "
+                   f"communicating: {largest.speedup:.2f}x one host")
+    fitting = [c for c in compressed if c.comm_share <= budget] + \
+        [c for c in sparseloco if c.comm_share <= budget]
+    if fitting:
+        choice = fitting[0]
+        reasons.append(f"{choice.label} keeps communication within {budget:.0%} "
+                       f"({choice.comm_share:.1%}), its compute of encoding included: "
+                       f"{choice.speedup:.2f}x one host")
+        return Plan(work, cluster, choice, found, reasons)
+    choice = min([*diloco, *compressed, *sparseloco], key=lambda c: c.comm_seconds)
+    reasons.append(f"none keeps within {budget:.0%}; {choice.label} communicates least "
+                   f"({choice.comm_share:.0%}): {choice.speedup:.2f}x one host; a faster link would pay off")
     return Plan(work, cluster, choice, found, reasons)
 
 

@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from meshtrain.cluster import CLUSTERS, Cluster, get_cluster
-from meshtrain.planning import COMM_BUDGET, Workload, all_reduce_seconds, candidates, recommend
+from meshtrain.planning import (
+    CODEC_SECONDS,
+    COMM_BUDGET,
+    Workload,
+    all_reduce_seconds,
+    candidates,
+    recommend,
+)
 
 GPT_PARAMETERS = 420_000  # the gpt task's model, about 1.68 MB of fp32
 SLOW = Cluster("slow", "~50 Mbit/s", bandwidth=50e6 / 8, latency=1e-3)
@@ -35,6 +42,15 @@ def test_costs_follow_the_alpha_beta_model() -> None:
         3 * gbe.latency + 3 * demo_per_host / gbe.bandwidth, rel=1e-3)
     ddp = by_label["ddp"]
     assert ddp.speedup == pytest.approx(4 * 0.05 / (0.05 + ddp.comm_seconds))
+    # Compressed candidates: an all-gather of the exact wire bytes (3 peers' payloads in, ours
+    # out to 3) plus encoding ours and decoding all 4, every H steps.
+    scales = 4 * -(-GPT_PARAMETERS // 128)
+    int8 = 3 * gbe.latency + 3 * (GPT_PARAMETERS + scales) / gbe.bandwidth \
+        + GPT_PARAMETERS * (CODEC_SECONDS["int8"][0] + 4 * CODEC_SECONDS["int8"][1])
+    assert by_label["diloco (H=50, compression=int8)"].comm_seconds == pytest.approx(int8 / 50, rel=1e-3)
+    sparse = 3 * gbe.latency + 3 * -(-GPT_PARAMETERS // 4096) * 116 / gbe.bandwidth \
+        + GPT_PARAMETERS * (CODEC_SECONDS["sparseloco"][0] + 4 * CODEC_SECONDS["sparseloco"][1])
+    assert by_label["sparseloco (H=30)"].comm_seconds == pytest.approx(sparse / 30, rel=1e-3)
 
 
 def ddp_seconds(payload: float, n: int, cluster: Cluster, step: float) -> float:
@@ -92,10 +108,20 @@ def test_large_model_on_gigabit_gets_diloco() -> None:
     assert plan.choice.comm_share <= COMM_BUDGET
 
 
-def test_hopeless_link_takes_the_largest_h_and_says_so() -> None:
+def test_hopeless_link_takes_what_communicates_least_and_says_so() -> None:
     plan = recommend(Workload(242_000_000, 0.01, 2), CLUSTERS["internet"])
-    assert plan.choice.options == {"H": 500}
-    assert "even DiLoCo H=500" in plan.reasons[1]
+    weighed = [c for c in plan.candidates if c.strategy in ("diloco", "sparseloco")]
+    assert plan.choice == min(weighed, key=lambda c: c.comm_seconds)
+    assert plan.choice.options == {"H": 500, "compression": "int8"}
+    assert "even DiLoCo H=500" in plan.reasons[1] and "communicates least" in plan.reasons[2]
+
+
+def test_int8_diloco_when_fp32_diloco_does_not_fit() -> None:
+    plan = recommend(Workload(242_000_000, 2.0, 4), CLUSTERS["internet"])
+    assert plan.choice.options == {"H": 500, "compression": "int8"}
+    assert plan.choice.comm_share <= COMM_BUDGET
+    assert "even DiLoCo H=500" in plan.reasons[1] and "compute of encoding" in plan.reasons[2]
+    assert plan.as_config()["strategy_options"] == {"H": 500, "compression": "int8"}
 
 
 def test_one_host_needs_no_communication() -> None:

@@ -94,12 +94,15 @@ class Codec:
             return rows.to(_CAST[self.name]).contiguous().view(torch.uint8).reshape(r, -1)
         levels = _LEVELS[self.name]
         nb = self.blocks(n)
-        padded = torch.zeros(r, nb * self.block_size, dtype=torch.float32, device=rows.device)
-        padded[:, :n] = rows
-        blocks = padded.view(r, nb, self.block_size)
+        if n == nb * self.block_size:  # whole blocks: no padded copy
+            blocks = rows.to(torch.float32).contiguous().view(r, nb, self.block_size)
+        else:
+            padded = torch.zeros(r, nb * self.block_size, dtype=torch.float32, device=rows.device)
+            padded[:, :n] = rows
+            blocks = padded.view(r, nb, self.block_size)
         scales = blocks.abs().amax(dim=2) / levels
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block stays 0
-        q = torch.round(blocks / safe.unsqueeze(2)).clamp_(-levels, levels).view(r, -1)[:, :n]
+        q = torch.div(blocks, safe.unsqueeze(2)).round_().clamp_(-levels, levels).view(r, -1)[:, :n]
         if self.name == "int8":
             values = q.to(torch.int8).view(torch.uint8)
         else:
@@ -121,15 +124,16 @@ class Codec:
         nb = self.blocks(numel)
         scales = _bytes_to_scales(payload[: _SCALE_BYTES * nb])
         raw = payload[_SCALE_BYTES * nb :]
-        if self.name == "int8":
-            q = raw.clone().view(torch.int8).to(torch.float32)
-        else:
-            low = (raw & 0x0F).to(torch.int16) - 8
-            high = (raw >> 4).to(torch.int16) - 8
-            q = torch.stack([low, high], dim=1).view(-1)[:numel].to(torch.float32)
         padded = torch.zeros(nb * self.block_size, dtype=torch.float32, device=payload.device)
-        padded[:numel] = q
-        return (padded.view(nb, self.block_size) * scales.unsqueeze(1)).view(-1)[:numel]
+        if self.name == "int8":
+            padded[:numel] = raw.view(torch.int8)  # int8 -> float32 on the copy
+        else:
+            pairs = padded[: 2 * raw.numel()].view(-1, 2)
+            pairs[:, 0] = raw & 0x0F
+            pairs[:, 1] = raw >> 4
+            padded[numel:] = 8.0  # the odd value's pad nibble and the last block's tail decode to 0
+            padded.sub_(8.0)
+        return padded.view(nb, self.block_size).mul_(scales.unsqueeze(1)).view(-1)[:numel]
 
 
 @dataclass(frozen=True)
