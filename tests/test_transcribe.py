@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import struct
 import unicodedata
 import warnings
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 from speech_fixtures import SpeechAssets, speech_fixture  # noqa: F401 (the fixture)
@@ -97,3 +99,51 @@ def test_transcribe_refuses_what_it_cannot_read(speech: SpeechAssets, tuned: Pat
     broken.write_bytes(b"RIFF0000WAVEjunk")
     bad = runner.invoke(app, ["transcribe", str(tuned), str(broken)])
     assert bad.exit_code == 2 and "broken.wav" in bad.output
+
+
+def test_a_recording_longer_than_the_window_is_heard_whole(speech: SpeechAssets, tuned: Path,
+                                                            tmp_path: Path) -> None:
+    """Three clips, each padded with silence to the model's window (3 s for the tiny model,
+    30 s for Whisper) and joined into one recording, are transcribed window by window: the text
+    is what the three clips give one by one (the features of each window are those
+    of its clip, padded as the extractor pads), not the first window's words alone."""
+    from meshtrain.hf.audio import read_audio
+    from meshtrain.hf.transcribe import load_for_transcription, transcribe_files
+
+    clips = sorted((speech.data / "clips").glob("*.wav"))[:3]
+    model = load_for_transcription(str(tuned), max_new_tokens=6)  # cheap: the words need not be right
+    window = model.feature_extractor.n_samples
+    audio = [read_audio(c) for c in clips]
+    assert all(len(a) < window for a in audio)
+    joined = numpy.concatenate([numpy.pad(a, (0, window - len(a))) for a in audio])
+    long = tmp_path / "long.wav"
+    write_wav(long, joined)
+    alone = [text for _, text in transcribe_files(model, clips)]
+    assert all(alone)
+    assert list(transcribe_files(model, [long])) == [(long, " ".join(alone))]
+
+
+def write_wav(path: Path, audio: numpy.ndarray) -> None:
+    """16 kHz mono float32 samples as a 32-bit float WAV."""
+    data = audio.astype("<f4").tobytes()
+    header = (b"RIFF" + struct.pack("<I", 36 + len(data)) + b"WAVEfmt "
+              + struct.pack("<IHHIIHH", 16, 3, 1, 16_000, 64_000, 4, 32)
+              + b"data" + struct.pack("<I", len(data)))
+    path.write_bytes(header + data)
+
+
+def test_an_unreadable_recording_is_reported_and_the_others_are_transcribed(
+        speech: SpeechAssets, tuned: Path, tmp_path: Path) -> None:
+    clips = sorted((speech.data / "clips").glob("*.wav"))[:2]
+    broken = tmp_path / "broken.wav"
+    broken.write_bytes(b"RIFF0000WAVEjunk")
+    also = tmp_path / "also-broken.mp3"
+    also.write_bytes(b"not audio at all")
+    result = runner.invoke(app, ["transcribe", str(tuned), str(broken), str(clips[0]), str(also),
+                                 str(clips[1]), "--batch-size", "4"])
+    assert result.exit_code == 2, result.output
+    out = result.stdout.rstrip("\n").split("\n")
+    assert [line.partition(": ")[0] for line in out[-2:]] == [str(c) for c in clips]
+    assert f"{broken}:" in result.stderr and f"{also}:" in result.stderr
+    assert result.stderr.rstrip("\n").split("\n")[-1] == (
+        f"error: 2 of 4 recordings could not be read: {broken}, {also}")

@@ -6,8 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.text import Text
 
-from meshtrain.cli.console import console, fail
+from meshtrain.cli.console import console, errors, fail
 from meshtrain.cli.flags import checked_options, takes_options
 from meshtrain.config.transcribe import TRANSCRIBE, TranscribeSettings
 from meshtrain.hosts.host_output import visible
@@ -22,7 +23,9 @@ def transcribe(
     **options: Any,
 ) -> None:
     """Print one line per recording, `PATH: TEXT`, decoded greedily by a fine-tuned model
-    (control characters in TEXT written out, as \\x1b).
+    (control characters in TEXT written out, as \\x1b). A recording longer than the model
+    hears (30 s for Whisper) is transcribed window by window. A recording that cannot be
+    read is reported and the others are still transcribed; the exit status is then 2.
 
     Example:
 
@@ -37,16 +40,23 @@ def transcribe(
     from meshtrain.hf import DecodingError, ModelLoadError, SpeechDataError, TokenizerError
     from meshtrain.hf.transcribe import load_for_transcription, transcribe_files
 
+    unreadable: list[Path] = []
     try:
         with console.status(f"loading {model_dir}"):
             model = load_for_transcription(str(model_dir), how.language, how.task)
         for path, text in transcribe_files(model, audio, how.batch_size):
+            if isinstance(text, SpeechDataError):  # said now; the other recordings still count
+                errors.print(Text.assemble(("error: ", "bold red"), str(text)), soft_wrap=True)
+                unreadable.append(path)
+                continue
             # One line per clip: a model may decode any token, newlines and escape sequences
             # included, so control characters are written out (``\x1e``).
             console.print(f"{path}: {visible(text)}", highlight=False, markup=False, soft_wrap=True)
     except (ModelLoadError, TokenizerError, DecodingError, SpeechDataError) as exc:
         raise fail(str(exc)) from None
-
+    if unreadable:
+        raise fail(f"{len(unreadable)} of {len(audio)} recordings could not be read: "
+                   f"{', '.join(map(str, unreadable))}")
 
 def register(app: typer.Typer) -> None:
     app.command("transcribe")(transcribe)
