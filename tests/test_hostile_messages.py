@@ -54,3 +54,56 @@ def test_an_interpreter_that_never_starts_is_one_line_naming_the_host(
         f"box0 (root@127.0.0.1:{loopback_ssh.servers[0].port}): python {python} did not start and check "
         f"workdir {tmp_path / 'remote'} within 1 s: the interpreter hangs or its disk does not answer "
         "(run it there by hand)"]
+
+
+# --------------------------------------------------------------------------- what reaches the terminal
+HOSTILE_TEXT = "node 1 said [/] [bold]loud[/bold] \x1b]0;pwned\x07\x1b[2J"
+SHOWN = "node 1 said [/] [bold]loud[/bold] \\x1b]0;pwned\\x07\\x1b[2J"
+
+
+def test_markup_and_escape_sequences_in_a_failure_reach_the_terminal_as_text(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A node's exception text went through rich markup: "[/]" crashed the report with a
+    MarkupError, "[bold]" styled it, and ESC sequences retitled and cleared the terminal."""
+    from types import SimpleNamespace
+
+    from meshtrain.cli.main import _report_failure
+    from meshtrain.errors import RunFailure
+
+    job = SimpleNamespace(run_dir=None, checkpoints=None)
+    _report_failure(RunFailure(HOSTILE_TEXT), job, verbose=False)
+    assert capsys.readouterr().err == f"error: {SHOWN}\n"
+    _report_failure(ValueError(HOSTILE_TEXT), job, verbose=False)
+    assert capsys.readouterr().err == f"error: ValueError: {SHOWN}\n"
+
+
+def test_fail_writes_escape_sequences_out(capsys: pytest.CaptureFixture[str]) -> None:
+    from meshtrain.cli.console import fail
+
+    assert fail(f"{HOSTILE_TEXT}\nsecond line").exit_code == 2
+    assert capsys.readouterr().err == f"error: {SHOWN}\nsecond line\n"
+
+
+def test_a_finished_run_whose_copy_back_failed_is_not_told_to_resume(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank finished, then the copy-back hit a full disk: the launcher printed
+    `--resume RUN`, which a finished run cannot do. It says where the run is instead (the
+    copy-back's own line, test_launch_faults.py)."""
+    from in_process import meshtrain_here
+
+    from meshtrain.cli import launch as launch_cli
+    from meshtrain.launch.launcher import LaunchResult
+
+    def finished_but_not_copied(*args: object, **kwargs: object) -> LaunchResult:
+        return LaunchResult(1, [], None, 3.0, copy_failed=True, world_size=2)
+
+    monkeypatch.setattr(launch_cli, "launch", finished_but_not_copied)
+    inv = tmp_path / "inv.yaml"
+    inv.write_text("defaults: {user: nobody, python: /usr/bin/python3}\n"
+                   "hosts: [{name: box0, host: 192.0.2.1}, {name: box1, host: 192.0.2.2}]\n")
+    done = meshtrain_here("launch", str(inv), "--task", "digits", "--steps", "2", "--checkpoint-every", "1",
+                          "--run-id", "done-run", "--out", str(tmp_path / "runs"), "--no-progress",
+                          cwd=tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "--resume" not in done.stdout + done.stderr
+    assert "all 2 ranks finished in 3.0 s, but the run directory was not copied back" in done.stdout

@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from meshtrain.errors import MeshtrainError
+from meshtrain.hosts.host_output import visible
 from meshtrain.tables import fitted
 
 #: Piped output (a file, tee, CI) is not cut at 80 columns: a line is as wide as its table.
@@ -24,10 +25,22 @@ wide_console = Console(width=None if sys.stdout.isatty() else 160)
 errors = Console(stderr=True)
 
 
+def terminal_text(message: str) -> str:
+    """``message`` as the terminal may show it: every control character but newline and tab
+    written out (ESC as ``\\x1b``). An exception's text can quote a host, a file or a
+    model's output, and an escape sequence in it would otherwise act on the terminal."""
+    return "\n".join(visible(line) for line in message.split("\n"))
+
+
+def error_line(message: str, label: str = "error: ") -> Text:
+    """``label`` in bold red, then ``message`` as plain text: never markup (a message may hold
+    brackets, "pip install 'meshtrain[wandb]'" or a host's "[/]"), control characters written out."""
+    return Text.assemble((label, "bold red"), terminal_text(message))
+
+
 def fail(message: str, code: int = 2) -> typer.Exit:
     """Print one clear line (no traceback) and return the exit to raise."""
-    # A Text, never markup: a message may hold brackets ("pip install 'meshtrain[wandb]'").
-    errors.print(Text.assemble(("error: ", "bold red"), message), soft_wrap=True)
+    errors.print(error_line(message), soft_wrap=True)
     return typer.Exit(code)
 
 

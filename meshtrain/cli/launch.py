@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from meshtrain.cli import dashboard as dashboard_cli
-from meshtrain.cli.console import errors, fail, fail_on, print_table
+from meshtrain.cli.console import errors, fail, fail_on, print_table, terminal_text
 from meshtrain.cli.console import wide_console as console  # the hosts commands' output
 from meshtrain.cli.flags import checked_options, takes_options, takes_settings
 from meshtrain.cli.hosts_setup import hosts_setup
@@ -303,7 +303,8 @@ def launch_hosts(inventory: Path, command: list[str] | None, dashboard: bool,
                   f"{event['at_step']}") if "shrunk_to" in event else ""
         console.print(f"restarted after rank {event['rank']} on {event['host']} {event['reason']}"
                       + shrunk, highlight=False)
-    if result.exit_code == 1 and training and prepared.checkpoint_every:
+    # A failed copy-back follows a finished run: --resume would refuse it ("already finished").
+    if result.exit_code == 1 and training and prepared.checkpoint_every and not result.copy_failed:
         errors.print("the checkpoints stay on every host; continue with: "
                      + resume_command(sys.argv[1:], options.run_id), highlight=False, soft_wrap=True)
     if result.copy_failed:
@@ -322,7 +323,7 @@ def _show_plan(plan: Plan) -> None:
 
 
 def _note(line: str) -> None:
-    errors.print(line, highlight=False, soft_wrap=True, markup=False)
+    errors.print(terminal_text(line), highlight=False, soft_wrap=True, markup=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from meshtrain import checkpoint, yaml12
 from meshtrain.build import build_run, resolve_run
@@ -24,7 +25,7 @@ from meshtrain.cli import launch, research
 from meshtrain.cli import plan as plan_cli
 from meshtrain.cli import transcribe as transcribe_cli
 from meshtrain.cli import up as up_cli
-from meshtrain.cli.console import console, errors, fail, fail_on, print_table
+from meshtrain.cli.console import console, error_line, errors, fail, fail_on, print_table, terminal_text
 from meshtrain.cli.flags import takes_settings
 from meshtrain.cli.help_layout import keep_option_names_whole, reflow_command_help
 from meshtrain.cluster import CLUSTERS
@@ -126,7 +127,8 @@ def simulate(
         except checkpoint.CheckpointError as exc:
             raise fail_on(exc) from None
         for note in found.skipped:
-            errors.print(f"[yellow]skipped a damaged checkpoint:[/] {note}", highlight=False)
+            errors.print(Text.assemble(("skipped a damaged checkpoint: ", "yellow"), terminal_text(note)),
+                         soft_wrap=True)
         spec_file = found.folder.parent / checkpoint.SPEC
         if not spec_file.is_file():  # without it nothing says which run the state belongs to
             raise fail(f"--resume {resume}: {spec_file} is missing, so the run's settings are "
@@ -199,7 +201,7 @@ def _report_failure(exc: BaseException, job: Any, verbose: bool) -> None:
     # meshtrain's own errors are one line that says what failed ("node 1 failed: ..."); anything
     # else is named by its type.
     message = str(exc) if isinstance(exc, MeshtrainError) else f"{type(exc).__name__}: {exc}"
-    errors.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    errors.print(error_line(message), soft_wrap=True)
     if verbose:
         node_traceback = getattr(exc, "traceback", None)
         if node_traceback:

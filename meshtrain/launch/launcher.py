@@ -785,7 +785,9 @@ def _copy_back(rank0: _Rank, options: LaunchOptions, output: RankOutput, stop: _
         output.note(f"{host.name} sent an unsafe run directory: {exc}", style="bold red")
         return LaunchResult(1, [], None, 0.0, copy_failed=True)
     except (OSError, EOFError, paramiko.SSHException, TransferError) as exc:
-        reason = f"{exc.strerror} ({exc.filename})" if isinstance(exc, OSError) and exc.strerror else exc
+        # A full local disk is an OSError without a file name: no "(None)" after its reason.
+        reason = (exc.strerror + (f" ({exc.filename})" if exc.filename else "")
+                  if isinstance(exc, OSError) and exc.strerror else exc)
         output.note(f"could not copy the run directory to {final}: {reason or type(exc).__name__}; "
                     + _still_there(host, remote, options.out_dir, use_sftp), style="bold red")
         return LaunchResult(1, [], None, 0.0, copy_failed=True)
