@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from meshtrain import yaml12
 from meshtrain.errors import InputError
 from meshtrain.strategies import STRATEGIES, Strategy
 
@@ -215,7 +216,7 @@ def find_latest(path: str | Path) -> Found:
     for candidate in candidates:
         problem = _problem(candidate)
         if problem is None:
-            meta = json.loads((candidate / META).read_text())
+            meta = yaml12.read_json(candidate / META)
             ranks = tuple(sorted(int(name[len("node-"):-len(".pt")]) for name in meta["files"]))
             settings = meta.get("settings")
             return Found(candidate, int(meta["step"]), str(meta["run_id"]), int(meta["nodes"]), skipped,
@@ -258,7 +259,7 @@ def fewer_nodes_refusal(strategy: Strategy) -> str | None:
 def _problem(folder: Path) -> str | None:
     """Why ``folder`` is not a usable checkpoint, or None."""
     try:
-        meta = json.loads((folder / META).read_text())
+        meta = yaml12.read_json(folder / META)  # may have come from a host: bounded
         files = meta["files"]
         int(meta["step"]), str(meta["run_id"]), int(meta["nodes"])
     except FileNotFoundError:

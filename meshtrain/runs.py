@@ -9,7 +9,6 @@ folders kept after a failed write, error logs) is not a finished run.
 from __future__ import annotations
 
 import csv
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,17 +89,16 @@ def load_run(path: str | Path) -> FinishedRun:
         raise RunError(f"{folder}: not a finished run (no {', '.join(missing)})")
     name = "summary.json"  # which file failed to read, for the message
     try:
-        summary = json.loads((folder / name).read_text(encoding="utf-8"))
+        summary = yaml12.read_json(folder / name)
         name = "config.yaml"
-        config = yaml12.load((folder / name).read_text(encoding="utf-8")) or {}
+        config = yaml12.read(folder / name) or {}
         name = "metrics.csv"
         with (folder / name).open(newline="", encoding="utf-8") as f:
             metrics = [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
     except UnicodeDecodeError:
         raise RunError(f"{folder / name}: not UTF-8 text (damaged?); not a finished run") from None
-    except json.JSONDecodeError as exc:
-        raise RunError(f"{folder / name}: not valid JSON (line {exc.lineno}: {exc.msg}); not a "
-                       "finished run") from None
+    except yaml12.Refused as exc:  # too large, an alias bomb, not JSON, not a regular file
+        raise RunError(f"{folder / name}: {exc}; not a finished run") from None
     # It may have come from a host: any bytes, a field over csv's 128 KiB limit, nesting too deep.
     except (OSError, ValueError, RecursionError, csv.Error, yaml.YAMLError) as exc:
         raise RunError(f"{folder / name}: unreadable ({exc}); not a finished run") from None

@@ -53,8 +53,8 @@ def load_profile(name: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
     if key in _seen:
         raise ConfigError(f"profile {path}: 'base' chain loops back to itself")
     try:
-        raw = yaml12.load(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError:
+        raw = yaml12.read(path)
+    except yaml12.NotText:
         raise ConfigError(f"profile {path}: not UTF-8 text (a binary file?); a profile is a "
                           "YAML file of settings") from None
     except OSError as exc:

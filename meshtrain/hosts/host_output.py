@@ -16,10 +16,11 @@ prints: a dataset's text, a user's debug line). None of it may steer the launche
 from __future__ import annotations
 
 import hmac
-import json
 import re
 import unicodedata
 from typing import Any
+
+from meshtrain import yaml12
 
 LINE_LIMIT = 16 * 1024  # bytes of one line that are kept and shown
 TAIL_KEPT = 1024  # bytes kept from the end of a cut line (a frame may close it)
@@ -94,17 +95,11 @@ def host_json(text: str) -> dict[str, Any]:
     """The JSON object in a host's answer (a probe's line, a helper's reply, a result file).
 
     The text is hostile input: anything but one JSON object raises ValueError, never another
-    exception. NaN and Infinity are refused, and so is nesting deeper than the parser can
-    follow (``json`` raises RecursionError for it). The object's fields are the caller's to
-    check: their types are whatever the host sent.
+    exception. NaN and Infinity are refused, and so is nesting deeper than
+    :data:`meshtrain.yaml12.MAX_DEPTH` (:func:`meshtrain.yaml12.json_load`). The object's
+    fields are the caller's to check: their types are whatever the host sent.
     """
-    def refuse(constant: str) -> None:
-        raise ValueError(f"{constant} is not a number")
-
-    try:
-        value = json.loads(text, parse_constant=refuse)
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
+    value = yaml12.json_load(text)  # the one reader of hostile JSON: its limits, ValueError
     if not isinstance(value, dict):
         raise ValueError(f"a JSON {type(value).__name__}, not an object")
     return value

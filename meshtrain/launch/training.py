@@ -269,7 +269,7 @@ def record_plan(run_dir: Path, plan: Plan) -> None:
     """config.yaml of a launch with ``--strategy auto``: the choice and its reasons under ``plan``."""
     config_file = run_dir / "config.yaml"
     try:
-        config = yaml12.load(config_file.read_text())
+        config = yaml12.read(config_file)
     except (OSError, ValueError, yaml12.YAMLError):  # written by rank 0's host: anything may be there
         return  # nothing usable came back: the copy-back already said why
     if isinstance(config, dict):
