@@ -478,3 +478,125 @@ def test_dashboard_without_its_extra_is_one_line_naming_it(tmp_path: Path) -> No
     result = without_aiohttp("simulate", "--dashboard", "--steps", "2", "--out", str(tmp_path / "runs"))
     assert (result.returncode, result.stderr.strip()) == (2, f"error: --dashboard: {hint}")
     assert not (tmp_path / "runs").exists()  # nothing was prepared
+
+
+# --------------------------------------------------------------------------- hostile run directories
+def _crafted_run(folder: Path, run_id: str) -> Path:
+    """A finished run's directory, written by hand (as a host could write it)."""
+    folder.mkdir(parents=True)
+    (folder / "summary.json").write_text(json.dumps({"run_id": run_id, "nodes": 2, "steps": 2}))
+    (folder / "config.yaml").write_text("train: {nodes: 2}\n")
+    (folder / "metrics.csv").write_text("step,train_loss,seconds\n1,0.5,0.1\n2,0.4,0.2\n")
+    return folder
+
+
+def test_one_damaged_run_directory_is_shown_as_damaged_and_the_others_served(tmp_path: Path) -> None:
+    """`meshtrain dashboard runs/` exited 2 on the first run directory it could not read."""
+    _crafted_run(tmp_path / "runs" / "good", "good")
+    bad = _crafted_run(tmp_path / "runs" / "bad", "bad")
+    (bad / "summary.json").write_text("{not json")
+    proc = subprocess.Popen([sys.executable, "-m", "meshtrain", "dashboard", str(tmp_path / "runs")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url, shown = _url_from(proc, "dashboard of 2 runs, 1 damaged: http://127.0.0.1:")
+        runs = {r["id"]: r for r in json.loads(_get(url.replace("/?token=", "/api/state?token="))[2])["runs"]}
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+    assert f"warning: {bad / 'summary.json'}: unreadable (not valid JSON (line 1: " in " ".join(shown.split())
+    assert runs["good"]["status"] == "finished" and len(runs["good"]["nodes"]) == 2
+    assert runs["bad"]["status"] == "damaged"
+    assert runs["bad"]["events"][-1]["text"].startswith(f"{bad / 'summary.json'}: unreadable")
+
+
+def test_a_fifo_named_metrics_csv_is_refused_without_blocking(tmp_path: Path) -> None:
+    import threading
+
+    folder = _crafted_run(tmp_path / "r", "r")
+    (folder / "metrics.csv").unlink()
+    os.mkfifo(folder / "metrics.csv")
+    outcome: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            DashboardState().add_run_directory(folder)
+        except RunDirError as exc:
+            outcome.append(exc)
+    reader = threading.Thread(target=read, daemon=True)  # left behind, blocked, on the old code
+    reader.start()
+    reader.join(10)
+    assert not reader.is_alive(), "blocked on the FIFO"
+    assert [str(e) for e in outcome] == [f"{folder / 'metrics.csv'}: unreadable (not a regular file)"]
+
+
+def test_a_large_metrics_csv_is_streamed_into_bounded_memory(tmp_path: Path) -> None:
+    """Every row was kept as a dict of strings: about 38 times the file's size in memory."""
+    import tracemalloc
+
+    folder = _crafted_run(tmp_path / "r", "r")
+    columns = ["step", "train_loss", "val_loss", "total_bytes_sent", "seconds", "projected_seconds",
+               "lr", "grad_norm", "node_0_loss", "node_1_loss"]
+    rows = 60_000
+    with open(folder / "metrics.csv", "w") as f:
+        f.write(",".join(columns) + "\n")
+        for step in range(1, rows + 1):
+            val = f"{1 / step:.6f}" if step % 100 == 0 else ""
+            f.write(f"{step},{1 / step:.6f},{val},{step * 4096},{step * 0.01:.3f},{step * 0.02:.3f},"
+                    f"0.001,{1 / step:.5f},{1 / step:.6f},{1 / step:.6f}\n")
+    size = (folder / "metrics.csv").stat().st_size
+    tracemalloc.start()
+    try:
+        run = DashboardState().add_run_directory(folder)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert size > 4_000_000 and peak < size, (size, peak)  # 38 times the size, before
+    mean, val = run.mean_series, run.val_series
+    assert mean is not None and val is not None
+    assert mean.points[0][0] == 1 and mean.points[-1][0] == rows and len(mean.points) <= MAX_POINTS
+    assert len(val.points) == rows // 100 and val.points[-1][0] == rows  # 600: all kept
+    assert run.measured[-1][0] >= rows - 64 and run.projected[-1][0] >= rows - 64
+
+
+def test_a_host_header_that_does_not_name_this_machine_is_refused(server: DashboardServer) -> None:
+    """DNS rebinding: a page served as evil.example whose name is then rebound to 127.0.0.1
+    sends "Host: evil.example:PORT"; with the token alone it got the runs."""
+    import http.client
+
+    from meshtrain.dashboard.server import host_allowed
+
+    def status(host: str) -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        try:
+            conn.request("GET", f"/api/state?token={server.token}", headers={"Host": host})
+            return conn.getresponse().status
+        finally:
+            conn.close()
+    assert status(f"evil.example:{server.port}") == 403
+    assert status("evil.example") == 403
+    assert status(f"127.0.0.1:{server.port}") == 200
+    assert status("localhost:9999") == 200  # an SSH tunnel from another port
+    assert host_allowed("[::1]:8080") and host_allowed("10.1.2.3") and host_allowed("box.localhost:1")
+    assert not host_allowed(None) and not host_allowed("") and not host_allowed("127.0.0.1.evil.example")
+    assert host_allowed("Studio.Lan:80", {"studio.lan"})
+
+
+@pytest.mark.slow
+def test_simulate_dashboard_keeps_a_failed_runs_page_until_enter(tmp_path: Path) -> None:
+    """The page closed the moment a node failed, before anyone could see why."""
+    term = Terminal([sys.executable, "-m", "meshtrain", "simulate", "--dashboard", "--nodes", "2",
+                     "--steps", "30", "--set", "lr=1e30", "--no-progress", "--out", str(tmp_path)])
+    try:
+        url = term.read_until(r"dashboard: .*?(http://127\.0\.0\.1:\d+/\?token=[\w-]+)", 60).group(1)
+        api = url.replace("/?token=", "/api/state?token=")
+        term.read_until(r"failed run \(node \d failed: .*press Enter to close it", 120)
+        run = json.loads(_get(api)[2])["runs"][0]
+        assert run["status"] == "failed"
+        failed = [e["text"] for e in run["events"] if e["kind"] == "failed"]
+        assert any("NonFiniteLoss" in text for text in failed), run["events"]
+        os.write(term.master, b"\n")
+        assert term.proc.wait(timeout=30) == 1
+    finally:
+        term.close()
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(api, timeout=5)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.markup import escape
+from rich.text import Text
 
 from meshtrain import observers
 from meshtrain.cli.console import console, errors, fail
@@ -63,8 +65,9 @@ def live_dashboard(enabled: bool, kind: str, run_id: str, names: list[str],
     """While inside: a dashboard of this run (``kind``: launch or simulate) on 127.0.0.1,
     its URL printed, fed through the observers. Yields None when not ``enabled``.
 
-    A run that raises is marked failed there. Afterwards, on a terminal, the page stays up
-    until Enter or Ctrl-C, so the finished run can still be looked at.
+    A run that raises is marked failed there. Afterwards, whether it finished or failed, on
+    a terminal the page stays up until Enter or Ctrl-C (at most :data:`STAY_OPEN_S`), so the
+    final state, the error included, can still be looked at.
     """
     if not enabled:
         yield None
@@ -80,20 +83,35 @@ def live_dashboard(enabled: bool, kind: str, run_id: str, names: list[str],
         with observers.watching(live):
             try:
                 yield live
+            except KeyboardInterrupt:
+                live.failed("interrupted (Ctrl-C)")
+                raise  # the user asked to stop: the page goes with the run
             except BaseException as exc:
-                live.failed(str(exc) or type(exc).__name__)
+                message = str(exc) or type(exc).__name__
+                live.failed(message)
+                live.ended()
+                _stay_open(f"failed run ({message})")
                 raise
             finally:
                 live.ended()
-        if sys.stdin.isatty() and sys.stdout.isatty():
-            console.print("the dashboard stays open for a look at the finished run: press Enter to close it",
-                          highlight=False)
-            _wait_for_enter()
+        _stay_open("finished run")
     finally:
         server.stop()
 
 
-def _wait_for_enter() -> None:
+#: The longest the page of a finished or failed run stays up, waiting for Enter.
+STAY_OPEN_S = 600.0
+
+
+def _stay_open(what: str) -> None:
+    """On a terminal: keep the page up until Enter, Ctrl-C or :data:`STAY_OPEN_S`."""
+    if sys.stdin.isatty() and sys.stdout.isatty():
+        console.print(Text(f"the dashboard stays open for a look at the {what}: press Enter to close it"),
+                      soft_wrap=True)
+        _wait_for_enter(STAY_OPEN_S)
+
+
+def _wait_for_enter(limit: float) -> None:
     done = threading.Event()
 
     def read_line() -> None:
@@ -101,8 +119,9 @@ def _wait_for_enter() -> None:
         done.set()
 
     threading.Thread(target=read_line, daemon=True).start()
+    deadline = time.monotonic() + limit
     try:
-        while not done.wait(0.5):
+        while not done.wait(0.5) and time.monotonic() < deadline:
             pass
     except KeyboardInterrupt:
         pass
@@ -128,15 +147,26 @@ def dashboard(
     from meshtrain.dashboard.state import DashboardState, RunDirError, find_run_directories
 
     state = DashboardState()
-    try:
-        for path in run_dirs or []:
-            for run_dir in find_run_directories(path):
+    damaged = 0
+    for path in run_dirs or []:
+        try:
+            found = find_run_directories(path)
+        except RunDirError as exc:  # a path given that holds no run at all: nothing to show
+            raise fail(str(exc)) from None
+        for run_dir in found:
+            try:
                 state.add_run_directory(run_dir)
-    except RunDirError as exc:
-        raise fail(str(exc)) from None
+            except RunDirError as exc:  # one damaged run: listed as such, the others shown
+                state.add_damaged_directory(run_dir, str(exc))
+                errors.print(Text.assemble(("warning: ", "bold yellow"), f"{exc}; shown as damaged"),
+                             soft_wrap=True)
+                damaged += 1
     _warn_if_exposed(how.host)
     server = _start(state, how.host, how.port)
-    console.print(f"dashboard of {len(state.runs)} run{'s' if len(state.runs) != 1 else ''}: "
+    shown = f"{len(state.runs)} run{'s' if len(state.runs) != 1 else ''}"
+    if damaged:
+        shown += f", {damaged} damaged"
+    console.print(f"dashboard of {shown}: "
                   f"[bold]{server.url}[/]\nCtrl-C to stop", highlight=False, soft_wrap=True)
     try:
         threading.Event().wait()

@@ -6,6 +6,10 @@ or the launcher's reader threads) goes on undisturbed. Security:
 * it listens on 127.0.0.1 unless told otherwise;
 * every request must carry the token (``?token=`` or the ``X-Meshtrain-Token`` header),
   compared in constant time; anything else gets 403 before a route is looked at;
+* its Host header must name this machine: an IP address, ``localhost``, or the name the
+  server was told to listen on (this machine's name when it listens everywhere). A web page
+  whose DNS name is rebound to 127.0.0.1 sends its own name there and is refused (403),
+  token or not; the port is not checked, so an SSH tunnel to another port still works;
 * the page is self-contained (its script and style inlined, nothing from the network) and
   served with a Content-Security-Policy that allows only them and requests to this server,
   and no Referer is ever sent (the token is in the URL);
@@ -18,11 +22,13 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
 import logging
 import secrets
 import socket
 import threading
+from collections.abc import Collection
 from importlib import resources
 from typing import Any
 
@@ -69,11 +75,34 @@ def page(nonce: str) -> str:
                 .replace("<!--SCRIPT-->", f'<script nonce="{nonce}">\n{script}</script>'))
 
 
-def build_app(state: DashboardState, token: str) -> web.Application:
-    """The aiohttp application: ``/`` (the page) and ``/api/state`` (JSON), token required."""
+def host_allowed(header: str | None, names: Collection[str] = ()) -> bool:
+    """Whether a request's Host header (``name[:port]``) names this machine: an IP address,
+    ``localhost`` (``*.localhost`` resolves there too), or one of ``names``."""
+    if not header:
+        return False
+    name = header.strip().lower()
+    if name.startswith("["):  # [::1]:8080
+        name = name[1:name.find("]")] if "]" in name else ""
+    elif name.count(":") == 1:
+        name = name.split(":")[0]
+    name = name.rstrip(".")
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        pass
+    return name == "localhost" or name.endswith(".localhost") or name in {n.lower() for n in names}
+
+
+def build_app(state: DashboardState, token: str, host_names: Collection[str] = ()) -> web.Application:
+    """The aiohttp application: ``/`` (the page) and ``/api/state`` (JSON), token required
+    and a Host header naming this machine (:func:`host_allowed`, ``host_names`` allowed)."""
 
     @web.middleware
     async def require_token(request: web.Request, handler: Any) -> web.StreamResponse:
+        if not host_allowed(request.headers.get("Host"), host_names):  # DNS rebinding
+            return web.Response(status=403, text="403: forbidden (the Host header does not name this "
+                                "machine)\n", headers=_SECURITY_HEADERS)
         given = request.query.get("token") or request.headers.get(TOKEN_HEADER)
         if not token_matches(given, token):
             return web.Response(status=403, text="403: forbidden (the dashboard's URL carries a token)\n",
@@ -136,7 +165,9 @@ class DashboardServer:
         return self
 
     async def _serve(self) -> None:
-        self._runner = web.AppRunner(build_app(self.state, self.token), access_log=None,
+        names = {self.host, socket.gethostname(), socket.getfqdn()} if self.host in ("0.0.0.0", "::") \
+            else {self.host}
+        self._runner = web.AppRunner(build_app(self.state, self.token, names), access_log=None,
                                      logger=SERVER_LOG)
         await self._runner.setup()
         await web.SockSite(self._runner, self._sock).start()

@@ -9,11 +9,11 @@ the snapshot's ``now``; a clock is passed in so tests control it.
 from __future__ import annotations
 
 import csv
-import json
+import io
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeGuard
@@ -23,9 +23,14 @@ from meshtrain.errors import InputError
 from meshtrain.observers import STARTING, NodeRow, NodeUpdate
 
 DONE, FAILED, LOST, STOPPED = "done", "failed", "lost", "stopped"
+DAMAGED = "damaged"  # a run directory that could not be read: shown with why, not fatal
 MAX_POINTS = 1500  # per series: older points are thinned, so a long run stays light to send
 MAX_EVENTS = 500
 MAX_NODES = 1024  # rows shown for a finished run (a damaged summary.json must not exhaust memory)
+
+
+#: A run directory's summary.json, config.yaml and (thinned) metrics.csv rows.
+RunFiles = tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]
 
 
 class RunDirError(InputError):
@@ -138,16 +143,17 @@ class RunState:
             self.status = "finished"
         self._changed()
 
-    def load_directory(self, run_dir: Path) -> None:
-        """Take summary.json, config.yaml and metrics.csv from a finished run's directory."""
-        summary, config, history = read_run_directory(run_dir)
+    def load_directory(self, run_dir: Path, read: RunFiles | None = None) -> None:
+        """Take summary.json, config.yaml and metrics.csv from a finished run's directory
+        (``read``: what :func:`read_run_directory` returned for it, when already read)."""
+        summary, config, history = read or read_run_directory(run_dir)
         self.info.setdefault("config", config)
         self.info["run_dir"] = str(run_dir)
         self.summary = summary
         self._take_history(history)
         self._changed()
 
-    def _take_history(self, history: list[dict[str, Any]]) -> None:
+    def _take_history(self, history: Iterable[Mapping[str, Any]]) -> None:
         mean, val = Series("train loss (mean of nodes)"), Series("val loss (global model)")
         self.projected = []
         measured = []
@@ -219,7 +225,8 @@ class DashboardState:
 
     def add_run_directory(self, run_dir: Path) -> RunState:
         """A finished run from its directory (raises :class:`RunDirError`)."""
-        summary, _, _ = read_run_directory(run_dir)
+        read = read_run_directory(run_dir)
+        summary = read[0]
         nodes = min(summary["nodes"], MAX_NODES) if isinstance(summary.get("nodes"), int) else 0
         steps = summary.get("steps") if isinstance(summary.get("steps"), int) else None
         with self._lock:
@@ -230,12 +237,26 @@ class DashboardState:
                 run_id += "'"
             run = RunState(run_id, [f"node {r}" for r in range(nodes)], kind="finished", clock=self.clock,
                            changed=self._changed)
-            run.load_directory(run_dir)
+            run.load_directory(run_dir, read)
             shares = _balance_shares(summary, len(run.nodes))
             for row in run.nodes:
                 row.state = DONE
                 row.step = row.steps = steps
                 row.batch_size = shares.get(row.rank)
+            self.runs[run_id] = run
+            return run
+
+    def add_damaged_directory(self, run_dir: Path, problem: str) -> RunState:
+        """A run directory that cannot be read (``problem``: the :class:`RunDirError` line),
+        listed as damaged with the reason among its events, so the others are still shown."""
+        with self._lock:
+            run_id = run_dir.name
+            while run_id in self.runs:
+                run_id += "'"
+            run = RunState(run_id, [], kind="finished", clock=self.clock, changed=self._changed,
+                           info={"run_dir": str(run_dir)})
+            run.status = DAMAGED
+            run.event("failed", problem)
             self.runs[run_id] = run
             return run
 
@@ -316,17 +337,27 @@ def _is_count(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def read_run_directory(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
-    """summary.json, config.yaml and metrics.csv of ``run_dir`` (config may be missing)."""
+#: The columns of metrics.csv the dashboard shows (every other one is dropped as it is read).
+HISTORY_COLUMNS = ("step", "train_loss", "val_loss", "total_bytes_sent", "seconds", "projected_seconds")
+
+
+def read_run_directory(run_dir: Path) -> RunFiles:
+    """summary.json, config.yaml and metrics.csv of ``run_dir`` (config may be missing).
+
+    A launched run's files came from its rank 0's host: the JSON and YAML are read within
+    :mod:`meshtrain.yaml12`'s limits, and metrics.csv is streamed (only a regular file,
+    opened non-blocking), keeping :data:`HISTORY_COLUMNS` as numbers, thinned to a few
+    thousand rows: its memory does not grow with the file."""
     if not run_dir.is_dir():
         raise RunDirError(f"{run_dir}: no such run directory")
     summary_file, metrics_file = run_dir / "summary.json", run_dir / "metrics.csv"
     try:
-        summary = json.loads(summary_file.read_text())
+        summary = yaml12.read_json(summary_file)
     except FileNotFoundError:
         raise RunDirError(f"{summary_file}: missing (not a finished run directory)") from None
-    except (OSError, ValueError, RecursionError) as exc:  # a launched run's came from its rank 0's host
-        raise RunDirError(f"{summary_file}: unreadable ({exc})") from None
+    except (OSError, ValueError) as exc:  # a launched run's came from its rank 0's host
+        problem = exc.strerror if isinstance(exc, OSError) else exc
+        raise RunDirError(f"{summary_file}: unreadable ({problem})") from None
     if not isinstance(summary, dict):
         raise RunDirError(f"{summary_file}: expected a JSON object")
     config: dict[str, Any] = {}
@@ -340,13 +371,40 @@ def read_run_directory(run_dir: Path) -> tuple[dict[str, Any], dict[str, Any], l
     except yaml12.YAMLError as exc:  # a launched run's came from its rank 0's host
         raise RunDirError(f"{run_dir / 'config.yaml'}: {yaml12.problem(exc)}") from None
     try:
-        with open(metrics_file, newline="") as f:
-            history = [dict(row) for row in csv.DictReader(f)]
+        with yaml12.open_regular(metrics_file) as raw, \
+                io.TextIOWrapper(raw, encoding="utf-8", newline="") as f:
+            history = _thinned_history(csv.DictReader(f))
     except FileNotFoundError:
         raise RunDirError(f"{metrics_file}: missing (not a finished run directory)") from None
-    except (OSError, csv.Error, UnicodeDecodeError) as exc:
+    except (OSError, csv.Error, UnicodeDecodeError, yaml12.Refused) as exc:
         raise RunDirError(f"{metrics_file}: unreadable ({exc})") from None
     return summary, config, history
+
+
+def _thinned_history(rows: Iterator[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of metrics.csv, as :data:`HISTORY_COLUMNS` numbers, at most about
+    2 x :data:`MAX_POINTS` training rows and as many validation rows (each list halved, and
+    its stride doubled, whenever it overflows; the last row is always kept). Kept as tuples
+    while reading: a dict per row would cost several times more."""
+    kept: dict[bool, list[tuple[float | None, ...]]] = {False: [], True: []}  # by "has a val_loss"
+    stride, seen = {False: 1, True: 1}, {False: 0, True: 0}
+    last: tuple[float | None, ...] | None = None
+    val = HISTORY_COLUMNS.index("val_loss")
+    for row in rows:
+        compact = tuple(_number(row.get(key)) for key in HISTORY_COLUMNS)
+        is_val = compact[val] is not None
+        if seen[is_val] % stride[is_val] == 0:
+            kept[is_val].append(compact)
+            if len(kept[is_val]) > 2 * MAX_POINTS:
+                kept[is_val] = kept[is_val][::2]
+                stride[is_val] *= 2
+        seen[is_val] += 1
+        last = compact
+    both = kept[False] + kept[True]
+    if last is not None and not any(row is last for row in both):
+        both.append(last)
+    both.sort(key=lambda row: row[0] if row[0] is not None else -1.0)  # HISTORY_COLUMNS[0]: step
+    return [dict(zip(HISTORY_COLUMNS, row, strict=True)) for row in both]
 
 
 def find_run_directories(path: Path) -> list[Path]:

@@ -166,7 +166,7 @@ function renderRuns() {
     const swatch = el("span", { class: "swatch" });
     swatch.style.background = runColour(i);
     item.append(box, swatch, el("span", { class: "name", title: run.id }, run.id),
-                el("span", { class: `state ${run.status === "running" ? "training" : run.status === "failed" ? "failed" : "done"}` },
+                el("span", { class: `state ${run.status === "running" ? "training" : ["failed", "damaged"].includes(run.status) ? "failed" : "done"}` },
                    run.status));
     item.addEventListener("click", () => { focus = run.id; compared.clear(); compared.add(run.id); render(); });
     list.appendChild(item);
