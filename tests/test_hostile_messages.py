@@ -107,3 +107,23 @@ def test_a_finished_run_whose_copy_back_failed_is_not_told_to_resume(
     assert done.returncode == 1, done.stdout + done.stderr
     assert "--resume" not in done.stdout + done.stderr
     assert "all 2 ranks finished in 3.0 s, but the run directory was not copied back" in done.stdout
+
+
+def test_an_upload_the_host_refuses_is_one_line_naming_the_host_and_file(
+        loopback_ssh: SshWorld, tmp_path: Path) -> None:
+    """A folder of the script's name in the host's workdir makes SFTP's rename fail
+    ("Failure"): the launcher printed a 50-line traceback."""
+    from in_process import meshtrain_here
+
+    script = tmp_path / "job.py"
+    script.write_text("print('ran')\n")
+    (tmp_path / "remote" / "job.py" / "in-the-way").mkdir(parents=True)
+    inv = _inventory(loopback_ssh, tmp_path, Path(sys.executable))
+    done = meshtrain_here("launch", str(inv), "--run-id", "up-1", "--out", str(tmp_path / "runs"), "--plain",
+                          "--upload", str(script), "--", "python", "job.py", cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    port = loopback_ssh.servers[0].port
+    assert (f"error: box0 (root@127.0.0.1:{port}): cannot upload job.py into {tmp_path / 'remote'}: "
+            in done.stderr), done.stderr
+    assert "Traceback" not in done.stdout + done.stderr and "ran" not in done.stdout
+    assert len(done.stderr.strip().splitlines()) == 2, done.stderr  # the line, and "nothing was started"

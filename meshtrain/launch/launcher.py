@@ -38,7 +38,7 @@ from meshtrain.config.launching import RESTART_WAIT_S
 from meshtrain.config.settings import check_run_id
 from meshtrain.errors import InputError
 from meshtrain.heartbeat import EXIT_GRACE_S, HEARTBEAT_FD, heartbeat_interval
-from meshtrain.hosts.host_output import host_json
+from meshtrain.hosts.host_output import host_json, visible
 from meshtrain.hosts.inventory import Host, Inventory
 from meshtrain.hosts.safe_copy import CopyLimits, UnsafeRunDirectory
 from meshtrain.hosts.shipping import ShipError, Shipment, ship_to_hosts
@@ -375,9 +375,20 @@ def _check_required_paths(client: paramiko.SSHClient, host: Host, options: Launc
 
 def upload(client: paramiko.SSHClient, host: Host, files: list[Path],
            check_stop: Callable[[], None] = lambda: None) -> None:
-    """Put local files into ``host``'s workdir (e.g. the script a command runs)."""
-    if files:
+    """Put local files into ``host``'s workdir (e.g. the script a command runs); a copy the
+    host refuses (its disk full, a folder in the way) is a :class:`PreflightError` naming
+    the host and the file: nothing has started yet."""
+    if not files:
+        return
+    try:
         put_files(client, host.workdir, files, use_sftp=has_sftp(client), check_stop=check_stop)
+    except (OSError, EOFError, paramiko.SSHException, TransferError) as exc:
+        # SFTP's errors say little ("Failure"): the file and the folder say where to look.
+        reason = (exc.strerror or "") if isinstance(exc, OSError) else str(exc)
+        raise PreflightError([visible(f"{host.name} ({host.label}): cannot upload "
+                                      f"{', '.join(f.name for f in files)} into {host.workdir}: "
+                                      f"{reason or type(exc).__name__} (is the host's disk full, or "
+                                      "something of that name in the way?)")]) from None
 
 
 # --------------------------------------------------------------------------- launching
