@@ -26,7 +26,7 @@ from meshtrain.engine import math_kernels
 from meshtrain.engine.runtimes.processes import node_context
 from meshtrain.engine.runtimes.threads import _SharedGenerator
 from meshtrain.engine.trainer import NodeJob, TrainConfig
-from meshtrain.strategies import DDP, SPARTA, DeMo, DiLoCo, FedAvg, Optim, SPARTADiLoCo
+from meshtrain.strategies import DDP, SPARTA, DeMo, DiLoCo, FedAvg, Optim, SPARTADiLoCo, StreamingDiLoCo
 
 NODES = 3
 STEPS = 20
@@ -36,6 +36,9 @@ BATCH = 4
 CONFIGS = {
     "ddp": lambda: DDP("adamw", 0.01),
     "diloco": lambda: DiLoCo(H=6, lr=0.01),  # 20 % 6 != 0: the final sync runs too
+    # Its all-reduces run on a side channel's thread on processes, at once on threads.
+    "diloco-delay": lambda: DiLoCo(H=6, lr=0.01, delay=1),
+    "streaming-diloco": lambda: StreamingDiLoCo(fragments=2, H=6, tau=2, lr=0.01),
     "sparta-random": lambda: SPARTA(p=0.3, selector="random", lr=0.01),
     "sparta-partitioned": lambda: SPARTA(p=0.25, selector="partitioned", lr=0.01),
     "sparta-diloco": lambda: SPARTADiLoCo(p=0.2, sparse_interval=2, H=5, lr=0.01),

@@ -27,7 +27,17 @@ from meshtrain.comm import ThreadCommunicator, ThreadHub
 from meshtrain.comm.stacked import StackedCommunicator
 from meshtrain.engine.runtimes import vmap as vmap_runtime
 from meshtrain.errors import InputError
-from meshtrain.strategies import DDP, SPARTA, DeMo, DiLoCo, FedAvg, Optim, SPARTADiLoCo, Strategy
+from meshtrain.strategies import (
+    DDP,
+    SPARTA,
+    DeMo,
+    DiLoCo,
+    FedAvg,
+    Optim,
+    SPARTADiLoCo,
+    Strategy,
+    StreamingDiLoCo,
+)
 
 ATOL = 2e-5  # weights; see the module docstring
 LOSS_RTOL = 1e-5  # per-step mean losses
@@ -48,6 +58,8 @@ STRATEGIES = {
     "ddp": lambda: DDP(lr=1e-3),
     "ddp-clipped-sgd": lambda: DDP(optim="sgd", lr=0.05, max_norm=0.05),
     "diloco": lambda: DiLoCo(H=4, lr=1e-3),
+    "diloco-delay": lambda: DiLoCo(H=4, lr=1e-3, delay=1),
+    "streaming-diloco": lambda: StreamingDiLoCo(fragments=2, H=4, tau=1, lr=1e-3),
     "sparta": lambda: SPARTA(p=0.1, lr=1e-3),
     "sparta-partitioned": lambda: SPARTA(p=0.25, selector="partitioned", lr=1e-3),
     "sparta-diloco": lambda: SPARTADiLoCo(p=0.1, H=4, lr=1e-3),

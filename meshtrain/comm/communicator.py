@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import functools
 import json
+import queue
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -393,6 +395,13 @@ class Communicator(ABC):
             self.log.add(self._all_reduce_record(flat, members, step, during_backward))
         return reduced
 
+    def open_side_channel(self) -> Communicator | None:
+        """A communicator whose collectives may run on a second thread while this one's
+        thread trains and communicates (:class:`BesideTraining`), or None where
+        the backend has none (threads, vmap, nccl): work "beside" then runs at once, with
+        the same result. Every node calls it at the same point of the run (``setup``)."""
+        return None
+
     def staging_device(self, tensor: torch.Tensor) -> torch.device:
         """Where a tensor must be for this backend to move it (CPU unless overridden)."""
         return tensor.device
@@ -470,3 +479,103 @@ def _unflatten_into(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None
             n = t.numel()
             t.copy_(flat[offset : offset + n].view_as(t))
             offset += n
+
+
+# ------------------------------------------------------------------ beside training
+# Collectives started now and waited for steps later, while the node trains on.
+#
+# Streaming DiLoCo's fragment syncs and DiLoCo's delayed outer step start an all-reduce at
+# one step and use its result a few steps later. Where the communicator has a side channel
+# (torch.distributed over gloo: processes runtime and launched hosts), the work runs on one
+# worker thread over that channel's own process group, so its ring overlaps the node's
+# next steps and never mixes messages with the collectives the node's thread posts. Where
+# it has none (threads, vmap), the work runs when it is started. Either way the result is
+# used at the same step and the same ring sums the same values, so every runtime computes
+# the same numbers (bit for bit where the runtimes already agree).
+
+#: Work to run beside training: given the communicator to use, it reduces in place.
+SideWork = Callable[[Communicator], None]
+
+
+class Pending:
+    """Work :meth:`BesideTraining.start` started; :meth:`wait` until it is done."""
+
+    def __init__(self, owner: BesideTraining | None) -> None:
+        self._owner = owner
+        self._done = threading.Event()
+        self._records: list[CommRecord] = []
+        self._error: BaseException | None = None
+        if owner is None:
+            self._done.set()
+
+    def wait(self) -> None:
+        """Block until the work is done; its records join the node's log, its wait counts
+        as communication time (the transfer that overlapped training does not)."""
+        owner, self._owner = self._owner, None
+        if owner is None:
+            return
+        comm = owner.comm
+        clock = comm.collective_clock
+        started, clocked = time.perf_counter(), clock() if clock is not None else 0.0
+        self._done.wait()
+        comm.log.seconds += time.perf_counter() - started
+        if clock is not None:
+            comm.collective_clock_seconds += clock() - clocked
+        for record in self._records:
+            comm.log.add(record)
+        if self._error is not None:
+            raise self._error
+
+
+class BesideTraining:
+    """Runs :data:`SideWork` beside a node's training, in the order it is started."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self.side = comm.open_side_channel()
+        self._jobs: queue.SimpleQueue[Callable[[], None]] | None = None
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether started work really runs while the node trains on."""
+        return self.side is not None
+
+    def start(self, work: SideWork) -> Pending:
+        """Start ``work``; where there is no side channel it runs now, on this communicator."""
+        if self.side is None:
+            work(self.comm)
+            return Pending(None)
+        side = self.side
+        pending = Pending(self)
+        step, alive = self.comm.step, list(self.comm.alive)
+
+        def job() -> None:
+            try:
+                side.log, side.step = CommLog(), step
+                side.set_alive(alive)
+                work(side)
+                pending._records = list(side.log.records)
+            except BaseException as exc:  # handed to the node's thread, which raises it
+                pending._error = exc
+            finally:
+                pending._done.set()
+
+        if self._jobs is None:
+            self._jobs = _start_worker()
+        self._jobs.put(job)
+        return pending
+
+
+def _start_worker() -> queue.SimpleQueue[Callable[[], None]]:
+    """A daemon thread running the jobs put on the returned queue, one at a time, at the
+    node's intra-op thread count (so its sums match the node thread's, bit for bit)."""
+    jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+    threads = torch.get_num_threads()
+
+    def run() -> None:
+        torch.set_num_threads(threads)
+        while True:
+            jobs.get()()
+
+    threading.Thread(target=run, name="meshtrain-beside-training", daemon=True).start()
+    return jobs

@@ -28,10 +28,13 @@ from meshtrain.comm.communicator import Communicator, ReduceOp, _combine_
 class TorchDistCommunicator(Communicator):
     """A node's collectives over an initialised torch.distributed default group."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: Any = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call init_process_group first")
         super().__init__(dist.get_rank(), dist.get_world_size())
+        #: The process group its messages travel in (None: the default group); a side
+        #: channel has a group of its own, so its rings never mix with the node thread's.
+        self.group = group
         self.backend = dist.get_backend()  # "gloo", or "cpu:gloo,cuda:nccl" (backend_for)
         self.moves_cuda = "nccl" in self.backend
         self._sends: list[Any] = []  # requests posted and not yet waited for
@@ -43,6 +46,18 @@ class TorchDistCommunicator(Communicator):
         # posts nothing while a bucket is in flight (GradientBuckets waits for it first).
         self.reduces_in_background = self.backend == "gloo"
         self._scratch = torch.empty(0)  # the ring's receive space, kept from call to call
+        self._side: TorchDistCommunicator | None = None
+
+    def open_side_channel(self) -> Communicator | None:
+        """On gloo: a communicator over a process group of its own (every rank's), so a ring
+        it runs on another thread never mixes its messages with the node thread's
+        (point-to-point messages between two ranks of one group match in posting order).
+        Every rank creates the group at the same point: a strategy's ``setup``."""
+        if self.backend != "gloo":
+            return None
+        if self._side is None:
+            self._side = TorchDistCommunicator(dist.new_group(backend="gloo"))
+        return self._side
 
     def staging_device(self, tensor: torch.Tensor) -> torch.device:
         # nccl moves CUDA tensors, gloo CPU ones: MPS (and CUDA without nccl) go through one
@@ -59,11 +74,11 @@ class TorchDistCommunicator(Communicator):
         self._post_receive(recv, src)
 
     def _post_send(self, tensor: torch.Tensor, dst: int) -> None:
-        self._sends.append(dist.isend(tensor, dst))
+        self._sends.append(dist.isend(tensor, dst, group=self.group))
         self._finished_bytes += tensor.nbytes  # held by the request until it is retired
 
     def _post_receive(self, tensor: torch.Tensor, src: int) -> None:
-        self._receives.append(dist.irecv(tensor, src))
+        self._receives.append(dist.irecv(tensor, src, group=self.group))
         self._finished_bytes += tensor.nbytes
 
     def _exchange_now(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
@@ -73,8 +88,8 @@ class TorchDistCommunicator(Communicator):
         after the other, so two peers that send to each other first (a ring of two) would
         each wait for the other's receive; in one group they run together. gloo runs them
         as posted, as :meth:`_exchange` would."""
-        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, dst),
-                                           dist.P2POp(dist.irecv, recv, src)])
+        requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, dst, self.group),
+                                           dist.P2POp(dist.irecv, recv, src, self.group)])
         self._finished_bytes += send.nbytes + recv.nbytes
         self._sends += requests
         self._settle()
@@ -116,7 +131,7 @@ class TorchDistCommunicator(Communicator):
             # bit for bit: gloo's own all-reduce gives the ring's result, in one C++ call
             # instead of a Python loop of exchanges (on loopback, 4 MB: ~1.5x faster). Not
             # for max: gloo's max need not propagate a NaN as torch.maximum does.
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
             if op == "mean":
                 flat.div_(g)
             return flat

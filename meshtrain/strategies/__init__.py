@@ -15,6 +15,7 @@ from meshtrain.strategies.fedavg import FedAvg, ModelAveraging
 from meshtrain.strategies.sparseloco import SparseLoCo
 from meshtrain.strategies.sparta import SPARTA, SparseAveraging
 from meshtrain.strategies.sparta_diloco import SPARTADiLoCo
+from meshtrain.strategies.streaming_diloco import StreamingDiLoCo, StreamingOuterSync
 
 
 def _built_in() -> dict[str, type[Strategy]]:
@@ -49,4 +50,6 @@ __all__ = [
     "SparseAveraging",
     "SparseLoCo",
     "Strategy",
+    "StreamingDiLoCo",
+    "StreamingOuterSync",
 ]

@@ -313,7 +313,8 @@ class Strategy:
     @torch.no_grad()
     def mean_over_nodes_(self, tensors: Sequence[torch.Tensor], *, group: list[int] | None = None,
                          record: bool = True, along: Sequence[torch.Tensor] = (),
-                         buckets: GradientBuckets | None = None) -> None:
+                         buckets: GradientBuckets | None = None,
+                         comm: Communicator | None = None) -> None:
         """Replace ``tensors`` in place by their mean over ``group`` (None: every alive node).
 
         Without :attr:`sample_weight` it is the plain mean: one all-reduce (mean) of
@@ -327,13 +328,17 @@ class Strategy:
         With ``buckets`` (one tensor per parameter: DDP's gradients) the all-reduce is
         that of :class:`~meshtrain.comm.buckets.GradientBuckets`, ``along`` and the
         weight riding in its last bucket.
+
+        ``comm``: the communicator to reduce over (default :attr:`comm`; a side channel's
+        for work that runs beside training, :class:`~meshtrain.comm.communicator.BesideTraining`).
         """
+        comm = comm if comm is not None else self.comm
         weight = self.sample_weight
         if weight is None:
             if buckets is not None:
                 buckets.all_reduce_(tensors, op="mean", along=along, group=group, record=record)
             else:
-                self.comm.all_reduce([*tensors, *along], op="mean", group=group, record=record)
+                comm.all_reduce([*tensors, *along], op="mean", group=group, record=record)
             return
         like = tensors[0] if tensors else torch.zeros(())
         total = torch.tensor([float(weight)], dtype=like.dtype, device=like.device)
@@ -343,7 +348,7 @@ class Strategy:
         else:
             for t in tensors:
                 t.mul_(weight)
-            self.comm.all_reduce([*tensors, *along, total], op="sum", group=group, record=record)
+            comm.all_reduce([*tensors, *along, total], op="sum", group=group, record=record)
         for t in tensors:
             t.div_(total)
 
@@ -351,19 +356,22 @@ class Strategy:
     def mean_pseudo_gradients_(self, tensors: Sequence[torch.Tensor],
                                compression: PseudoGradientCompression | None, *,
                                group: list[int] | None = None, record: bool = True,
-                               weight: float | None = None) -> None:
+                               weight: float | None = None,
+                               comm: Communicator | None = None) -> None:
         """Replace pseudo-gradients (outer gradients, round deltas) in place by their mean over
         ``group``: :meth:`mean_over_nodes_` without ``compression`` (fp32, bit for bit as
         before), else the compressed all-gather of
         :class:`~meshtrain.comm.compression.PseudoGradientCompression` (sample-weighted under
         ``balance`` as well, or by ``weight`` when given: FedAvg's sample counts). Every
-        strategy that averages pseudo-gradients goes through here."""
+        strategy that averages pseudo-gradients goes through here. ``comm``: the communicator
+        to reduce over (default :attr:`comm`; a side channel's for work that runs beside
+        training, :class:`~meshtrain.comm.communicator.BesideTraining`)."""
         if compression is None:
-            self.mean_over_nodes_(tensors, group=group, record=record)
+            self.mean_over_nodes_(tensors, group=group, record=record, comm=comm)
             return
         if self.sample_weight is not None:
             weight = self.sample_weight
-        compression.mean_(self.comm, tensors, group=group, weight=weight,
+        compression.mean_(comm if comm is not None else self.comm, tensors, group=group, weight=weight,
                           stacked_nodes=self.stacked_nodes, record=record)
 
     # --------------------------------------------------------------- queries
