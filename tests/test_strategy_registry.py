@@ -87,7 +87,9 @@ def _last_syncs(name: str, steps: int = 7) -> list[list[int | None]]:
     from meshtrain.heartbeat import last_sync_step
 
     cls = STRATEGIES[name]
-    strategy = cls(H=3) if "H" in cls.parameters() else cls()
+    # Streaming DiLoCo's fragments (4 by default) each sync at their own step of the H.
+    options = {k: v for k, v in {"H": 3, "fragments": 3}.items() if k in cls.parameters()}
+    strategy = cls(**options)
     hub, data = ThreadHub(2), regression_data(64)
     seen: list[list[int | None]] = [[], []]
     errors: list[BaseException] = []

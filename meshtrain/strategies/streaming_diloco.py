@@ -178,6 +178,7 @@ class StreamingOuterSync(CommunicationModule):
             self.strategy.mean_pseudo_gradients_(deltas, self.compressions[p])
             self.outer_step(indices, deltas)
             self.mix(indices, 0.0)
+        self.last_merge = step  # every node now holds the global model
         return True
 
     def global_parameters(self) -> list[torch.Tensor]:
