@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import yaml
 from rich.markup import escape
+from rich.text import Text
 from typer.core import TyperOption
 from typer.main import get_command
 from typer.testing import CliRunner
@@ -186,6 +187,14 @@ def test_help_at_80_columns_shows_every_option_name_whole(path: tuple[str, ...],
             if name.startswith("-"):
                 assert re.search(rf"(?<![\w-]){re.escape(name)}(?![\w-])", result.output), \
                     f"{' '.join(path)} --help at 80 columns: {name} is not shown whole"
+    # Every description is readable whole: wrapped, never cut. At 80 columns (and piped) the
+    # "What to train" panel of simulate and launch had cut 193 of its 376 lines to "P…", "n…":
+    # with the panels' boxes and all white space taken away, each help text is still there.
+    assert "…" not in result.output, f"{' '.join(path)} --help at 80 columns cuts a description"
+    shown = re.sub(r"[\s│╭╮╰╯─]", "", result.output)
+    for param in (p for p in command.params if not getattr(p, "hidden", False) and p.help):
+        words = re.sub(r"\s", "", Text.from_markup(param.help).plain)  # typer reads it as markup
+        assert words in shown, f"{' '.join(path)} --help at 80 columns: the help of {param.name} is not whole"
 
 
 def test_settings_lists_every_setting_with_its_flag(monkeypatch: pytest.MonkeyPatch) -> None:

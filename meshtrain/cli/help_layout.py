@@ -5,7 +5,11 @@ typer draws each panel of ``--help`` as a rich table whose columns may all shrin
 columns a long help word ("rendezvous.heartbeat_timeout,") made rich shorten the names
 column to "--accept-new-host-k…". Here every column but the last (the help text) keeps
 its full width and the help text folds instead: a name is always shown whole, so it can
-be copied.
+be copied. When the names leave the help text less than :data:`MIN_HELP_WIDTH` columns
+(one long pair like "--gradient-checkpointing --no-gradient-checkpointing" widens the
+names of a whole panel: at 80 columns, and whenever piped, every description of the
+"What to train" panel was cut to "P…", "n…"), the panel lists each option's names on a
+line of their own and its help below them, indented, wrapped at the panel's width.
 
 In its "rich" markup mode typer keeps a docstring's line breaks, so a paragraph wrapped at
 90 characters in the source broke twice at 80 columns ("For a live run," alone on a line)
@@ -20,7 +24,17 @@ from typing import Any
 
 import typer
 import typer.rich_utils
+from rich.columns import Columns
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
+
+#: Fewest columns a help text gets beside the option names; below it the panel stacks
+#: each option's help under its names (about five words a line).
+MIN_HELP_WIDTH = 30
+#: How far a stacked help text is indented under its option's names.
+STACKED_HELP_INDENT = 4
 
 
 class WholeNamesTable(Table):
@@ -28,10 +42,40 @@ class WholeNamesTable(Table):
     help text (the last column) takes what width is left, folding long words."""
 
     def add_row(self, *renderables: Any, **kwargs: Any) -> None:
-        super().add_row(*renderables, **kwargs)
+        *names, help_text = renderables
+        if isinstance(help_text, Columns) and all(isinstance(r, Text) for r in help_text.renderables):
+            # typer sets the help and its "[default: ...]" side by side in Columns, which cut a
+            # word longer than the column with "…" (a URL in an example): one text folds it.
+            help_text = Text(" ").join(help_text.renderables)
+        super().add_row(*names, help_text, **kwargs)
         for column in self.columns[:-1]:
             column.no_wrap = True
         self.columns[-1].overflow = "fold"
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        if len(self.columns) < 2 or self._help_width(console, options) >= MIN_HELP_WIDTH:
+            yield from super().__rich_console__(console, options)
+            return
+        yield self._stacked()
+
+    def _help_width(self, console: Console, options: ConsoleOptions) -> int:
+        """The help column's width in the table as rich would lay it out here (the same
+        computation as :meth:`Table.__rich_console__`'s)."""
+        width = (self.width or options.max_width) - self._extra_width
+        return self._calculate_column_widths(console, options.update_width(width))[-1]
+
+    def _stacked(self) -> Table:
+        """One option after another: its names (and type) on a line, whole; its help below,
+        indented, wrapped at the whole width."""
+        stacked = Table.grid(expand=True)
+        stacked.add_column(overflow="fold")
+        columns = [list(column.cells) for column in self.columns]
+        for row in range(self.row_count):
+            names = [cell if isinstance(cell, Text) else Text(str(cell))
+                     for cell in (column[row] for column in columns[:-1])]
+            stacked.add_row(Text(" ").join(name for name in names if name.plain.strip()))
+            stacked.add_row(Padding(columns[-1][row], (0, 0, 0, STACKED_HELP_INDENT)))
+        return stacked
 
 
 def keep_option_names_whole() -> None:
