@@ -43,10 +43,12 @@ class WholeNamesTable(Table):
 
     def add_row(self, *renderables: Any, **kwargs: Any) -> None:
         *names, help_text = renderables
-        if isinstance(help_text, Columns) and all(isinstance(r, Text) for r in help_text.renderables):
+        parts = help_text.renderables if isinstance(help_text, Columns) else []
+        texts = [part for part in parts if isinstance(part, Text)]
+        if texts and len(texts) == len(parts):
             # typer sets the help and its "[default: ...]" side by side in Columns, which cut a
             # word longer than the column with "…" (a URL in an example): one text folds it.
-            help_text = Text(" ").join(help_text.renderables)
+            help_text = Text(" ").join(texts)
         super().add_row(*names, help_text, **kwargs)
         for column in self.columns[:-1]:
             column.no_wrap = True
