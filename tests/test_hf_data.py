@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import json
+import math
 import shutil
 import subprocess
 import wave
@@ -11,7 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from speech_fixtures import SpeechAssets, speech_fixture, whisper_options  # noqa: F401 (the fixture)
+from speech_fixtures import (  # noqa: F401 (the fixture)
+    SpeechAssets,
+    require_espeak,
+    speech_fixture,
+    whisper_options,
+)
 
 from meshtrain.hf import (
     SpeechCollator,
@@ -295,3 +302,22 @@ def test_dataset_labels_fit_the_decoder(speech: SpeechAssets) -> None:
     tokenizer = bundle.model.tokenizer
     with pytest.raises(ValueError, match="tokens; the model decodes at most 5"):
         SpeechDataset(bundle.train_data.clips, bundle.model.feature_extractor, tokenizer, max_label_tokens=5)
+
+
+def test_the_tiny_model_hears_as_long_as_its_datas_longest_clip(tmp_path: Path) -> None:
+    """`python -m meshtrain.hf.tiny model --data DIR` sizes the encoder's window to the
+    longest recording (whole seconds, at most Whisper's 30): a dataset spoken with longer
+    sentences than the demo's 3 s trains instead of being refused clip by clip."""
+    from meshtrain.hf.audio import read_audio
+    from meshtrain.hf.tiny import main, make_speech_dataset
+    require_espeak()
+    long = "the quick brown fox jumps over the lazy dog and then runs far away into the woods"
+    data = make_speech_dataset(tmp_path / "speech", [long, "open the red door", "turn the light on"])
+    seconds = len(read_audio(data / "clips" / "0000.wav")) / 16_000
+    assert seconds > 3
+    main(["model", str(tmp_path / "tiny"), "--data", str(data)])
+    config = json.loads((tmp_path / "tiny" / "config.json").read_text())
+    assert 2 * config["max_source_positions"] == 100 * math.ceil(seconds)
+    options = whisper_options(tmp_path / "tiny", val_fraction=0.0)
+    bundle = TASK.build(TaskOptions(data=str(data), seed=0, options=options))
+    assert len(bundle.train_data) == 3  # none refused as too long

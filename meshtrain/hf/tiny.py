@@ -5,15 +5,18 @@
     meshtrain simulate --profile whisper-tiny-random-lora --data demo-speech \\
         --set task_options.model=demo-whisper
 
-The model is a random Whisper (d_model 64, 2+2 layers, 300 input frames = 3 s) with a
-BPE tokenizer trained on the dataset's transcripts; a training step takes ~50 ms on a
-CPU. It learns, but it is no speech recogniser: use it to check a setting end to end.
+The model is a random Whisper (d_model 64, 2+2 layers) with a BPE tokenizer trained on
+the dataset's transcripts; it hears 3 s (300 input frames, the demo sentences fit), or
+as long as the dataset's longest recording in whole seconds (at most Whisper's 30 s),
+so any espeak-ng dataset trains. A training step takes ~50 ms on a CPU at 3 s. It learns, but it
+is no speech recogniser: use it to check a setting end to end.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import math
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -80,12 +83,21 @@ def make_speech_dataset(
 KINDS = ("plain", "english", "multilingual")
 
 
+#: Whisper's window: a tiny model never hears more.
+MAX_SECONDS = 30
+#: What a tiny model hears at least (TINY_CONFIG's 300 frames): the demo sentences fit.
+DEFAULT_SECONDS = 3
+
+
 def make_tiny_whisper(
     directory: str | Path, texts: Sequence[str], seed: int = 0, vocab_size: int = 512, kind: str = "plain",
+    seconds: float | None = None,
 ) -> Path:
     """Save a tiny random Whisper, its tokenizer (trained on ``texts``) and its feature
     extractor to ``directory``, loadable with ``from_pretrained`` like a hub checkpoint.
-    ``kind`` (see :data:`KINDS`) picks which real checkpoint's tokens it imitates."""
+    ``kind`` (see :data:`KINDS`) picks which real checkpoint's tokens it imitates;
+    ``seconds`` how long a recording it hears (rounded up to whole seconds, at most 30;
+    default 3)."""
     from transformers import WhisperConfig
 
     from meshtrain.hf.model import HFModel
@@ -96,10 +108,16 @@ def make_tiny_whisper(
     tokenizer = (build_tokenizer(texts, vocab_size=vocab_size) if kind == "plain"
                  else whisper_tokenizer(texts, vocab_size=vocab_size))
     start, end = tokenizer.convert_tokens_to_ids([START_TOKEN, END_TOKEN])
+    shape = dict(TINY_CONFIG)
+    if seconds is not None:
+        if not 0 < seconds <= MAX_SECONDS:
+            raise ValueError(f"a tiny Whisper hears between 0 and {MAX_SECONDS} s, not {seconds:.1f} s")
+        # 100 feature frames a second (hop 160 at 16 kHz); the encoder halves them.
+        shape["max_source_positions"] = 50 * math.ceil(seconds)
     config = WhisperConfig(
         vocab_size=len(tokenizer), decoder_start_token_id=start, bos_token_id=start,
         eos_token_id=end, pad_token_id=end, begin_suppress_tokens=None, suppress_tokens=None,
-        **TINY_CONFIG,
+        **shape,
     )
     config.architectures = ["WhisperForConditionalGeneration"]
     model = HFModel.from_config(config, seed=seed, tokenizer=tokenizer,
@@ -135,6 +153,23 @@ def read_transcripts(data: str | Path) -> list[str]:
     return [c.text for c in train + val]
 
 
+def longest_recording(data: str | Path) -> float:
+    """Seconds of the longest recording in a speech folder (both splits); a recording no
+    decoder reads raises :class:`~meshtrain.hf.audio.SpeechDataError` naming it."""
+    from meshtrain.hf.audio import SAMPLE_RATE, UnsupportedWav, read_audio, wav_format
+    from meshtrain.hf.speech import find_splits
+
+    train, val = find_splits(data, val_fraction=0.0)
+    longest = 0.0
+    for clip in train + val:
+        try:
+            seconds = wav_format(clip.path).seconds  # the header says it: no decoding
+        except (UnsupportedWav, OSError):
+            seconds = len(read_audio(clip.path)) / SAMPLE_RATE
+        longest = max(longest, seconds)
+    return longest
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m meshtrain.hf.tiny", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -151,7 +186,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.what == "dataset":
         print(make_speech_dataset(args.directory, voice=args.voice))
     else:
-        print(make_tiny_whisper(args.directory, read_transcripts(args.data), seed=args.seed, kind=args.kind))
+        from meshtrain.hf.audio import SpeechDataError
+
+        try:
+            seconds = longest_recording(args.data)
+        except SpeechDataError as exc:
+            parser.exit(2, f"error: {exc}\n")
+        if seconds > MAX_SECONDS:
+            parser.exit(2, f"error: {args.data}: its longest recording is {seconds:.1f} s; Whisper hears "
+                           f"at most {MAX_SECONDS} s (split it)\n")
+        hears = math.ceil(max(seconds, DEFAULT_SECONDS))
+        made = make_tiny_whisper(args.directory, read_transcripts(args.data), seed=args.seed, kind=args.kind,
+                                 seconds=hears)
+        print(f"{made} (hears {hears} s; the longest recording in {args.data} is {seconds:.1f} s)")
 
 
 if __name__ == "__main__":
