@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -82,3 +83,65 @@ def test_balance_ends_the_wait_for_a_host_capped_at_half_a_core(world, tmp_path:
     # The same samples seen, and the validation loss they reach stays where it was.
     assert runs[True]["examples"] == runs[False]["examples"]
     assert runs[True]["final_val_loss"] == pytest.approx(runs[False]["final_val_loss"], rel=0.15)
+
+
+LIAR_SITE = """
+# A host that controls its account makes its rank claim 1e308 samples/s: the balancer's
+# exchange of speeds is the unrecorded float64 all-gather it makes (whatever it is called).
+import sys
+
+import torch
+
+import meshtrain.comm.torch_dist as td
+
+_real = td.TorchDistCommunicator.all_gather
+
+
+def all_gather(self, tensor, group=None, *, record=True):
+    caller = sys._getframe(1).f_code.co_name
+    if not record and tensor.dtype == torch.float64 and caller in ("measured_shares", "gather_claims"):
+        tensor = tensor.clone()
+        tensor[0] = 1e308
+    return _real(self, tensor, group, record=record)
+
+
+td.TorchDistCommunicator.all_gather = all_gather
+"""
+
+LIAR_PYTHON = """#!/bin/sh
+# Training ranks (python -m meshtrain ...) start with the lie loaded; the preflight's checks do not.
+if [ "$1" = -m ] && [ "$2" = meshtrain ]; then export PYTHONPATH={site}; fi
+exec {python} "$@"
+"""
+
+
+def test_a_rank_claiming_1e308_samples_per_second_is_named_and_the_run_goes_on(world, tmp_path: Path) -> None:
+    """box1's rank claims 1e308 samples/s: both ranks crashed with OverflowError and neither
+    named the host. Now every rank refuses the claim, rank 0 names rank 1 and the run trains
+    on with equal shares."""
+    import sys
+
+    ssh, _ = world
+    site = tmp_path / "liar-site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(LIAR_SITE)
+    liar = tmp_path / "liar-python"
+    liar.write_text(LIAR_PYTHON.format(site=site, python=sys.executable))
+    liar.chmod(0o755)
+    hosts = [{"name": f"box{i}", "host": s.address, "workdir": str(tmp_path / f"box{i}")}
+             for i, s in enumerate(ssh.servers)]
+    hosts[1]["python"] = str(liar)
+    inventory = ssh.inventory(tmp_path / "inv.yaml", hosts, iface="eth0",
+                              rendezvous={"port": free_port(), "timeout": 120})
+    done = meshtrain(ssh, "launch", str(inventory), "--out", str(tmp_path / "runs"), "--run-id", "lied",
+                     "--task", "digits", "--strategy", "ddp", "--steps", "10", "--batch-size", "32",
+                     "--threads", "1", "--no-progress", "--balance", cwd=tmp_path, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    # Rank 0 says it (box0's line), naming the rank whose host lied ("box1 r1" in the lines).
+    refusal = "rank 1 claimed 1e+308 samples/s over its windows, beside steps of "
+    assert re.search(rf"^box0 r0 \| warning: --balance: {re.escape(refusal)}[\d.e+-]+ s: its claims are "
+                     r"refused, every node takes equal shares$", output, re.M), output[-3000:]
+    summary = json.loads((tmp_path / "runs" / "lied" / "summary.json").read_text())
+    assert summary["balance"]["refused"].startswith(refusal)
+    assert [n["batch_size"] for n in summary["balance"]["nodes"]] == [32, 32]
