@@ -272,6 +272,19 @@ def _problem(folder: Path) -> str | None:
             return f"{name} is missing"
         if _sha256(path) != digest:
             return f"{name} does not match its checksum (truncated or changed)"
+    # meta.json is checked against what the folder holds before a resume announces its step:
+    # a meta.json saying step 27 of a checkpoint at step 4 failed only once the nodes started.
+    step, run_id = int(meta["step"]), str(meta["run_id"])
+    named = folder.name.removeprefix("step-")
+    if folder.name.startswith("step-") and named.isdigit() and int(named) != step:
+        return f"meta.json says step {step}, the folder's name step {int(named)}"
+    for name in files:
+        # mmap: the tensors stay on disk; only the small plain values are read.
+        state = torch.load(folder / name, weights_only=True, mmap=True, map_location="cpu")
+        held = (state.get("run_id"), state.get("step")) if isinstance(state, dict) else (None, None)
+        if held != (run_id, step):
+            return (f"meta.json says run {run_id} step {step}, but {name} holds run {held[0]!r} "
+                    f"step {held[1]!r}")
     return None
 
 

@@ -41,6 +41,10 @@ def one_line_exit_2(result, message: str) -> None:  # noqa: ANN001 - click's Res
         (["--seed", "99999999999999999999999"],
          "seed must be <= 9223372036854775807, got 99999999999999999999999"),
         (["--seed", "-1"], "seed must be >= 0, got -1"),
+        # Above int64 a run was accepted and trained until killed.
+        (["--steps", "99999999999999999999999"],
+         "steps must be <= 9223372036854775807, got 99999999999999999999999"),
+        (["--set", "H=99999999999999999999999"], "strategy 'diloco': H must be between "),
         # An empty text was taken as "not given": `--resume "$RUN"` with RUN unset trained from
         # scratch, `--out ""` wrote into the current folder.
         (["--resume", ""], "resume must not be empty"),

@@ -45,6 +45,10 @@ def two_ranks(world: SshWorld, tmp_path: Path) -> Path:
                                           "meshtrain simulate"),
         (["--strategy", "fedavg", "--set", "island_size=3"], "island_size=3 exceeds the 2 nodes"),
         (["--task", "gpt", "--data", "{empty}"], "--data {empty}: the folder holds no files"),
+        # Shipped, then refused on both hosts with their internal paths: refused here as simulate does.
+        (["--task", "gpt", "--data", "{emptytext}"], "task 'gpt': {emptytext} has 0 characters; need at "
+                                                     "least 1280"),
+        (["--steps", "99999999999999999999999"], "steps must be <= 9223372036854775807"),
         (["--out", "/proc/x"], "--out /proc/x: cannot write into /proc"),
         (["--set", "steps="], "--set steps=: empty value"),
         (["--strategy", "auto"], "--strategy auto plans from the hosts' measured network: run "
@@ -60,8 +64,10 @@ def test_bad_launch_input_stops_before_any_host_is_contacted(
 ) -> None:
     inv = two_ranks(loopback_ssh, tmp_path)
     (tmp_path / "empty").mkdir()
+    (tmp_path / "empty.txt").write_text("")
     (tmp_path / "noprobe.yaml").write_text("bandwidth: 1.0e+8\nlatency: 0.0002\n")  # no compute probe
-    for name, path in (("{empty}", tmp_path / "empty"), ("{noprobe}", tmp_path / "noprobe.yaml")):
+    for name, path in (("{empty}", tmp_path / "empty"), ("{noprobe}", tmp_path / "noprobe.yaml"),
+                       ("{emptytext}", tmp_path / "empty.txt")):
         args = [a.replace(name, str(path)) for a in args]
         message = message.replace(name, str(path))
     result = runner.invoke(app, ["launch", str(inv), "--out", str(tmp_path / "runs"), *args])
@@ -71,6 +77,18 @@ def test_bad_launch_input_stops_before_any_host_is_contacted(
     # Preflight creates every workdir: its absence proves no host was contacted, no rank ran.
     assert not (tmp_path / "remote").exists()
     assert not (tmp_path / "runs").exists()
+
+
+def test_nothing_after_the_dashes_is_refused_not_trained(loopback_ssh: SshWorld, tmp_path: Path) -> None:
+    """`launch inv.yaml --` meant a command and gave none: it trained the default run on
+    every host; now it is one line, exit 2, no host contacted."""
+    inv = two_ranks(loopback_ssh, tmp_path)
+    result = runner.invoke(app, ["launch", str(inv), "--out", str(tmp_path / "runs"), "--"])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "nothing after --: give the command to run on every host" in lines[0], \
+        result.output
+    assert not (tmp_path / "remote").exists() and not (tmp_path / "runs").exists()
 
 
 def test_a_program_missing_on_the_hosts_starts_no_rank(loopback_ssh: SshWorld, tmp_path: Path) -> None:

@@ -128,3 +128,20 @@ def test_how_it_runs_may_change_concurrent_nodes_too(stopped: Path, tmp_path: Pa
                                  "--concurrent-nodes", "1", "--runtime", "threads", "--no-progress"])
     assert result.exit_code == 0, result.output
     assert "resuming run r after step 4" in result.output
+
+
+def test_a_meta_json_that_lies_about_its_step_is_refused_before_resuming(stopped: Path,
+                                                                         tmp_path: Path) -> None:
+    """meta.json is checked against the checkpoint it describes (the folder's name, the node
+    files' own step and run) before "resuming run r after step N" is said."""
+    folder = tmp_path / "r.checkpoints"
+    shutil.copytree(stopped / "stopped" / "r.checkpoints", folder)
+    meta_file = folder / "step-000004" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**meta, "step": 27}))
+    refused(["--resume", str(folder)], "no complete checkpoint found (step-000004: meta.json says step 27, "
+                                       "the folder's name step 4)")
+    # Renamed to match, the node files still say step 4.
+    (folder / "step-000004").rename(folder / "step-000027")
+    refused(["--resume", str(folder)], "no complete checkpoint found (step-000027: meta.json says run r "
+                                       "step 27, but node-0.pt holds run 'r' step 4)")

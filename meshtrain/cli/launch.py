@@ -15,6 +15,7 @@ from typing import Any
 import typer
 from rich.table import Table
 from rich.text import Text
+from typer.core import TyperCommand
 
 from meshtrain.cli import dashboard as dashboard_cli
 from meshtrain.cli.console import errors, fail, fail_on, print_table, terminal_text
@@ -326,6 +327,19 @@ def _note(line: str) -> None:
     errors.print(terminal_text(line), highlight=False, soft_wrap=True, markup=False)
 
 
+BARE_DASHES = "meshtrain.launch.bare_dashes"
+
+
+class _LaunchCommand(TyperCommand):
+    """``launch``: notes whether its command line ends with ``--``, which click drops
+    (``launch inv.yaml --`` then looked like no command at all, and trained)."""
+
+    # ctx: typer's own click Context (typer bundles click privately; its name is not public).
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        ctx.meta[BARE_DASHES] = bool(args) and args[-1] == "--"
+        return super().parse_args(ctx, args)
+
+
 def register(app: typer.Typer) -> None:
     """Add ``hosts check``, ``hosts bench`` and ``launch`` to the ``meshtrain`` app."""
     hosts_app = typer.Typer(help="Find, set up, check and measure the machines of an inventory.",
@@ -336,9 +350,10 @@ def register(app: typer.Typer) -> None:
     hosts_app.command("discover")(hosts_discover)
     app.add_typer(hosts_app, name="hosts")
 
-    @app.command("launch")
+    @app.command("launch", cls=_LaunchCommand)
     @takes_settings("launch")
     def launch_command(
+        ctx: typer.Context,
         inventory: Path = typer.Argument(..., metavar="INVENTORY",
                                          help="Inventory file (hosts/NAME.yaml); rank 0 first."),
         command: list[str] = typer.Argument(
@@ -354,7 +369,9 @@ def register(app: typer.Typer) -> None:
         script calling Trainer.fit (or any torchrun script) joins the group. The output of
         every rank streams here; rank 0's run directory is copied back under --out.
         """
-        launch_hosts(inventory, command, dashboard, settings)
+        # A bare `--` at the end meant a command and gave none: [] (refused), not None (train).
+        launch_hosts(inventory, [] if ctx.meta.get(BARE_DASHES) and not command else command,
+                     dashboard, settings)
 
 
 def main() -> None:  # pragma: no cover - lets `python -m meshtrain.cli.launch` work alone

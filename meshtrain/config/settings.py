@@ -28,6 +28,9 @@ MAX_THREADS = 1024
 #: The largest seed: torch's generators take up to 2**64 - 1, and the tasks add small offsets.
 MAX_SEED = 2**63 - 1
 PRECISIONS = ("fp32", "bf16", "fp16")
+#: The range of every whole-number setting that gives no tighter one: int64's, what torch's
+#: counters and tensors hold (``--steps 99999999999999999999999`` was taken, and ran until killed).
+MAX_INT, MIN_INT = 2**63 - 1, -(2**63)
 
 
 def check_run_id(run_id: str, where: str = "run id") -> str:
@@ -343,6 +346,12 @@ def check_value(label: str, value: Any, annotation: Any, meta: Any = None) -> No
         raise SettingError(f"{label} must not be empty")
     if isinstance(value, float) and not math.isfinite(value):
         raise SettingError(f"{label} must be a finite number, got {value!r}")
+    if isinstance(value, int) and not isinstance(value, bool) and meta.get("maximum") is None \
+            and value > MAX_INT:
+        raise SettingError(f"{label} must be <= {MAX_INT}, got {value!r}")
+    if isinstance(value, int) and not isinstance(value, bool) and meta.get("minimum") is None \
+            and value < MIN_INT:
+        raise SettingError(f"{label} must be >= {MIN_INT}, got {value!r}")
     if meta.get("minimum") is not None and value < meta["minimum"]:
         raise SettingError(f"{label} must be >= {_limit(meta['minimum'])}, got {value!r}")
     if meta.get("maximum") is not None and value > meta["maximum"]:

@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Any
 
+from meshtrain.config.settings import MAX_INT, MIN_INT
 from meshtrain.config.spec import ConfigError, RunSpec
 from meshtrain.strategies import STRATEGIES, Optim, Strategy
 
@@ -65,6 +66,9 @@ def _check_type(strategy: str, key: str, value: Any, default: Any) -> None:
     if not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected):
         kind = " or ".join(t.__name__ for t in expected)
         raise ConfigError(f"strategy {strategy!r}: {key} must be {kind}, got {value!r}")
+    if isinstance(value, int) and not isinstance(value, bool) and not MIN_INT <= value <= MAX_INT:
+        raise ConfigError(f"strategy {strategy!r}: {key} must be between {MIN_INT} and {MAX_INT}, "
+                          f"got {value!r}")
 
 
 def build_strategy(spec: RunSpec) -> Strategy:

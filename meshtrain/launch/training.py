@@ -92,6 +92,9 @@ def prepare_launch(inventory: Path, command: list[str] | None, settings: dict[st
     limits = _copy_limits(how.copy_back_limit, how.copy_back_files)
     flags = dict(settings)  # the training settings, resolved here for every rank
     training = not command
+    if command is not None and not command:  # `launch inv.yaml --`: a command was meant, none came
+        raise InputError("nothing after --: give the command to run on every host (-- python train.py), "
+                         "or drop the -- to train with the flags given")
     if command and (resume or how.max_restarts):
         raise InputError("--resume and --max-restarts continue a training run: give training flags, "
                          "not a command after --")
@@ -315,6 +318,11 @@ def _ship_inputs(spec: RunSpec, task: Task, no_ship: bool
     for shipment in shipments:
         if not shipment.files:  # every rank would start, then find nothing to read
             raise InputError(f"{shipment.what} {shipment.local}: the folder holds no files")
+    if spec.data and task.check_data is not None:  # what every rank would refuse after shipping
+        try:
+            task.check_data(Path(spec.data), check_options(task, spec.task_options))
+        except ValueError as exc:  # TaskError
+            raise InputError(str(exc)) from None
     for (_, key, _), shipment in zip(inputs, shipments, strict=True):
         if key == "data":
             spec.data = shipment.remote

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -58,6 +59,9 @@ class Task:
     options: dict[str, Any] = field(default_factory=dict)
     #: Whether the task reads ``--data`` (a file or folder).
     takes_data: bool = True
+    #: Checks ``--data`` (a local path) with the task's options as :meth:`build` would,
+    #: without building: ``launch`` refuses here what every host would refuse after shipping.
+    check_data: Callable[[Path, dict[str, Any]], None] | None = None
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -125,7 +126,25 @@ class CharGPT(nn.Module):
 def build(opts: TaskOptions) -> TaskBundle:
     if not opts.data:
         raise TaskError("task 'gpt' needs a text file: --data FILE")
-    path = Path(opts.data).expanduser()
+    o = opts.options
+    text = _text(Path(opts.data).expanduser(), o)
+    vocab = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(vocab)}
+    ids = torch.tensor([lookup[c] for c in text], dtype=torch.long)
+    cut = math.floor(len(ids) * 0.9)
+    torch.manual_seed(opts.seed)
+    block = o["block_size"]
+    model = CharGPT(len(vocab), block, o["layers"], o["heads"], o["dim"], o["dropout"])
+    return TaskBundle(model, CharWindows(ids[:cut], block), CharWindows(ids[cut:], block))
+
+
+def check_data(path: Path, options: dict[str, Any]) -> None:
+    """What :func:`build` refuses of the data file and options, without building."""
+    _text(path.expanduser(), options)
+
+
+def _text(path: Path, o: dict[str, Any]) -> str:
+    """The text of ``path``, checked (a UTF-8 file long enough for ``o``'s block size)."""
     if path.is_dir():
         raise TaskError(f"task 'gpt': {path} is a folder; --data takes one text file")
     if not path.is_file():
@@ -138,7 +157,6 @@ def build(opts: TaskOptions) -> TaskBundle:
             from None
     if "\x00" in text:
         raise TaskError(f"task 'gpt': {path} holds NUL bytes: it looks binary, give a text file")
-    o = opts.options
     require_positive("gpt", o, "block_size", "layers", "heads", "dim")
     if not 0 <= o["dropout"] < 1:
         raise TaskError(f"task 'gpt': task_options.dropout must be in [0, 1), got {o['dropout']!r}")
@@ -148,13 +166,7 @@ def build(opts: TaskOptions) -> TaskBundle:
     block = o["block_size"]
     if len(text) < 20 * block:
         raise TaskError(f"task 'gpt': {path} has {len(text)} characters; need at least {20 * block}")
-    vocab = sorted(set(text))
-    lookup = {c: i for i, c in enumerate(vocab)}
-    ids = torch.tensor([lookup[c] for c in text], dtype=torch.long)
-    cut = math.floor(len(ids) * 0.9)
-    torch.manual_seed(opts.seed)
-    model = CharGPT(len(vocab), block, o["layers"], o["heads"], o["dim"], o["dropout"])
-    return TaskBundle(model, CharWindows(ids[:cut], block), CharWindows(ids[cut:], block))
+    return text
 
 
 TASK = Task(
@@ -164,4 +176,5 @@ TASK = Task(
     defaults={"steps": 200, "batch_size": 16, "val_interval": 50, "val_size": 256},
     strategy_defaults={"diloco": {"H": 20}, "sparta-diloco": {"H": 20}, "fedavg": {"lr": 0.1}},
     options={"block_size": 64, "layers": 2, "heads": 4, "dim": 128, "dropout": 0.0},
+    check_data=check_data,
 )
