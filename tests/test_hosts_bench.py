@@ -465,3 +465,10 @@ def test_bench_on_real_hosts_refuses_a_group_size_rank_0_made_up(netns_hosts, tm
     assert ("error: box0:bench.json: not a benchmark result (ValueError: group_size 1000 is not the "
             "number of hosts (2))") in done.stderr, done.stderr
     assert not (tmp_path / "lab-cluster.yaml").exists()
+
+
+def test_bench_speed_is_held_to_what_a_cluster_file_may_say(tmp_path: Path) -> None:
+    """--speed 1e6 was written into a cluster file that every reader then refused."""
+    done = meshtrain_here("hosts", "bench", str(tmp_path / "inv.yaml"), "--speed", "1e6", cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.strip() == "error: --speed must be <= 10000, got 1000000.0", \
+        done.stderr

@@ -93,7 +93,8 @@ class HostsBenchSettings(HostKeys):
         False, "The hosts share one medium (Wi-Fi): the model then divides its bandwidth among the "
                "hosts talking at once.", flag=_flag(("--shared-medium",), BENCH, panel=MEASURE))
     speed: float = setting(1.0, "The hosts' compute speed relative to one core of this machine "
-                                "(not measured).", above=0, flag=_flag(("--speed",), BENCH, panel=MEASURE))
+                                "(not measured).", minimum=1e-3, maximum=1e4,  # what a cluster file may say
+                           flag=_flag(("--speed",), BENCH, panel=MEASURE))
     task: str | None = setting(
         None, "Compute probe: time a few steps of this task's model on every host; the slowest "
               "host's step goes into the cluster file (what `launch --strategy auto` plans with).",
