@@ -378,3 +378,10 @@ def test_observers_see_each_nodes_samples_per_step(tmp_path):
         fit(DDP(), regression_data(400), tmp_path, nodes=2, steps=3, batch_size=8, balance=True,
             straggler=SLOW)
     assert seen == {0: {12}, 1: {4}}
+
+
+def test_a_refused_claim_names_the_host_where_the_launcher_said_which(monkeypatch):
+    monkeypatch.setenv("MESHTRAIN_HOST_NAMES", "studio,air")
+    balancer, _ = _run_beside(_LyingPeer(actual=1000.0, claimed=float("nan")), monkeypatch, steps=10)
+    assert balancer.refused is not None and balancer.refused.startswith(
+        "rank 1 (air) reported a speed of nan, not a finite number > 0"), balancer.refused

@@ -138,8 +138,8 @@ def test_a_rank_claiming_1e308_samples_per_second_is_named_and_the_run_goes_on(w
                      "--threads", "1", "--no-progress", "--balance", cwd=tmp_path, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
-    # Rank 0 says it (box0's line), naming the rank whose host lied ("box1 r1" in the lines).
-    refusal = "rank 1 claimed 1e+308 samples/s over its windows, beside steps of "
+    # Rank 0 says it (on box0's line), naming the rank and the host that lied.
+    refusal = "rank 1 (box1) claimed 1e+308 samples/s over its windows, beside steps of "
     assert re.search(rf"^box0 r0 \| warning: --balance: {re.escape(refusal)}[\d.e+-]+ s: its claims are "
                      r"refused, every node takes equal shares$", output, re.M), output[-3000:]
     summary = json.loads((tmp_path / "runs" / "lied" / "summary.json").read_text())

@@ -138,6 +138,8 @@ def test_rank_environment_and_command(tmp_path: Path) -> None:
     assert (env["MASTER_ADDR"], env["MASTER_PORT"], env["MESHTRAIN_TIMEOUT"]) == ("10.0.0.1", "29511", "90")
     assert (env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == ("1", "2")  # c shares a's machine
     assert env["MESHTRAIN_RUN_ID"] == "run-1" and env["PYTHONUNBUFFERED"] == "1"
+    # Every rank knows the hosts by rank, to name one in a message (--balance refusing its claims).
+    assert env["MESHTRAIN_HOST_NAMES"] == ",".join(h.name for h in inv.hosts)
     assert "MESHTRAIN_DEVICE" not in env  # never read: the device reaches the rank as --device
     assert rank_env(inv, a, "run-1")["GLOO_SOCKET_IFNAME"] == "en0"
     assert "GLOO_SOCKET_IFNAME" not in env

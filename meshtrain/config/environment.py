@@ -69,6 +69,19 @@ def launched_rank(environ: Mapping[str, str] | None = None) -> LaunchedRank | No
                         master_port=port, timeout_s=timeout)
 
 
+#: The launch's host names in rank order, comma-separated (inventory names have no commas):
+#: what a rank's messages name another rank by.
+HOST_NAMES_ENV = "MESHTRAIN_HOST_NAMES"
+
+
+def launched_host_names(world_size: int, environ: Mapping[str, str] | None = None) -> list[str] | None:
+    """Every rank's host name (:data:`HOST_NAMES_ENV`, set by the launcher), or None unless it
+    names exactly ``world_size`` hosts."""
+    env = os.environ if environ is None else environ
+    names = env.get(HOST_NAMES_ENV, "").split(",")
+    return names if len(names) == world_size and all(names) else None
+
+
 def environment_run_id(environ: Mapping[str, str] | None = None) -> str | None:
     """MESHTRAIN_RUN_ID, which names a run wherever it is set (a launched rank's launcher
     sets it; a user may too)."""

@@ -67,6 +67,7 @@ from typing import Any
 import torch
 
 from meshtrain.comm import Communicator
+from meshtrain.config.environment import launched_host_names
 from meshtrain.data import NodeBatches
 from meshtrain.errors import SettingError
 from meshtrain.strategies import Strategy
@@ -157,25 +158,30 @@ def gather_claims(comm: Communicator, claim: Claim) -> list[Claim]:
     return [Claim(*(float(x) for x in t.tolist())) for t in comm.all_gather(mine, record=False)]
 
 
-def refused_claim(claims: Sequence[Claim], batch_sizes: Sequence[int]) -> str | None:
+def refused_claim(claims: Sequence[Claim], batch_sizes: Sequence[int],
+                  names: Sequence[str] | None = None) -> str | None:
     """Why the first rank whose claim cannot be true is refused (None when every claim may
     be). The step's wall time is the longest any rank reports (an honest rank's is the
     step's): a rank's compute per step on its ``batch_sizes`` samples at its window's speed
     must lie between :data:`MIN_COMPUTE_SHARE` of it and the wall time itself (5% allowed),
-    at its smoothed speed within a thousandfold of it either way."""
+    at its smoothed speed within a thousandfold of it either way. ``names``: each rank's host,
+    named beside its rank."""
+    def who(rank: int) -> str:
+        return f"rank {rank} ({names[rank]})" if names is not None else f"rank {rank}"
+
     for rank, c in enumerate(claims):
         for name, value in (("a step time", c.step_seconds), ("a speed", c.speed),
                             ("a window speed", c.window_speed)):
             if not (math.isfinite(value) and value > 0):
-                return f"rank {rank} reported {name} of {value!r}, not a finite number > 0"
+                return f"{who(rank)} reported {name} of {value!r}, not a finite number > 0"
     wall = max(c.step_seconds for c in claims)
     for rank, (c, samples) in enumerate(zip(claims, batch_sizes, strict=True)):
         compute = samples / c.window_speed
         if not MIN_COMPUTE_SHARE * wall <= compute <= wall * 1.05:
-            return (f"rank {rank} claimed {c.window_speed:.4g} samples/s: its {samples} samples would "
+            return (f"{who(rank)} claimed {c.window_speed:.4g} samples/s: its {samples} samples would "
                     f"take {compute:.3g} s, where its steps took {wall:.3g} s")
         if not MIN_COMPUTE_SHARE * wall <= samples / c.speed <= wall / MIN_COMPUTE_SHARE:
-            return (f"rank {rank} claimed {c.speed:.4g} samples/s over its windows, beside steps of "
+            return (f"{who(rank)} claimed {c.speed:.4g} samples/s over its windows, beside steps of "
                     f"{wall:.3g} s")
     return None
 
@@ -226,6 +232,7 @@ class Balancer:
         self._samples = self._compute = 0.0
         self.equal_step_seconds: float | None = None  # the warm-up's steps, with equal shares
         self.refused: str | None = None  # why the claims were refused (equal shares since)
+        self.names = launched_host_names(comm.world_size) if measured else None  # to name a host
 
     def start(self, batches: NodeBatches, strategy: Strategy) -> None:
         """Before step 0: simulated nodes take their shares now."""
@@ -256,14 +263,15 @@ class Balancer:
                                                 batches.batch_size * steps / max(compute, 1e-9),
                                                 (now - began) / steps))
         sizes = self.shares.batch_sizes if self.shares is not None else (self.batch_size,) * len(claims)
-        problem = refused_claim(claims, sizes)
+        problem = refused_claim(claims, sizes, self.names)
         wall = max(c.step_seconds for c in claims) if problem is None else math.inf
         if self.shares is None:
             self.equal_step_seconds = wall
         elif problem is None and self.equal_step_seconds is not None \
                 and wall > MAX_SLOWDOWN * self.equal_step_seconds:
             gained = max(range(len(sizes)), key=lambda r: (sizes[r], -r))
-            problem = (f"rank {gained}'s claimed speed gave it {sizes[gained]} of {sum(sizes)} samples a "
+            who = f"rank {gained} ({self.names[gained]})" if self.names is not None else f"rank {gained}"
+            problem = (f"{who}'s claimed speed gave it {sizes[gained]} of {sum(sizes)} samples a "
                        f"step, and the steps then took {wall / self.equal_step_seconds:.1f}x as long "
                        "as with equal shares")
         if problem is None:

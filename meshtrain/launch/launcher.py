@@ -34,6 +34,7 @@ import paramiko
 
 from meshtrain.comm.rendezvous import PEERS_ENV, SECRET_FILE_ENV, SECRET_FOLDER_PREFIX, new_secret
 from meshtrain.comm.sealing import ADVERTISE_ENV, GLOO_HINT, interface_environment
+from meshtrain.config.environment import HOST_NAMES_ENV
 from meshtrain.config.launching import RESTART_WAIT_S
 from meshtrain.config.settings import check_run_id
 from meshtrain.errors import InputError
@@ -243,6 +244,7 @@ def rank_env(inventory: Inventory, host: Host, run_id: str) -> dict[str, str]:
         "MESHTRAIN_RUN_ID": run_id,
         SECRET_FILE_ENV: secret_file_name(run_id, host.rank),
         "PYTHONUNBUFFERED": "1",
+        HOST_NAMES_ENV: ",".join(h.name for h in sorted(inventory.hosts, key=lambda h: h.rank)),
     })
     if host.rank == 0:  # the rendezvous gate admits connections from these hosts only
         env[PEERS_ENV] = ",".join(" ".join(dict.fromkeys((h.advertise, h.hostname)))
