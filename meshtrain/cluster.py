@@ -204,8 +204,10 @@ def communication_by_step(records: Iterable[CommRecord], cluster: Cluster,
     A step's buckets sent during a backward pass of ``backward_seconds`` go one after the
     other, each once the backward pass has produced its gradients (taken to come at an even
     pace over the step's bytes, the first bucket's first) and the one before it is through;
-    only what runs past the end of the backward pass adds. Every other collective adds all
-    of its time.
+    only what runs past the end of the backward pass adds. A collective that runs beside
+    the next ``overlap_steps`` steps (streaming DiLoCo's fragment sync, delayed DiLoCo's
+    outer step) adds only what runs past their compute (``backward_seconds`` is
+    :data:`BACKWARD_SHARE` of a step's). Every other collective adds all of its time.
     """
     by_step: dict[int, list[CommRecord]] = {}
     for r in records:
@@ -221,6 +223,8 @@ def communication_by_step(records: Iterable[CommRecord], cluster: Cluster,
             if r.during_backward:
                 ready += r.bytes_sent
                 done = max(done, backward_seconds * ready / total_bytes) + cost
+            elif r.overlap_steps:
+                added += max(0.0, cost - r.overlap_steps * backward_seconds / BACKWARD_SHARE)
             else:
                 added += cost
         seconds[step] = added + max(0.0, done - backward_seconds)
@@ -279,7 +283,8 @@ def project(
     cluster whose compute probe measured its spread (``step_jitter``), also the waiting for
     the slowest host at every sync (``sync_wait_seconds``, in the total).
     ``communication_seconds`` is what communication adds to compute; ``overlapped_seconds``
-    what hides behind backward passes (:func:`communication_by_step`)."""
+    what hides behind backward passes or the steps a collective runs beside
+    (:func:`communication_by_step`)."""
     records = list(records)
     backward = BACKWARD_SHARE * step_seconds / cluster.speed
     comm = sum(communication_by_step(records, cluster, backward).values())
@@ -291,7 +296,7 @@ def project(
         "communication_seconds": comm,
         "total_seconds": compute + comm,
     }
-    if any(r.during_backward for r in records):
+    if any(r.during_backward or r.overlap_steps for r in records):
         out["overlapped_seconds"] = every - comm
     if cluster.step_jitter is not None:
         wait = sum(sync_waits(records, cluster).values())

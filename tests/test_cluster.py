@@ -134,3 +134,20 @@ def test_unknown_cluster_is_rejected(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown cluster 'moon'"):
         Trainer(Linear(), data).fit(nodes=1, max_steps=1, batch_size=4, cluster="moon", out_dir=tmp_path)
     assert set(CLUSTERS) >= {"wifi", "gbe", "10gbe", "internet", "infiniband"}
+
+
+def test_a_collective_beside_the_next_steps_adds_only_what_runs_past_their_compute() -> None:
+    # A 2 s all-reduce (2 MB each way between 2 nodes at 1 MB/s) waited for 1 step later:
+    # a 1.5 s step hides 1.5 s of it, two such steps hide it all (streaming DiLoCo's tau,
+    # delayed DiLoCo's round).
+    link = Cluster("l", "a link", bandwidth=1e6, latency=0.0)
+    one = [CommRecord(4, "all_reduce", 2 * 10**6, 2 * 10**6, 2, overlap_steps=1)]
+    two = [dataclasses.replace(one[0], overlap_steps=2)]
+    backward = 1.0  # 2/3 of a 1.5 s step
+    assert communication_by_step(one, link, backward) == {4: pytest.approx(0.5)}
+    assert communication_by_step(two, link, backward) == {4: pytest.approx(0.0)}
+    assert communication_by_step([dataclasses.replace(one[0], overlap_steps=0)], link,
+                                 backward) == {4: pytest.approx(2.0)}
+    out = project(one, link, steps=10, step_seconds=1.5)
+    assert out["communication_seconds"] == pytest.approx(0.5)
+    assert out["overlapped_seconds"] == pytest.approx(1.5)

@@ -202,3 +202,28 @@ def test_diloco_delay_one_matches_the_reference(steps, tmp_path):
 def test_diloco_refuses_a_delay_other_than_zero_or_one():
     with pytest.raises(ValueError, match="delay must be 0 or 1"):
         DiLoCo(delay=2)
+
+
+def test_the_summary_shows_peak_bytes_per_sync_beside_the_total(tmp_path):
+    nodes, batch, steps = 2, 4, 9
+    data = regression_data(nodes * batch * steps)
+    kwargs = dict(nodes=nodes, max_steps=steps, batch_size=batch)
+    streaming = fit(MLP(), data, StreamingDiLoCo(fragments=2, H=4, tau=1, lr=0.01), tmp_path / "s",
+                    **kwargs)
+    diloco = fit(MLP(), data, DiLoCo(H=4, lr=0.01), tmp_path / "d", **kwargs)
+    # 2 nodes: a ring all-reduce of S bytes sends S. DiLoCo's syncs move all 74 floats;
+    # streaming's largest fragment is fc1.weight (48). The final syncs (step 9) are left out.
+    assert diloco.summary["peak_bytes_sent_per_sync"] == 74 * 4
+    assert streaming.summary["peak_bytes_sent_per_sync"] == 48 * 4
+    assert streaming.summary["bytes_sent_per_node"] > streaming.summary["peak_bytes_sent_per_sync"]
+
+
+def test_a_fragment_sync_is_recorded_as_running_beside_the_next_tau_steps(tmp_path):
+    nodes, batch, steps = 2, 4, 8
+    data = regression_data(nodes * batch * steps)
+    # Projected on Wi-Fi, part of each sync hides behind the steps it runs beside.
+    for strategy in (StreamingDiLoCo(fragments=2, H=4, tau=3, lr=0.01), DiLoCo(H=4, lr=0.01, delay=1)):
+        result = fit(MLP(), data, strategy, tmp_path / strategy.name, nodes=nodes, max_steps=steps,
+                     batch_size=batch, cluster="wifi")
+        projected = result.summary["projected"]
+        assert projected["overlapped_seconds"] > 0, strategy

@@ -243,6 +243,8 @@ def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
             metric = key.removeprefix("final_")
             table.add_row(metric.replace("_", " "), before_after(value, initial.get(f"val_{metric}")))
     table.add_row("sent per node", human_bytes(summary["bytes_sent_per_node"]))
+    if summary.get("peak_bytes_sent_per_sync") is not None:
+        table.add_row("peak per sync", human_bytes(summary["peak_bytes_sent_per_sync"]))
     table.add_row("trainable parameters", f"{summary['trainable_parameters']:,}")
     table.add_row("wall clock here", f"{summary['wall_seconds']:.1f} s")
     faults = summary.get("faults") or {}

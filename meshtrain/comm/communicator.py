@@ -17,6 +17,7 @@ S splits evenly.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import queue
@@ -50,6 +51,10 @@ class CommRecord:
     #: A gradient bucket the launched runtime sends while the backward pass runs (a step
     #: whose backward pass is its only one): its time can hide behind that pass.
     during_backward: bool = False
+    #: Steps of compute the collective runs beside (streaming DiLoCo's tau, DiLoCo's H under
+    #: delay=1: started at its step, waited for that many steps later): its time hides
+    #: behind theirs, and only what runs past them adds.
+    overlap_steps: int = 0
 
 
 @dataclass
@@ -395,6 +400,10 @@ class Communicator(ABC):
             self.log.add(self._all_reduce_record(flat, members, step, during_backward))
         return reduced
 
+    def node_logs(self) -> list[CommLog]:
+        """The log of every node this communicator plays (one; the vmap runtime's, all)."""
+        return [self.log]
+
     def open_side_channel(self) -> Communicator | None:
         """A communicator whose collectives may run on a second thread while this one's
         thread trains and communicates (:class:`BesideTraining`), or None where
@@ -540,10 +549,17 @@ class BesideTraining:
         """Whether started work really runs while the node trains on."""
         return self.side is not None
 
-    def start(self, work: SideWork) -> Pending:
-        """Start ``work``; where there is no side channel it runs now, on this communicator."""
+    def start(self, work: SideWork, overlap_steps: int) -> Pending:
+        """Start ``work``, to be waited for ``overlap_steps`` steps later (its records say
+        so, for the projection); where there is no side channel it runs now, on this
+        communicator."""
         if self.side is None:
+            logs = self.comm.node_logs()
+            before = [len(log.records) for log in logs]
             work(self.comm)
+            for log, start in zip(logs, before, strict=True):
+                log.records[start:] = [dataclasses.replace(r, overlap_steps=overlap_steps)
+                                       for r in log.records[start:]]
             return Pending(None)
         side = self.side
         pending = Pending(self)
@@ -554,7 +570,8 @@ class BesideTraining:
                 side.log, side.step = CommLog(), step
                 side.set_alive(alive)
                 work(side)
-                pending._records = list(side.log.records)
+                pending._records = [dataclasses.replace(r, overlap_steps=overlap_steps)
+                                    for r in side.log.records]
             except BaseException as exc:  # handed to the node's thread, which raises it
                 pending._error = exc
             finally:

@@ -46,6 +46,9 @@ class StackedCommunicator(Communicator):
         self.logs = [CommLog() for _ in range(nodes)]
         self.log = self.logs[0]
 
+    def node_logs(self) -> list[CommLog]:
+        return self.logs
+
     def all_reduce(
         self,
         tensors: torch.Tensor | Sequence[torch.Tensor],

@@ -142,6 +142,14 @@ def history_rows(
     return history
 
 
+def peak_bytes_per_sync(history: list[dict[str, Any]]) -> float:
+    """The most bytes a node sent in one step's collectives: what one sync needs of the link
+    at once (streaming DiLoCo's fragment against DiLoCo's whole model). The last step is left
+    out where there are others: strategies whose nodes drift apart end with a full sync."""
+    rows = history[:-1] or history
+    return max((row.get("bytes_sent") or 0 for row in rows), default=0)
+
+
 def run_summary(
     job: NodeJob,
     strategy: Strategy,
@@ -162,6 +170,7 @@ def run_summary(
         "final_val_loss": final.get("val_loss"),
         "bytes_sent_per_node": last["total_bytes_sent"],
         "bytes_received_per_node": last["total_bytes_received"],
+        "peak_bytes_sent_per_sync": peak_bytes_per_sync(history),
         "startup_bytes_sent_per_node": sum(r.startup_bytes_sent for r in reports) / len(reports),
         "examples": last["examples"],
         "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),

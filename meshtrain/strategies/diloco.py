@@ -125,7 +125,7 @@ class OuterSync(CommunicationModule):
             a.copy_(p)
         strategy, compression = self.strategy, self.compression
         self.in_flight = (progress, self.beside.start(
-            lambda comm: strategy.mean_pseudo_gradients_(progress, compression, comm=comm)))
+            lambda comm: strategy.mean_pseudo_gradients_(progress, compression, comm=comm), self.H))
         self.last_sync = step
 
     @torch.no_grad()

@@ -136,7 +136,7 @@ class StreamingOuterSync(CommunicationModule):
         deltas = [self.outer[i] - params[i] for i in indices]
         strategy, compression = self.strategy, self.compressions[p]
         pending = self.beside.start(
-            lambda comm: strategy.mean_pseudo_gradients_(deltas, compression, comm=comm))
+            lambda comm: strategy.mean_pseudo_gradients_(deltas, compression, comm=comm), self.tau)
         self.in_flight[p] = (step + self.tau, deltas, pending)
         self.last_start[p] = step
 
