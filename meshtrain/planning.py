@@ -17,6 +17,11 @@ what DDP hides behind the backward pass, counted as the run projection counts it
                    decoding every host's (meshtrain/comm/compression.py)
     SparseLoCo     one all-gather of 116 bytes per 4,096 values every 30 steps, plus its
                    top-k and 2-bit encoding
+    Streaming      F = 4 fragments, each one all-reduce of 1/F of the model every H steps
+    DiLoCo(H)      (peak bytes per sync 1/F of DiLoCo's), each hidden behind the tau = 5
+                   steps it overlaps: only what runs past their compute adds
+    DiLoCo(H)      one all-reduce of the outer gradient every H steps, hidden behind the
+    delay=1        whole next round (H steps of compute): only what runs past it adds
 
 Each host processes its own batch, so the throughput on n hosts over one host is
 ``n * compute / (compute + communication)``. The rule:
@@ -27,7 +32,10 @@ Each host processes its own batch, so the throughput on n hosts over one host is
    within the budget: fewer inner steps between syncs stay closer to DDP.
 3. Otherwise int8 DiLoCo with the smallest H within the budget (int8 outer gradients
    matched fp32 in INTELLECT-1 and OpenDiLoCo), then SparseLoCo (H=30).
-4. If none does, whichever of them communicates least, and the table shows the share.
+4. Otherwise streaming DiLoCo with the smallest H within the budget (its fragments'
+   outer updates merge tau steps stale), then DiLoCo with delay=1 (a whole round stale):
+   they trade staleness, not precision, for hiding the sync behind compute.
+5. If none does, whichever of them communicates least, and the table shows the share.
 
 The ``quality`` column summarises what the papers report; it is advice, not a measurement.
 """
@@ -64,6 +72,8 @@ SPARTA_P = 0.005
 DEMO_TOPK, DEMO_CHUNK = 32, 64
 FLOAT_BYTES, INDEX_BYTES = 4, 2
 SPARSELOCO_H = 30
+#: Streaming DiLoCo as the planner weighs it: the paper's overlap of up to 5 steps.
+STREAMING_FRAGMENTS, STREAMING_TAU = 4, 5
 #: Seconds per value to encode one host's outer gradient and to decode one payload, measured
 #: on the 2-core development machine (benchmarks/outer_compression.py prints them).
 CODEC_SECONDS = {"int8": (9e-9, 1e-9), "sparseloco": (31e-9, 4.5e-9)}
@@ -76,13 +86,18 @@ QUALITY = {
     "demo": "matched AdamW at 1B params [3]",
     "diloco int8": "int8 outer gradients matched fp32 [4]",
     "sparseloco": "beat fp32 DiLoCo at 1-3% density [5]",
+    "streaming-diloco": "near DiLoCo at F fragments, tau <= 5 [6]",
+    "diloco delay=1": "one round stale; near DiLoCo [7]",
 }
 SOURCES = ("[1] DiLoCo, arXiv 2311.08105: 8 workers, H=500, C4 perplexity of DDP at 500x less traffic; "
            "larger H needs more steps for the same loss. [2] SPARTA (exo labs): p=0.005 close to DDP on "
            "small models; replicas drift more as p shrinks. [3] DeMo, arXiv 2411.19870: top-32 of 64x64 "
            "DCT chunks, sign updates with their own learning rate. [4] INTELLECT-1 and OpenDiLoCo: int8 "
            "pseudo-gradients without loss degradation. [5] SparseLoCo, arXiv 2508.15706: top-64 of "
-           "4,096, 2-bit values, error feedback; 512M parameters.")
+           "4,096, 2-bit values, error feedback; 512M parameters. [6] Streaming DiLoCo, arXiv 2501.18512: "
+           "fragments synced in turn, overlapped 1-5 inner steps, quality of DiLoCo at a fraction of "
+           "the peak bandwidth. [7] Eager updates, arXiv 2502.12996: the outer step overlapped with "
+           "the next round; the plain delayed step trails DiLoCo a little, eager updates close the gap.")
 
 
 @dataclass(frozen=True)
@@ -106,6 +121,7 @@ class Candidate:
     step_seconds: float  # compute + communication, per step
     speedup: float  # samples per second on the cluster over one host
     quality: str
+    peak_bytes: float = 0.0  # the most one host sends in one sync
 
     @property
     def comm_share(self) -> float:
@@ -173,17 +189,29 @@ def demo_bytes_per_step(parameters: int) -> float:
     return parameters * DEMO_TOPK / DEMO_CHUNK**2 * (FLOAT_BYTES + INDEX_BYTES)
 
 
+def _ring_sent(payload_bytes: float, hosts: int) -> float:
+    """Bytes one host sends in a ring all-reduce of ``payload_bytes``."""
+    return 2 * (hosts - 1) / hosts * payload_bytes if hosts > 1 else 0.0
+
+
 def codec_seconds(codec: str, parameters: int, hosts: int) -> float:
     """Compute of one compressed sync: encode this host's vector, decode every host's."""
     encode, decode = CODEC_SECONDS[codec]
     return parameters * (encode + hosts * decode)
 
 
-def _candidate(strategy: str, options: dict[str, Any], comm: float, work: Workload) -> Candidate:
+def _candidate(strategy: str, options: dict[str, Any], comm: float, work: Workload,
+               peak_bytes: float = 0.0) -> Candidate:
     step = work.step_seconds + comm
     speedup = work.hosts * work.step_seconds / step if step > 0 else float(work.hosts)
-    quality = QUALITY["diloco int8"] if options.get("compression") == "int8" else QUALITY[strategy]
-    return Candidate(strategy, options, comm, step, speedup, quality)
+    quality = QUALITY["diloco int8"] if options.get("compression") == "int8" else \
+        QUALITY["diloco delay=1"] if options.get("delay") else QUALITY[strategy]
+    return Candidate(strategy, options, comm, step, speedup, quality, peak_bytes)
+
+
+def hidden_behind(seconds: float, steps: int, work: Workload) -> float:
+    """What a sync of ``seconds`` adds when it runs beside ``steps`` steps of compute."""
+    return max(0.0, seconds - steps * work.step_seconds)
 
 
 def candidates(work: Workload, cluster: Cluster) -> list[Candidate]:
@@ -195,8 +223,8 @@ def candidates(work: Workload, cluster: Cluster) -> list[Candidate]:
     every_step = sync_wait_seconds(1, n, cluster)
     ddp = ddp_all_reduce_seconds(size, n, cluster, work.step_seconds)
     found = [_candidate("ddp", {}, ddp + every_step, work)]
-    found += [_candidate("diloco", {"H": h}, (full_sync + sync_wait_seconds(h, n, cluster)) / h, work)
-              for h in DILOCO_H]
+    found += [_candidate("diloco", {"H": h}, (full_sync + sync_wait_seconds(h, n, cluster)) / h, work,
+                         _ring_sent(size, n)) for h in DILOCO_H]
     int8 = all_gather_seconds(Codec("int8").payload_bytes(work.trainable_parameters), n, cluster) \
         + codec_seconds("int8", work.trainable_parameters, n)
     found += [_candidate("diloco", {"H": h, "compression": "int8"},
@@ -205,6 +233,16 @@ def candidates(work: Workload, cluster: Cluster) -> list[Candidate]:
         + codec_seconds("sparseloco", work.trainable_parameters, n)
     found.append(_candidate("sparseloco", {"H": SPARSELOCO_H},
                             (sparse + sync_wait_seconds(SPARSELOCO_H, n, cluster)) / SPARSELOCO_H, work))
+    fragment_bytes = size / STREAMING_FRAGMENTS
+    fragment = all_reduce_seconds(fragment_bytes, n, cluster)
+    found += [_candidate("streaming-diloco", {"H": h, "fragments": STREAMING_FRAGMENTS, "tau": STREAMING_TAU},
+                         STREAMING_FRAGMENTS * hidden_behind(fragment + sync_wait_seconds(h, n, cluster),
+                                                             STREAMING_TAU, work) / h, work,
+                         _ring_sent(fragment_bytes, n))
+              for h in DILOCO_H if h > STREAMING_TAU]
+    found += [_candidate("diloco", {"H": h, "delay": 1},
+                         hidden_behind(full_sync + sync_wait_seconds(h, n, cluster), h, work) / h, work,
+                         _ring_sent(size, n)) for h in DILOCO_H]
     found.append(_candidate("sparta", {"p": SPARTA_P},
                             all_reduce_seconds(size * SPARTA_P, n, cluster) + every_step, work))
     demo = all_gather_seconds(demo_bytes_per_step(work.trainable_parameters), n, cluster)
@@ -219,7 +257,9 @@ def recommend(work: Workload, cluster: Cluster, budget: float = COMM_BUDGET) -> 
         raise ValueError("a plan needs hosts >= 1, trainable parameters >= 1 and step seconds > 0")
     found = candidates(work, cluster)
     ddp = found[0]
-    diloco = [c for c in found if c.strategy == "diloco" and "compression" not in c.options]
+    diloco = [c for c in found if c.strategy == "diloco" and not {"compression", "delay"} & set(c.options)]
+    overlapped = [c for c in found if c.strategy == "streaming-diloco"] + \
+        [c for c in found if c.strategy == "diloco" and "delay" in c.options]
     compressed = [c for c in found if c.strategy == "diloco" and "compression" in c.options]
     sparseloco = [c for c in found if c.strategy == "sparseloco"]
     if work.hosts == 1:
@@ -254,7 +294,14 @@ def recommend(work: Workload, cluster: Cluster, budget: float = COMM_BUDGET) -> 
                        f"({choice.comm_share:.1%}), its compute of encoding included: "
                        f"{choice.speedup:.2f}x one host")
         return Plan(work, cluster, choice, found, reasons)
-    choice = min([*diloco, *compressed, *sparseloco], key=lambda c: c.comm_seconds)
+    fitting = [c for c in overlapped if c.comm_share <= budget]
+    if fitting:
+        choice = fitting[0]
+        reasons.append(f"{choice.label} keeps communication within {budget:.0%} "
+                       f"({choice.comm_share:.1%}) by hiding its syncs behind compute: "
+                       f"{choice.speedup:.2f}x one host")
+        return Plan(work, cluster, choice, found, reasons)
+    choice = min([*diloco, *compressed, *sparseloco, *overlapped], key=lambda c: c.comm_seconds)
     reasons.append(f"none keeps within {budget:.0%}; {choice.label} communicates least "
                    f"({choice.comm_share:.0%}): {choice.speedup:.2f}x one host; a faster link would pay off")
     return Plan(work, cluster, choice, found, reasons)

@@ -263,3 +263,30 @@ def test_a_noisy_host_tips_a_fast_link_from_ddp_to_diloco() -> None:
     h = plan.choice.options["H"]
     assert plan.choice.comm_seconds == pytest.approx(
         (all_reduce_seconds(GPT_PARAMETERS * 4, 2, quiet) + sync_wait_seconds(h, 2, busy)) / h)
+
+
+def test_streaming_and_delayed_diloco_hide_their_syncs_behind_compute() -> None:
+    gbe = CLUSTERS["gbe"]
+    work = Workload(GPT_PARAMETERS, 0.05, 4)
+    by_label = {c.label: c for c in candidates(work, gbe)}
+    full = all_reduce_seconds(GPT_PARAMETERS * 4, 4, gbe)
+    fragment = all_reduce_seconds(GPT_PARAMETERS * 4 / 4, 4, gbe)
+    # Four fragment syncs per H=50 steps, each hidden behind 5 steps of 50 ms.
+    streaming = by_label["streaming-diloco (H=50, fragments=4, tau=5)"]
+    assert streaming.comm_seconds == pytest.approx(4 * max(0.0, fragment - 5 * 0.05) / 50)
+    assert streaming.peak_bytes == pytest.approx(by_label["diloco (H=50)"].peak_bytes / 4)
+    # The delayed outer step hides behind the whole next round of 50 steps.
+    delayed = by_label["diloco (H=50, delay=1)"]
+    assert delayed.comm_seconds == pytest.approx(max(0.0, full - 50 * 0.05) / 50)
+    assert delayed.comm_seconds < by_label["diloco (H=50)"].comm_seconds
+
+
+def test_delayed_diloco_when_nothing_without_staleness_fits() -> None:
+    # 24.2M parameters on a 0.5 MB/s link at 1 s a step: a full sync takes 290 s, more than
+    # 50% of even H=500's steps; int8 and SparseLoCo still spend over 10%; but H=500 steps
+    # of compute hide the whole sync of delay=1.
+    link = Cluster("slow", "a slow link", bandwidth=0.5e6, latency=0.0)
+    plan = recommend(Workload(24_200_000, 1.0, 4), link)
+    assert plan.choice.options == {"H": 500, "delay": 1}
+    assert plan.choice.comm_share <= COMM_BUDGET
+    assert "hiding its syncs behind compute" in plan.reasons[-1]

@@ -24,6 +24,7 @@ from meshtrain.planning import (
     recommend,
     trainable_parameters,
 )
+from meshtrain.progress import human_bytes
 from meshtrain.tasks import TaskError, TaskOptions, check_options, get_task
 
 
@@ -65,13 +66,14 @@ def plan_table(result: Plan) -> Table:
                         f"parameters, {w.step_seconds * 1e3:.1f} ms compute per step",
                   box=box.SIMPLE_HEAD, caption="\n".join(result.reasons), caption_justify="left")
     table.add_column("strategy")
-    for column in ("per step", "communicating", "speedup"):
+    for column in ("per step", "communicating", "peak per sync", "speedup"):
         table.add_column(column, justify="right")
     table.add_column("quality (literature)")
     rows = [result.choice, *(c for c in result.candidates if c is not result.choice)]
     for c in rows:
         table.add_row(c.label, f"{c.step_seconds * 1e3:.1f} ms", f"{c.comm_share:.1%}",
-                      f"{c.speedup:.2f}x", c.quality, style="bold green" if c is result.choice else None)
+                      human_bytes(c.peak_bytes) if c.peak_bytes else "-", f"{c.speedup:.2f}x",
+                      c.quality, style="bold green" if c is result.choice else None)
     return table
 
 
