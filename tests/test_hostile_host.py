@@ -303,7 +303,10 @@ def test_host_answers_are_bounded_and_listings_strict(hostile: HostileHost, tmp_
     checkpoints = tmp_path / "remote" / "runs" / "c1.checkpoints"
     for step in ("step-000003", "step-²", "step-1e5", "step-99 ; 1", "step-99\n", "step-000012"):
         (checkpoints / step).mkdir(parents=True)
-        (checkpoints / step / "meta.json").write_text("{}")
+        # A well-formed meta.json (no node files) where the name is a step: the host checks it.
+        number = step.removeprefix("step-")
+        (checkpoints / step / "meta.json").write_text(
+            f'{{"step": {int(number)}, "files": {{}}}}' if number.isascii() and number.isdigit() else "{}")
     client = connect(host)
     try:
         assert common_checkpoint([_Rank(host, client, 0)], LaunchOptions(run_id="c1")) == 12

@@ -139,3 +139,39 @@ def test_resume_names_the_missing_checkpoint(world, tmp_path: Path) -> None:
                        cwd=tmp_path)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "--resume never-ran: no checkpoint that every host holds" in result.stderr
+
+
+def test_resume_passes_over_a_damaged_newest_checkpoint(world, tmp_path: Path) -> None:
+    """A launch stopped after some checkpoints, whose newest checkpoint on one host is then
+    damaged (its node file truncated): --resume says it skipped that one and continues
+    from the one before, every host's intact, instead of choosing it again and failing on
+    the rank every time."""
+    ssh, _ = world
+    run_id = f"damaged-{uuid.uuid4().hex[:8]}"
+    inv = str(_inventory(ssh, tmp_path))
+    flags = [*TRAINING, "--out", str(tmp_path / "runs"), "--checkpoint-every", "30", "--keep", "3"]
+    proc = start_meshtrain(ssh, "launch", inv, "--run-id", run_id, *flags, cwd=tmp_path)
+    try:
+        box1 = tmp_path / "box1" / "runs" / f"{run_id}.checkpoints"
+        deadline = time.monotonic() + 120
+        while len(list(box1.glob("step-*/meta.json"))) < 2:  # one to fall back to
+            assert time.monotonic() < deadline, "fewer than 2 checkpoints on box1 after 120 s"
+            time.sleep(0.02)
+        os.kill(_rank_pid(run_id, 1), signal.SIGKILL)
+        stopped = _finish(proc, "")
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, stopped
+    box0 = tmp_path / "box0" / "runs" / f"{run_id}.checkpoints"
+    steps = [{int(p.parent.name[len("step-"):]) for p in box.glob("step-*/meta.json")}
+             for box in (box0, box1)]
+    before, newest = sorted(steps[0] & steps[1])[-2:]
+    node = box1 / f"step-{newest:06d}" / "node-1.pt"
+    node.write_bytes(node.read_bytes()[:100])
+    resumed = meshtrain(ssh, "launch", inv, "--resume", run_id, *flags, cwd=tmp_path)
+    output = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, output
+    assert (f"skipped the checkpoint at step {newest}: its node file does not match its checksum on box1"
+            in output), output
+    assert f"resuming {run_id} after step {before} (the newest checkpoint every host holds)" in output, output
+    assert json.loads((tmp_path / "runs" / run_id / "summary.json").read_text())["steps"] == 300

@@ -496,10 +496,13 @@ def _launch_once(inventory: Inventory, argv: list[str], options: LaunchOptions, 
     step = None
     try:
         if resume:
-            step = common_checkpoint(ranks, options)
+            step, skipped = newest_intact_checkpoint(ranks, options)
             if step is None and not restarting:
                 raise PreflightError([f"--resume {options.run_id}: no checkpoint that every host holds "
-                                      f"(in {REMOTE_RUNS}/{options.run_id}.checkpoints/ of each workdir)"])
+                                      f"intact (in {REMOTE_RUNS}/{options.run_id}.checkpoints/ of each "
+                                      "workdir)", *(f"skipped {why}" for why in skipped)])
+            for why in skipped:
+                output.note(f"skipped the checkpoint at {why}", style="bold yellow")
             _forget_unfinished_run(ranks[0], options)
             if step is None:
                 output.note("no checkpoint yet: starting again from step 0", style="bold yellow")
@@ -546,24 +549,85 @@ STEP_NUMBER = re.compile(r"^[0-9]{1,12}$")  # a checkpoint step a host lists
 LISTING_MAX_BYTES = 1 << 20  # a host's checkpoint listing: far more than any real one
 
 
+#: Run by each host's interpreter in its checkpoint folder: every ``step-N`` folder with a
+#: meta.json, checked as a rank checks it before resuming (meta.json readable and naming
+#: the folder's step, each node file present and matching its SHA-256), answered as
+#: ``N:ok``, ``N:meta``, ``N:missing`` or ``N:checksum``, each followed by ``/``.
+CHECK_CHECKPOINTS = """\
+import hashlib, json, os, re, sys
+for name in sorted(os.listdir(".")):
+    found = re.fullmatch(r"step-([0-9]{1,12})", name)
+    if not found or not os.path.isfile(os.path.join(name, "meta.json")):
+        continue
+    step, why = int(found.group(1)), "ok"
+    try:
+        with open(os.path.join(name, "meta.json"), "rb") as f:
+            meta = json.loads(f.read(1 << 20))
+        files = meta["files"]
+        if int(meta["step"]) != step or not isinstance(files, dict):
+            why = "meta"
+    except Exception:
+        why = "meta"
+    for file, digest in (files.items() if why == "ok" else ()):
+        path = os.path.join(name, str(file))
+        if "/" in str(file) or not os.path.isfile(path):
+            why = "missing"
+            break
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        if h.hexdigest() != digest:
+            why = "checksum"
+            break
+    sys.stdout.write("%d:%s/" % (step, why))
+"""
+#: What a host's answer code says of a checkpoint it holds.
+DAMAGE = {"meta": "its meta.json is damaged", "missing": "a node file is missing",
+          "checksum": "its node file does not match its checksum"}
+#: Checking means hashing every checkpoint a host keeps: more than a question's usual time.
+CHECK_TIMEOUT_S = 300.0
+
+
 def common_checkpoint(ranks: list[_Rank], options: LaunchOptions) -> int | None:
-    """The newest checkpoint step that every host holds complete (its meta.json written
-    last), or None. Each host keeps only its own rank's state, so all must have it."""
-    common: set[int] | None = None
+    """The newest checkpoint step that every host holds intact, or None."""
+    return newest_intact_checkpoint(ranks, options)[0]
+
+
+def newest_intact_checkpoint(ranks: list[_Rank], options: LaunchOptions) -> tuple[int | None, list[str]]:
+    """The newest checkpoint step that every host holds intact (each host keeps only its
+    own rank's state, so all must have it), and why each newer one some host holds was
+    skipped ("step 60: its node file does not match its checksum on box1"): a damaged
+    newest checkpoint is passed over for the one before, not chosen again on every resume."""
+    held: list[dict[int, str]] = []
     for r in ranks:
         try:
             found = run(r.client, sh(shell_line(
                 "cd", HostPath(r.host.workdir), Shell("2>/dev/null || exit 0;"),
                 "cd", _checkpoints(options), Shell("2>/dev/null || exit 0;"),
-                # Each name ends with '/', which no file name holds: a name with a newline stays one.
-                Shell('for d in step-*; do [ -f "$d/meta.json" ] && printf "%s/" "${d#step-}"; done; exit 0'),
-            )), timeout=options.connect_timeout, max_output=LISTING_MAX_BYTES)
+                "exec", HostPath(r.host.python), "-c", CHECK_CHECKPOINTS,
+            )), timeout=max(options.connect_timeout, CHECK_TIMEOUT_S), max_output=LISTING_MAX_BYTES)
         except OutputTooLarge:
-            return None  # a host that floods its answer offers no checkpoint to trust
-        # The host's answer is hostile input: only names that are a plain step number count.
-        steps = {int(name) for name in found.stdout.split("/") if STEP_NUMBER.fullmatch(name)}
-        common = steps if common is None else common & steps
-    return max(common) if common else None
+            return None, [f"{r.host.name} answered with more than {LISTING_MAX_BYTES} bytes"]
+        # The host's answer is hostile input: only a plain step number and a known code count.
+        answer: dict[int, str] = {}
+        for item in found.stdout.split("/"):
+            number, _, code = item.strip().partition(":")
+            if STEP_NUMBER.fullmatch(number) and (code == "ok" or code in DAMAGE):
+                answer[int(number)] = code
+        held.append(answer)
+    intact = set.intersection(*({s for s, code in a.items() if code == "ok"} for a in held)) if held \
+        else set()
+    chosen = max(intact) if intact else None
+    skipped: list[str] = []
+    for step in sorted({s for a in held for s in a}, reverse=True):
+        if chosen is not None and step <= chosen:
+            break
+        why = [f"{DAMAGE[a[step]]} on {r.host.name}" for r, a in zip(ranks, held, strict=True)
+               if a.get(step, "ok") != "ok"]
+        why += [f"{r.host.name} does not hold it" for r, a in zip(ranks, held, strict=True) if step not in a]
+        skipped.append(f"step {step}: {'; '.join(why)}")
+    return chosen, skipped
 
 
 def _forget_unfinished_run(rank0: _Rank, options: LaunchOptions) -> None:
