@@ -10,13 +10,13 @@ import copy
 from typing import Any
 
 from meshtrain.cluster import get_cluster
-from meshtrain.config.environment import launched_rank
+from meshtrain.config.environment import launched_rank, resolve_threads
 from meshtrain.config.layers import merge, parse_set, resolve_spec
 from meshtrain.config.profiles import load_profile
 from meshtrain.config.spec import ConfigError, RunSpec, load_settings_file
 from meshtrain.config.strategy_options import build_strategy, strategy_class
 from meshtrain.devices import resolve_device
-from meshtrain.planning import Plan, Workload, measure_step_seconds, recommend, trainable_parameters
+from meshtrain.planning import Plan, Workload, probe_compute, recommend, trainable_parameters
 from meshtrain.progress import Status
 from meshtrain.tasks import Task, TaskBundle, TaskOptions, check_options, get_task
 
@@ -124,20 +124,33 @@ def _resolve_settings_file(path: str, flags: dict[str, Any], overrides: list[str
     return spec, get_task(spec.task)
 
 
-def choose_strategy(spec: RunSpec, task: Task, bundle: TaskBundle) -> Plan:
+def choose_strategy(spec: RunSpec, task: Task, bundle: TaskBundle, runtime: str | None = None) -> Plan:
     """``--strategy auto``: the planner's choice for this model on ``spec.cluster`` with
     ``spec.nodes`` hosts (:mod:`meshtrain.planning`), written into ``spec`` (strategy, its
-    options over the task's suggestions for it) and recorded under ``extra_config["plan"]``."""
+    options over the task's suggestions for it) and recorded under ``extra_config["plan"]``
+    with the compute probe (its threads and spread, and a warning when it was noisy).
+
+    The model is timed with the threads each node of the run will use: ``spec.threads``,
+    else ``runtime``'s default (default: ``spec.runtime``'s; a plan for hosts passes
+    "launched")."""
     cluster = get_cluster(spec.cluster)
-    step = spec.step_seconds
+    step, probe = spec.step_seconds, None
     if step is None:  # time a throwaway copy: the run must start from the untouched model
-        step = measure_step_seconds(copy.deepcopy(bundle.model), bundle.train_data, spec.batch_size,
-                                    bundle.collate_fn, device=resolve_device(spec.device)) / cluster.speed
+        # with the thread count each of the run's nodes will compute with
+        threads = resolve_threads(spec.threads, runtime or spec.runtime)
+        probe = probe_compute(copy.deepcopy(bundle.model), bundle.train_data, spec.batch_size,
+                              bundle.collate_fn, threads=threads, device=resolve_device(spec.device))
+        step = probe.seconds / cluster.speed
     plan = recommend(Workload(trainable_parameters(bundle.model), step, spec.nodes), cluster)
     spec.strategy = plan.choice.strategy
     spec.strategy_options = merge(task_suggestions(task, spec.strategy)["strategy_options"],
                                   plan.choice.options)
-    spec.extra_config = {**spec.extra_config, "plan": plan.as_config()}
+    recorded = plan.as_config()
+    if probe is not None:
+        recorded["probe"] = probe.as_config()
+        if probe.warning():
+            recorded["warnings"] = [probe.warning()]
+    spec.extra_config = {**spec.extra_config, "plan": recorded}
     return plan
 
 

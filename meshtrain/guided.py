@@ -143,7 +143,7 @@ def plan_profile(given: dict[str, Any], *, cluster: str, hosts: int) -> ProfileP
     flags, spec, task = _resolve_auto(given)
     spec.cluster, spec.nodes = cluster, hosts
     bundle = task.build(TaskOptions(spec.data, spec.seed, check_options(task, spec.task_options)))
-    plan = choose_strategy(spec, task, bundle)
+    plan = choose_strategy(spec, task, bundle, runtime="launched")  # the hosts' ranks will train
     chosen = plan.choice.strategy
     own = given.get("strategy_options", {}) if given.get("strategy") == chosen else {}
     options = merge(merge(task_suggestions(task, chosen)["strategy_options"], own), plan.choice.options)

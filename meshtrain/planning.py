@@ -312,6 +312,62 @@ def trainable_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+#: Rounds of the compute probe: their medians' spread tells a steady machine from a busy one.
+PROBE_ROUNDS = 3
+#: A probe whose rounds' medians differ by more than this share of its estimate is noisy.
+NOISY_SPREAD = 0.25
+
+
+@dataclass(frozen=True)
+class ComputeProbe:
+    """One step's compute as a node of the run computes it, timed in :data:`PROBE_ROUNDS`
+    rounds: the estimate, how much the rounds disagree, and with how many threads."""
+
+    seconds: float  # the median of every timed step
+    round_seconds: tuple[float, ...]  # each round's median
+    threads: int  # torch intra-op threads the steps ran with (the run's per node)
+
+    @property
+    def spread(self) -> float:
+        """(slowest round's median - fastest round's) / the estimate."""
+        return (max(self.round_seconds) - min(self.round_seconds)) / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def noisy(self) -> bool:
+        return self.spread > NOISY_SPREAD
+
+    def warning(self) -> str | None:
+        """One line when the probe is noisy (the machine was busy while it timed), else None."""
+        if not self.noisy:
+            return None
+        rounds = "/".join(f"{t * 1e3:.3g}" for t in self.round_seconds)
+        return (f"the compute probe is noisy: its {len(self.round_seconds)} rounds took {rounds} ms a step "
+                f"(spread {self.spread:.0%}, more than {NOISY_SPREAD:.0%}); something else is using this "
+                "machine's cores: plan when it is idle, or give the step's compute with --step-seconds")
+
+    def as_config(self) -> dict[str, Any]:
+        return {"seconds": self.seconds, "round_seconds": list(self.round_seconds), "threads": self.threads,
+                "spread": round(self.spread, 4)}
+
+
+def probe_compute(model: nn.Module, data: Dataset[Any] | DataFactory, batch_size: int,
+                  collate_fn: Collate | None = None, *, threads: int, device: torch.device | None = None,
+                  rounds: int = PROBE_ROUNDS, seconds: float = 2.0) -> ComputeProbe:
+    """Time one forward, backward and AdamW step of ``model`` as a node of the run will run
+    it: with ``threads`` torch intra-op threads (a simulated node's 1 by default, not every
+    core: on a loaded machine every core's estimate was 252x the run's step), in ``rounds``
+    rounds of :func:`measure_step_times` sharing ``seconds``. ``model`` is trained: pass a copy."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        timed = [measure_step_times(model, data, batch_size, collate_fn, warmup=3 if i == 0 else 0,
+                                    seconds=seconds / rounds, device=device) for i in range(rounds)]
+    finally:
+        torch.set_num_threads(before)
+    return ComputeProbe(statistics.median(t for times in timed for t in times),
+                        tuple(statistics.median(times) for times in timed), threads)
+
+
 def measure_step_seconds(model: nn.Module, data: Dataset[Any] | DataFactory, batch_size: int,
                          collate_fn: Collate | None = None, *, warmup: int = 3, min_steps: int = 5,
                          max_steps: int = 50, seconds: float = 2.0,

@@ -4,14 +4,18 @@ the choices the rule makes on fast and slow links."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from meshtrain.cluster import CLUSTERS, Cluster, get_cluster
 from meshtrain.planning import (
     CODEC_SECONDS,
     COMM_BUDGET,
+    NOISY_SPREAD,
+    PROBE_ROUNDS,
     Workload,
     all_reduce_seconds,
     candidates,
@@ -290,3 +294,89 @@ def test_delayed_diloco_when_nothing_without_staleness_fits() -> None:
     assert plan.choice.options == {"H": 500, "delay": 1}
     assert plan.choice.comm_share <= COMM_BUDGET
     assert "hiding its syncs behind compute" in plan.reasons[-1]
+
+
+# ------------------------------------------------- the compute probe runs as the run will
+class _ThreadsSeen(torch.nn.Module):
+    """A tiny regression model that notes torch's intra-op thread count at every forward,
+    and can sleep ``delays(call)`` seconds there (a busy machine, seen by the probe)."""
+
+    def __init__(self, delays=lambda call: 0.0) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(6, 2)
+        self.threads: list[int] = []
+        self.delays = delays
+
+    def forward(self, batch):
+        self.threads.append(torch.get_num_threads())
+        delay = self.delays(len(self.threads))
+        if delay:
+            time.sleep(delay)  # stands in for a step slowed by other work on the machine
+        x, y = batch
+        return ((self.fc(x) - y) ** 2).mean()
+
+
+@pytest.mark.parametrize(("threads", "seen"), [(None, 1), (2, 2)])
+def test_strategy_auto_times_the_model_with_the_runs_threads_per_node(threads, seen) -> None:
+    """``--strategy auto`` timed the model with every core while each simulated node trains
+    on one thread (under load the estimate was 252x the run's step); it times it now with
+    the thread count a node of the run will use, and records it with the probe's spread."""
+    from types import SimpleNamespace
+
+    from helpers import regression_data
+
+    from meshtrain.build import choose_strategy
+    from meshtrain.config.spec import RunSpec
+    from meshtrain.tasks import get_task
+
+    model = _ThreadsSeen()
+    bundle = SimpleNamespace(model=model, train_data=regression_data(64), collate_fn=None)
+    spec = RunSpec(nodes=2, cluster="gbe", batch_size=8, threads=threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)  # what torch would take here, were it not told (every core)
+    try:
+        plan = choose_strategy(spec, get_task("digits"), bundle)
+    finally:
+        torch.set_num_threads(before)
+    assert model.threads == []  # a throwaway copy was timed: the run starts untouched
+    probe = spec.extra_config["plan"]["probe"]
+    assert probe["threads"] == seen and len(probe["round_seconds"]) == PROBE_ROUNDS
+    assert probe["spread"] >= 0 and plan.workload.step_seconds == pytest.approx(probe["seconds"])
+
+
+def test_the_probe_repeats_and_says_when_it_is_noisy() -> None:
+    """Three rounds; a machine that slows down between them (a step of 5 ms, then 40 ms)
+    makes a noisy probe, and the probe says so; steady steps do not."""
+    from helpers import regression_data
+
+    from meshtrain.planning import probe_compute
+
+    steady = _ThreadsSeen(lambda call: 0.02)
+    calm = probe_compute(steady, regression_data(64), 8, threads=1, seconds=0.1)
+    assert set(steady.threads) == {1} and len(calm.round_seconds) == PROBE_ROUNDS
+    assert not calm.noisy and calm.warning() is None, calm
+    assert calm.seconds == pytest.approx(0.02, rel=0.5)
+    busy = probe_compute(_ThreadsSeen(lambda call: 0.005 if call <= 8 else 0.04), regression_data(64), 8,
+                         threads=1, seconds=0.1)
+    assert busy.noisy and busy.spread > NOISY_SPREAD, busy
+    warning = busy.warning()
+    assert warning is not None and "\n" not in warning
+    assert f"spread {busy.spread:.0%}" in warning and "--step-seconds" in warning
+
+
+def test_plan_says_how_it_timed_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``plan`` times the model as a host's rank will train (its threads: MESHTRAIN_THREADS
+    here) and prints the probe's rounds and spread (a warning line when noisy)."""
+    from typer.testing import CliRunner
+
+    from meshtrain.cli.main import app
+
+    monkeypatch.setenv("MESHTRAIN_THREADS", "1")
+    result = CliRunner().invoke(app, ["plan", "--hosts", "2", "--cluster", "wifi"], env={"COLUMNS": "300"})
+    assert result.exit_code == 0, result.output
+    probe = next(line for line in result.output.splitlines() if line.startswith("compute probe: "))
+    assert f"a step with 1 torch thread, {PROBE_ROUNDS} rounds, spread " in probe
+    noisy = [line for line in result.output.splitlines()
+             if line.startswith("warning: the compute probe is noisy")]
+    spread = float(probe.rsplit("spread ", 1)[1].rstrip("%")) / 100
+    assert bool(noisy) == (spread > NOISY_SPREAD)  # a busy machine is said to be busy

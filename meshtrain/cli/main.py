@@ -168,6 +168,8 @@ def simulate(
             chosen = ", ".join(f"{k}={v}" for k, v in plan["strategy_options"].items())
             console.print(f"strategy auto: {spec.strategy}{f' ({chosen})' if chosen else ''} on "
                           f"{plan['cluster']}; {'; '.join(plan['reasons'])}", highlight=False, markup=False)
+            for warning in plan.get("warnings", []):  # a noisy compute probe
+                errors.print(f"warning: {warning}", highlight=False, soft_wrap=True, markup=False)
         config = spec.train_config(extra_config={"spec": spec.to_dict(), **spec.extra_config})
         trainer = Trainer(bundle.model, bundle.train_data, bundle.val_data, bundle.collate_fn)
         job = trainer.prepare(strat, config=config, began=began)

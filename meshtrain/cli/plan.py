@@ -15,12 +15,13 @@ from rich.table import Table
 from meshtrain.cli.console import console, fail
 from meshtrain.cli.flags import checked_options, takes_options
 from meshtrain.cluster import ClusterFileError, get_cluster
+from meshtrain.config.environment import resolve_threads
 from meshtrain.config.plan import PLAN, PlanSettings
 from meshtrain.planning import (
     SOURCES,
     Plan,
     Workload,
-    measure_step_seconds,
+    probe_compute,
     recommend,
     trainable_parameters,
 )
@@ -51,9 +52,16 @@ def plan(**options: Any) -> None:
     batch = how.batch_size or int(task.defaults.get("batch_size", 32))
     step_seconds = how.step_seconds
     if step_seconds is None:
-        with console.status(f"timing a few {how.task} steps here (batch {batch})"):
-            measured = measure_step_seconds(bundle.model, bundle.train_data, batch, bundle.collate_fn)
-        step_seconds = measured / cluster.speed
+        # As a host's rank will compute: its threads (MESHTRAIN_THREADS, else the cores per rank).
+        threads = resolve_threads(None, "launched")
+        with console.status(f"timing a few {how.task} steps here (batch {batch}, {threads} threads)"):
+            probe = probe_compute(bundle.model, bundle.train_data, batch, bundle.collate_fn, threads=threads)
+        step_seconds = probe.seconds / cluster.speed
+        console.print(f"compute probe: {probe.seconds * 1e3:.3g} ms a step with {threads} torch "
+                      f"thread{'s' if threads != 1 else ''}, {len(probe.round_seconds)} rounds, spread "
+                      f"{probe.spread:.0%}", highlight=False)
+        if probe.warning():
+            console.print(f"warning: {probe.warning()}", style="yellow", highlight=False, markup=False)
     work = Workload(trainable_parameters(bundle.model), step_seconds, how.hosts)
     console.print(plan_table(recommend(work, cluster, how.budget)))
     console.print(SOURCES, style="dim", highlight=False)
