@@ -158,6 +158,16 @@ def test_plan_of_the_defaults_is_digits_on_4_nodes_with_ddp_diloco_sparta() -> N
     assert (options["sparta"]["p"], options["sparta"]["lr"]) == (0.005, 0.002)
 
 
+def test_compare_takes_streaming_diloco_and_delayed_diloco_at_diloco_s_tuned_defaults() -> None:
+    planned = plan(CompareSpec(strategies=["diloco", "streaming-diloco"],
+                               overrides=["diloco.delay=1", "streaming-diloco.fragments=2"]))
+    options = {p.strategy: p.instance.config() for p in planned}
+    assert (options["diloco"]["H"], options["diloco"]["delay"]) == (25, 1)
+    streaming = options["streaming-diloco"]
+    assert (streaming["H"], streaming["lr"], streaming["outer_momentum"], streaming["fragments"]) == \
+        (25, 0.002, 0.8, 2)
+
+
 def test_plot_draws_any_finished_runs_and_names_a_bad_directory(compared, tmp_path: Path) -> None:
     folder, _ = compared
     result = runner.invoke(app, ["plot", str(folder / "ddp"), str(folder / "sparta"), "--out", str(tmp_path)])

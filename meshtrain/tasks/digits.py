@@ -103,6 +103,7 @@ TASK = Task(
     strategy_defaults={
         "diloco": {"H": 25, "lr": 2e-3},
         "sparta-diloco": {"H": 25, "lr": 2e-3},
+        "streaming-diloco": {"H": 25, "lr": 2e-3},
         "fedavg": {"lr": 0.1},
     },
     options={"arch": "mlp", "hidden": 128},
