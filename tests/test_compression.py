@@ -378,3 +378,42 @@ def test_set_compression_and_sparseloco_from_the_cli(tmp_path):
         assert result.exit_code == 0, result.output
         (summary,) = out.glob("*/summary.json")
         assert json.loads(summary.read_text())["bytes_sent_per_node"] > 0
+
+
+def test_compare_takes_sparseloco_and_compressed_diloco():
+    from meshtrain.compare import CompareSpec, plan
+
+    planned = plan(CompareSpec(strategies=["diloco", "sparseloco"],
+                               overrides=["diloco.compression=int8", "sparseloco.H=10"]))
+    options = {p.strategy: p.instance.config() for p in planned}
+    assert options["diloco"]["compression"] == "int8"
+    assert options["sparseloco"]["H"] == 10 and options["sparseloco"]["topk"] == 64
+
+
+def test_compressed_weighted_fedavg_weights_each_nodes_payload_by_its_samples(tmp_path):
+    """weighted=True: theta = anchor - sum_i n_i Q(delta_i) / sum_i n_i, n_i riding as 4 bytes."""
+    from helpers import unequal_factory
+
+    nodes, batch = 2, 4
+    strategy = FedAvg(H=1, lr=0.1, weighted=True, compression="int8", compression_block=16)
+    result = Trainer(MLP(), unequal_factory).fit(strategy, nodes=nodes, max_steps=1, batch_size=batch,
+                                                 out_dir=tmp_path, progress=False, shuffle=False)
+    start = [p.detach().clone() for p in MLP().parameters()]
+    numel = sum(p.numel() for p in start)
+    total, weights = torch.zeros(numel), 0.0
+    for r in range(nodes):
+        data = unequal_factory(r, nodes, "train")
+        m = MLP()
+        m(tuple(t[:batch] for t in data.tensors)).backward()
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+        flat = torch.cat([(a - p.detach()).reshape(-1) for a, p in zip(start, m.parameters(),
+                                                                        strict=True)])
+        total += len(data) * reference_blockwise(flat, 127, 16)
+        weights += len(data)
+    mean = total / weights
+    offset = 0
+    for p, a in zip(result.model.parameters(), start, strict=True):
+        assert_close(p.detach(), a - mean[offset : offset + a.numel()].view_as(a), **TOL)
+        offset += a.numel()
+    payload = numel + 4 * math.ceil(numel / 16) + 4
+    assert result.summary["bytes_sent_per_node"] == payload

