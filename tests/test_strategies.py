@@ -27,24 +27,29 @@ from meshtrain.strategies import (
 )
 from meshtrain.strategies.base import OPTIMIZERS
 from meshtrain.strategies.demo import ChunkedDCT, dct_matrix
+from meshtrain.strategies.streaming_diloco import StreamingDiLoCo
 
 COMMON = ["max_norm", "warmup_steps", "lr_schedule", "min_lr"]
 COMPRESSION = ["compression", "compression_block", "error_feedback"]
 EXPECTED_PARAMETERS = {
     "ddp": ["optim", "lr", *COMMON],
-    "diloco": ["H", "outer_lr", "outer_momentum", "nesterov", *COMPRESSION, "optim", "lr", *COMMON],
+    "diloco": ["H", "outer_lr", "outer_momentum", "nesterov", *COMPRESSION, "optim", "lr", "delay",
+               *COMMON],
     "sparta": ["p", "selector", "optim", "lr", *COMMON],
     "sparta-diloco": ["p", "sparse_interval", "selector", "H", "outer_lr", "outer_momentum", "nesterov",
                       *COMPRESSION, "optim", "lr", *COMMON],
     "fedavg": ["H", "island_size", "weighted", *COMPRESSION, "optim", "lr", *COMMON],
     "sparseloco": ["H", "outer_lr", "topk", "chunk", "decay", "optim", "lr", *COMMON],
+    "streaming-diloco": ["fragments", "H", "tau", "alpha", "outer_lr", "outer_momentum", "nesterov",
+                         *COMPRESSION, "optim", "lr", *COMMON],
     "demo": ["lr", "compression_decay", "compression_topk", "compression_chunk", "weight_decay", *COMMON],
 }
 
 
 def test_registry_names():
     assert STRATEGIES == {"ddp": DDP, "diloco": DiLoCo, "sparta": SPARTA, "sparta-diloco": SPARTADiLoCo,
-                          "fedavg": FedAvg, "demo": DeMo, "sparseloco": SparseLoCo}
+                          "fedavg": FedAvg, "demo": DeMo, "sparseloco": SparseLoCo,
+                          "streaming-diloco": StreamingDiLoCo}
 
 
 @pytest.mark.parametrize("name", list(EXPECTED_PARAMETERS))
