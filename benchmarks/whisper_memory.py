@@ -5,9 +5,13 @@ Each row runs in a fresh process and reports that process's peak resident memory
 whisper-tiny's architecture (39 M parameters; 3000 input frames = 30 s) with random
 weights (no hub here), LoRA r=8 on q_proj/v_proj, DiLoCo, batch 8 per node, a few steps
 in the threads runtime. "unshared" gives every node its own copy of the frozen base
-weights, as meshtrain did before nodes shared them.
+weights, as meshtrain did before nodes shared them. "glibc's arenas" runs meshtrain with
+``MALLOC_ARENA_MAX`` at glibc's own default (8 per core) instead of the one arena
+meshtrain sets (meshtrain/allocator.py), as it ran before: every node thread then kept
+the memory it freed.
 
     python benchmarks/whisper_memory.py                   # whisper-tiny, 1, 2, 4 nodes
+    python benchmarks/whisper_memory.py --size test --nodes 2,4  # the tests' tiny Whisper (3 s)
     python benchmarks/whisper_memory.py --size base --batch 4 --microbatch 2
     python benchmarks/whisper_memory.py --savers --nodes 2  # checkpointing, bf16, both
     python benchmarks/whisper_memory.py --device cuda      # on a GPU: peak GPU memory too
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -30,6 +35,7 @@ import tempfile
 import time
 
 SIZES = {  # d_model, layers (encoder = decoder), heads, ffn: the hub checkpoints' configs
+    "test": (64, 2, 4, 256),  # meshtrain.hf.tiny's (it hears 3 s: 300 frames)
     "tiny": (384, 4, 6, 1536),
     "base": (512, 6, 8, 2048),
     "small": (768, 12, 12, 3072),
@@ -45,17 +51,23 @@ def build(size: str, seed: int = 0):  # noqa: ANN201 - returns an HFModel
     config = WhisperConfig(d_model=d, encoder_layers=layers, decoder_layers=layers,
                            encoder_attention_heads=heads, decoder_attention_heads=heads,
                            encoder_ffn_dim=ffn, decoder_ffn_dim=ffn, num_mel_bins=80,
-                           max_source_positions=1500, max_target_positions=448, vocab_size=51865)
+                           max_source_positions=frames(size) // 2, max_target_positions=448,
+                           vocab_size=51865)
     lora = LoRA(r=8, alpha=32, dropout=0.1, target_modules=["q_proj", "v_proj"])
     return HFModel.from_config(config, lora=lora, seed=seed)
 
 
-def data(samples: int):  # noqa: ANN201 - a TensorDataset-like Dataset of dicts
+def frames(size: str) -> int:
+    """Input frames the encoder takes: 30 s, or 3 s for the tests' tiny model."""
+    return 300 if size == "test" else 3000
+
+
+def data(samples: int, size: str):  # noqa: ANN201 - a TensorDataset-like Dataset of dicts
     import torch
     from torch.utils.data import Dataset
 
     g = torch.Generator().manual_seed(0)
-    features = torch.randn(samples, 80, 3000, generator=g)
+    features = torch.randn(samples, 80, frames(size), generator=g)
     labels = torch.randint(0, 51000, (samples, 24), generator=g)
 
     class Clips(Dataset):
@@ -79,7 +91,7 @@ def run_one(mode: str, nodes: int, size: str, batch: int, microbatch: int | None
         assert precision == "fp32" and not checkpointing, "--savers measures meshtrain only"
         model.to(device)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-        samples = data(batch * steps)
+        samples = data(batch * steps, size)
         for s in range(steps):
             chunk = [samples[i] for i in range(s * batch, (s + 1) * batch)]
             out = model.model(input_features=torch.stack([c["input_features"] for c in chunk]).to(device),
@@ -95,7 +107,7 @@ def run_one(mode: str, nodes: int, size: str, batch: int, microbatch: int | None
         if mode == "unshared":  # every node copies the whole model
             meshtrain.engine.loop.node_replica = lambda m, on=None: copy.deepcopy(m).to(on or "cpu")
         with tempfile.TemporaryDirectory() as out:
-            Trainer(model, data(batch * steps * nodes)).fit(
+            Trainer(model, data(batch * steps * nodes, size)).fit(
                 DiLoCo(H=2), nodes=nodes, max_steps=steps, batch_size=batch, microbatch_size=microbatch,
                 progress=False, out_dir=out, threads=1, precision=precision,
                 gradient_checkpointing=checkpointing, device=device)
@@ -133,7 +145,7 @@ def main() -> None:
                 for m in ("meshtrain", "checkpointing", "bf16", "checkpointing+bf16")]
     else:
         rows = [("plain", 1)] + [(m, int(n)) for n in args.nodes.split(",")
-                                 for m in ("meshtrain", "unshared")]
+                                 for m in ("meshtrain", "arenas", "unshared")]
     micro = f" (microbatch {args.microbatch})" if args.microbatch else ""
     gpu = args.device == "cuda"
     table = Table(title=f"whisper-{args.size} + LoRA r=8, batch {args.batch}{micro}, on {args.device}: "
@@ -148,13 +160,18 @@ def main() -> None:
         console.print(f"measuring {mode} with {nodes} node(s) ...", style="dim")
         precision = "bf16" if "bf16" in mode else "fp32"
         checkpointing = "1" if "checkpointing" in mode else "0"
-        runs_as = "meshtrain" if mode in ("checkpointing", "bf16", "checkpointing+bf16") else mode
+        runs_as = "meshtrain" if mode in ("checkpointing", "bf16", "checkpointing+bf16", "arenas") else mode
+        # meshtrain keeps a MALLOC_ARENA_MAX it is given: glibc's default (8 per core) is "before".
+        env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+        if mode == "arenas":
+            env["MALLOC_ARENA_MAX"] = str(8 * (os.cpu_count() or 1))
         command = [sys.executable, __file__, "--size", args.size, "--batch", str(args.batch),
                    "--steps", str(args.steps), "--device", args.device,
                    "--one", runs_as, str(nodes), precision, checkpointing]
         if args.microbatch:
             command += ["--microbatch", str(args.microbatch)]
-        result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        result = json.loads(subprocess.run(command, check=True, capture_output=True, text=True,
+                                           env=env).stdout
                             .strip().splitlines()[-1])
         first.setdefault(mode, result["peak_gb"]) if nodes == 1 else None
         extra = (result["peak_gb"] - first[mode]) / (nodes - 1) if nodes > 1 and mode in first else None
@@ -164,6 +181,7 @@ def main() -> None:
                 if nodes > 1 and mode in first_gpu else None
         label = {"plain": "plain transformers + peft", "meshtrain": "meshtrain (frozen base shared)",
                  "unshared": "meshtrain, base copied per node",
+                 "arenas": "meshtrain, glibc's arenas (before)",
                  "checkpointing": "meshtrain, gradient_checkpointing: true",
                  "bf16": "meshtrain, precision: bf16",
                  "checkpointing+bf16": "meshtrain, both"}[mode]

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from meshtrain import checkpoint
+from meshtrain.allocator import limit_malloc_arenas
 from meshtrain.config.environment import (
     environment_run_id,
     launched_rank,
@@ -97,6 +98,8 @@ class Trainer:
         On a GPU the model is moved there (``self.model.to(device)``) before the nodes copy
         it, so its frozen weights are there once for every node; it is never trained in place.
         """
+        # Before any node thread allocates: the nodes then share one malloc arena (glibc).
+        limit_malloc_arenas()
         job = self.prepare(strategy, nodes, max_steps, batch_size, config=config, **settings)
         return run_job(job)
 
