@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -278,3 +280,106 @@ def test_inventory_names_ports_and_round_trip(tmp_path: Path) -> None:
         ("box-2", "192.168.1.7", 22, "alice"),
     ]
     assert "# Alice’s MacBook Pro (Alices-MacBook-Pro.local, 192.168.1.5, fe80::1%en0)" in text
+
+
+# ---------------------------------------------------------------- a rogue on the LAN (issue 44 item 4)
+#: Runs in a host namespace: raw mDNS answers every 0.2 s until killed, as any program on the
+#: LAN can send them. argv: mode, count, addresses (comma-separated, used in turn).
+#: "claim": an address record for studio-1.local. (the honest host 0's name) with the rogue's
+#: address, cache-flush bit set; "silent": ``count`` services that are only named, never
+#: resolvable; "many": ``count`` resolvable services rogue-N on host rogue-N.local.
+ROGUE = """
+import socket, sys, time
+from zeroconf import DNSAddress, DNSOutgoing, DNSPointer, DNSService, DNSText, const
+mode, count, addresses = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
+unique = const._CLASS_IN | const._CLASS_UNIQUE
+out = DNSOutgoing(const._FLAGS_QR_RESPONSE | const._FLAGS_AA)
+if mode == "claim":
+    out.add_answer_at_time(DNSAddress("studio-1.local.", const._TYPE_A, unique, 120,
+                                      socket.inet_aton(addresses[0])), 0)
+for i in range(count if mode != "claim" else 0):
+    full, server = f"rogue-{i}._ssh._tcp.local.", f"rogue-{i}.local."
+    out.add_answer_at_time(DNSPointer("_ssh._tcp.local.", const._TYPE_PTR, const._CLASS_IN, 120, full), 0)
+    if mode == "many":
+        out.add_answer_at_time(DNSService(full, const._TYPE_SRV, unique, 120, 0, 0, 22, server), 0)
+        out.add_answer_at_time(DNSText(full, const._TYPE_TXT, unique, 120, b"\\x00"), 0)
+        address = socket.inet_aton(addresses[i % len(addresses)])
+        out.add_answer_at_time(DNSAddress(server, const._TYPE_A, unique, 120, address), 0)
+sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(sys.argv[4]))
+print("sending", flush=True)
+while True:
+    for packet in out.packets():
+        sock.sendto(packet, ("224.0.0.251", 5353))
+    time.sleep(0.2)
+"""
+
+
+@contextmanager
+def rogue(lan: Lan, mode: str, count: int, addresses: list[str]) -> Iterator[None]:
+    """Host 3 (its sshd never advertised) sends ``mode``'s answers while inside."""
+    proc = subprocess.Popen(["ip", "netns", "exec", lan.ns.hosts[3], PYTHON, "-c", ROGUE, mode, str(count),
+                             ",".join(addresses), lan.address[3]], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "sending"
+        yield
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_a_rogue_claiming_a_hosts_name_is_a_conflict_never_written(lan: Lan, tmp_path: Path) -> None:
+    """A rogue announcing studio-1.local at its own address replaced the honest one in the
+    written inventory, without a word (with `up --yes` the rogue became rank 0)."""
+    target = tmp_path / "mine.yaml"
+    with rogue(lan, "claim", 1, [lan.address[3]]):
+        result = discover(lan, "--write", str(target), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    warning = " ".join(result.stderr.split())
+    addresses = ", ".join(sorted([lan.address[0], lan.address[3]]))
+    assert f"warning: conflict: studio-1 was announced with 2 addresses ({addresses})" in warning, warning
+    hosts = {h.name: h.hostname for h in load_inventory(target).hosts}
+    assert hosts == {"newbox": lan.address[2], "refusing": lan.address[1]}, target.read_text()
+
+
+def test_a_name_already_in_the_inventory_announcing_a_new_address_is_not_replaced(lan: Lan,
+                                                                                  tmp_path: Path) -> None:
+    target = tmp_path / "mine.yaml"
+    target.write_text("defaults: {user: root, python: /usr/bin/python3}\nhosts:\n"
+                      "  - {name: studio-1, host: 10.200.0.99}\n")
+    result = discover(lan, "--write", str(target), "--force", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (f"warning: conflict: studio-1 is at 10.200.0.99 in the inventory, but now announced at "
+            f"{lan.address[0]}; left out") in " ".join(result.stderr.split())
+    assert "studio-1" not in {h.name for h in load_inventory(target).hosts}
+
+
+def test_names_that_never_resolve_cannot_stretch_the_timeout(lan: Lan, tmp_path: Path) -> None:
+    """200 announced names that never answered made `--timeout 5` take 308 s (1.5 s each,
+    one after another) while it printed "found in 5 s"."""
+    with rogue(lan, "silent", 100, [lan.address[3]]):
+        started = time.monotonic()
+        result = discover(lan, cwd=tmp_path)
+        took = time.monotonic() - started
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert took < 2 + 20, took  # --timeout 2, and the command's own start under load
+    assert "100 announced names did not answer within 2 s (left out)" in " ".join(result.stderr.split())
+    assert "(3 found in 2 s)" in result.stdout
+
+
+def test_a_flood_of_hosts_is_capped_and_unusable_addresses_are_dropped(lan: Lan, tmp_path: Path) -> None:
+    """3,000 announced hosts were written; 0.0.0.0, broadcast, multicast and loopback too."""
+    cap = 128  # meshtrain.hosts.discovery.MAX_HOSTS
+    target = tmp_path / "mine.yaml"
+    unusable = ["0.0.0.0", "255.255.255.255", "224.0.0.5", "127.0.0.1"]
+    with rogue(lan, "many", cap + 30, [lan.address[3], *unusable]):
+        result = discover(lan, "--write", str(target), cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    warning = " ".join(result.stderr.split())
+    assert f"more than {cap} machines announced SSH: only the first {cap} heard" in warning, warning
+    assert "with no usable name or address (0.0.0.0, loopback, multicast, broadcast): left out" in warning
+    addresses = {h.hostname for h in load_inventory(target).hosts}
+    assert len(load_inventory(target).hosts) <= cap
+    assert not addresses & set(unusable), addresses
+    from meshtrain.hosts.discovery import MAX_HOSTS
+    assert cap == MAX_HOSTS

@@ -204,9 +204,11 @@ def hosts_discover(**options: Any) -> None:
         if problem:
             raise fail(f"--{problem.replace('identity_file', 'identity-file', 1)}")
     try:
-        found = d.browse(timeout, iface=how.iface, network=net)
+        discovery = d.browse(timeout, iface=how.iface, network=net, known=d.known_addresses(write))
     except d.DiscoveryError as exc:
         raise fail_on(exc) from None
+    found = discovery.found
+    print_discovery_problems(discovery)
     if not found:
         console.print(f"no machine advertised SSH within {timeout:g} s (on a Mac: System Settings > "
                       "General > Sharing > Remote Login)", highlight=False)
@@ -227,7 +229,7 @@ def hosts_discover(**options: Any) -> None:
             order = [i for i in order if checks[raw["hosts"][i]["name"]].status == d.ACCEPTED]
         raw = {**raw, "hosts": [raw["hosts"][i] for i in order]}
         found = [found[i] for i in order]
-    table = Table(title=f"machines advertising SSH ({len(found)} found in {timeout:g} s)")
+    table = Table(title=f"machines advertising SSH ({len(found)} found in {discovery.seconds:.0f} s)")
     for column in ("name", "advertised as", "addresses", "port", "key"):
         table.add_column(column)
     for entry, f in zip(raw["hosts"], found, strict=True):
@@ -254,6 +256,12 @@ def hosts_discover(**options: Any) -> None:
     except OSError as exc:
         raise fail(f"--write {write}: {exc.strerror or exc}", code=1) from None
     console.print(f"wrote {write} ({len(found)} hosts); next: meshtrain hosts check {write}", highlight=False)
+
+
+def print_discovery_problems(discovery: d.Discovery) -> None:
+    """One warning line per thing discovery left out (conflicts, floods, unusable addresses)."""
+    for problem in discovery.problems:  # names in them are a stranger's: text, never markup
+        errors.print(Text.assemble(("warning: ", "bold yellow"), problem), soft_wrap=True)
 
 
 def launch_hosts(inventory: Path, command: list[str] | None, dashboard: bool,

@@ -30,7 +30,7 @@ from meshtrain.cli.console import wide_console as console
 from meshtrain.cli.dashboard import require_extra
 from meshtrain.cli.flags import checked_options, takes_options
 from meshtrain.cli.hosts_setup import setup_hosts
-from meshtrain.cli.launch import bench_hosts, launch_hosts
+from meshtrain.cli.launch import bench_hosts, launch_hosts, print_discovery_problems
 from meshtrain.cli.plan import plan_table
 from meshtrain.config.hosts import UP, HostsBenchSettings, HostsSetupSettings, UpSettings
 from meshtrain.guided import (
@@ -84,9 +84,11 @@ def up(**options: Any) -> None:
 
     _step(1, "find the machines")
     try:
-        found = d.browse(how.timeout, iface=how.iface, network=net)
+        discovery = d.browse(how.timeout, iface=how.iface, network=net, known=d.known_addresses(inventory))
     except d.DiscoveryError as exc:
         raise fail_on(exc) from None
+    found = discovery.found  # conflicting names are left out: never offered, even to --yes
+    print_discovery_problems(discovery)
     raw = d.inventory_dict(found, user=how.user, identity_file=how.identity_file, known_hosts=how.known_hosts)
     raw["defaults"]["workdir"] = how.workdir
     whole = _parse(raw, inventory) if found else None

@@ -6,6 +6,13 @@ for a few seconds, :func:`check_keys` (only when asked) tries a public-key login
 one found, and :func:`inventory_text` turns them into a starter inventory that
 :mod:`meshtrain.hosts.inventory` reads. Browsing needs the optional ``zeroconf`` package
 (``pip install 'meshtrain[discover]'``); nothing else here connects anywhere.
+
+Anyone on the LAN may announce anything, so what is heard is checked before it is used:
+the whole discovery, resolution included, ends by its deadline (``--timeout``); at most
+:data:`MAX_HOSTS` machines are considered; addresses no machine can be reached at (0.0.0.0,
+loopback, multicast, broadcast) are dropped; and a name heard with two IPv4 addresses, or
+one already in the inventory announcing a new address, is a conflict: reported and left
+out, never written in place of what was there.
 """
 
 from __future__ import annotations
@@ -15,9 +22,11 @@ import ipaddress
 import os
 import re
 import sys
+import threading
 import time
+from collections.abc import Collection, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +36,13 @@ import yaml
 from meshtrain import yaml12
 from meshtrain.errors import InputError
 from meshtrain.hosts.host_output import visible
-from meshtrain.hosts.inventory import Host, Inventory, parse_inventory
+from meshtrain.hosts.inventory import Host, Inventory, InventoryError, load_inventory, parse_inventory
 
 SERVICE = "_ssh._tcp.local."
 INSTALL_HINT = "pip install 'meshtrain[discover]'"
-RESOLVE_MS = 1500  # how long to ask a found service for its address and port
+RESOLVE_S = 1.5  # of the timeout, kept at its end to ask the services heard for their addresses
+MAX_HOSTS = 128  # machines one discovery considers (a flood of announcements is cut there)
+RESOLVERS = 16  # services asked for their addresses at once
 _NOT_NAME = re.compile(r"[^A-Za-z0-9_.-]+")
 
 # What a key check can say about a host (``--check-keys``).
@@ -68,6 +79,16 @@ class Found:
     def address(self) -> str:
         """The address the inventory uses: the first IPv4 one when there is one."""
         return self.addresses[0]
+
+
+@dataclass
+class Discovery:
+    """What :func:`browse` found: the usable machines, and one line per thing it left out
+    (a conflict, a flood past :data:`MAX_HOSTS`, names that did not answer in time)."""
+
+    found: list[Found]
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0  # how long it took, resolution included
 
 
 @dataclass(frozen=True)
@@ -111,42 +132,94 @@ def parse_network(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
 
 
 def browse(timeout: float, *, iface: str | None = None,
-           network: ipaddress.IPv4Network | ipaddress.IPv6Network | None = None) -> list[Found]:
-    """Listen ``timeout`` seconds for ``_ssh._tcp`` announcements and resolve each one.
+           network: ipaddress.IPv4Network | ipaddress.IPv6Network | None = None,
+           known: Mapping[str, str] | None = None) -> Discovery:
+    """Listen for ``_ssh._tcp`` announcements and resolve each one, all within ``timeout``
+    seconds (the last :data:`RESOLVE_S` of it, at most half, for resolving).
 
     ``iface`` limits listening to one interface; ``network`` keeps only addresses inside
-    it (a machine left with none is dropped). Sorted by host name.
+    it (a machine left with none is dropped). ``known`` maps the names of an inventory being
+    replaced to their addresses: such a name announced at another address is a conflict.
+    Sorted by host name.
     """
     zc_mod = require_zeroconf()
+    started = time.monotonic()
+    deadline = started + timeout
     interfaces = interface_addresses(iface) if iface else zc_mod.InterfaceChoice.All
-    names: set[str] = set()
+    names: dict[str, None] = {}  # in the order heard, at most MAX_HOSTS
+    flooded = threading.Event()
+    heard: dict[str, set[str]] = {}  # every address record heard, by host name
 
     def on_change(zeroconf: Any, service_type: str, name: str, state_change: Any) -> None:
-        if state_change is not zc_mod.ServiceStateChange.Removed:
-            names.add(name)
+        if state_change is not zc_mod.ServiceStateChange.Removed and name not in names:
+            if len(names) < MAX_HOSTS:
+                names[name] = None
+            else:
+                flooded.set()
 
+    def keep_addresses(listener: Any, zc: Any, now: float, records: list[Any]) -> None:
+        """Keeps every A/AAAA record heard: a later one may replace an earlier in the cache."""
+        for update in records:
+            record = update.new
+            if isinstance(record, zc_mod.DNSAddress) and len(heard) < 4 * MAX_HOSTS:
+                try:
+                    address = str(ipaddress.ip_address(record.address))
+                except ValueError:
+                    continue
+                found = heard.setdefault(record.name.lower().rstrip("."), set())
+                if len(found) < 16:
+                    found.add(address)
+
+    listener = type("AddressRecords", (zc_mod.RecordUpdateListener,),
+                    {"async_update_records": keep_addresses})
+    broadcasts = _local_broadcasts()
     zc = zc_mod.Zeroconf(interfaces=interfaces)
     try:
+        zc.add_listener(listener(), None)
         browser = zc_mod.ServiceBrowser(zc, SERVICE, handlers=[on_change])
-        time.sleep(timeout)  # answers arrive on zeroconf's own thread
+        time.sleep(max(0.0, deadline - min(RESOLVE_S, timeout / 2) - time.monotonic()))
         browser.cancel()
-        found = [_resolve(zc, zc_mod, name) for name in sorted(names)]
+        asked = list(names)
+        with ThreadPoolExecutor(max_workers=RESOLVERS) as pool:
+            resolved = list(pool.map(lambda name: _resolve(zc, zc_mod, name, deadline, broadcasts), asked))
     finally:
         zc.close()
-    kept = [f for f in (_only_in(f, network) for f in found if f is not None) if f is not None]
-    return sorted(kept, key=lambda f: (f.server.lower(), f.service))
+    problems = []
+    if flooded.is_set():
+        problems.append(f"more than {MAX_HOSTS} machines announced SSH: only the first {MAX_HOSTS} heard "
+                        "were considered (a flood of announcements?)")
+    unanswered = sum(r is None for r in resolved)
+    if unanswered:
+        problems.append(f"{unanswered} announced name{'s' if unanswered > 1 else ''} did not answer "
+                        f"within {timeout:g} s (left out)")
+    found, more = checked(
+        [f for f in resolved if f is not None and f is not _NOT_USABLE], heard, network, known or {})
+    problems += more
+    unusable = sum(r is _NOT_USABLE for r in resolved)
+    if unusable:
+        problems.append(f"{unusable} announcement{'s' if unusable > 1 else ''} with no usable name or "
+                        "address (0.0.0.0, loopback, multicast, broadcast): left out")
+    return Discovery(sorted(found, key=lambda f: (f.server.lower(), f.service)), problems,
+                     time.monotonic() - started)
 
 
-def _resolve(zc: Any, zc_mod: Any, name: str) -> Found | None:
+def _resolve(zc: Any, zc_mod: Any, name: str, deadline: float,
+             broadcasts: set[ipaddress.IPv4Address]) -> Found | None:
+    """The machine behind the announced ``name``: None if it did not answer by ``deadline``,
+    :data:`_NOT_USABLE` if it announced a name zeroconf refuses or no address a machine can
+    be reached at."""
+    wait_ms = int((deadline - time.monotonic()) * 1000)
     try:
         info = zc_mod.ServiceInfo(SERVICE, name)
-        if not info.request(zc, RESOLVE_MS) or not info.port:
+        if not info.load_from_cache(zc) and (wait_ms <= 0 or not info.request(zc, wait_ms)):
             return None  # announced, then gone (or never answered): nothing to log in to
+        if not info.port:
+            return None
     except zc_mod.Error:
-        return None  # a name zeroconf refuses (control characters, too long): a stranger's, ignored
-    addresses = info.parsed_scoped_addresses()
+        return _NOT_USABLE  # a name zeroconf refuses (control characters, too long): a stranger's
+    addresses = [a for a in info.parsed_scoped_addresses() if usable_address(a, broadcasts)]
     if not addresses:
-        return None
+        return _NOT_USABLE
     addresses.sort(key=lambda a: ipaddress.ip_address(a.split("%")[0]).version)  # IPv4 first
     # Anyone on the LAN may announce anything: control characters (a newline would end the
     # inventory comment that quotes the name, an escape sequence would reach the terminal)
@@ -154,6 +227,76 @@ def _resolve(zc: Any, zc_mod: Any, name: str) -> Found | None:
     service = visible(name[: -len(SERVICE) - 1] if name.endswith("." + SERVICE) else name)
     server = visible((info.server or "").rstrip(".")) or service
     return Found(service=service, server=server, addresses=tuple(addresses), port=int(info.port))
+
+
+#: What :func:`_resolve` returns for a machine announcing no usable address.
+_NOT_USABLE = Found("", "", ("0.0.0.0",), 0)
+
+
+def known_addresses(path: Path | None) -> dict[str, str]:
+    """Host name to address of the inventory at ``path`` that a discovery may replace;
+    empty when there is none, or it cannot be read (it is then not an inventory to keep)."""
+    if path is None or not path.is_file():
+        return {}
+    try:
+        return {host.name: host.hostname for host in load_inventory(path).hosts}
+    except (InventoryError, OSError):
+        return {}
+
+
+def _local_broadcasts() -> set[ipaddress.IPv4Address]:
+    """The broadcast addresses of this machine's IPv4 networks."""
+    import ifaddr  # installed with zeroconf
+
+    out: set[ipaddress.IPv4Address] = set()
+    for adapter in ifaddr.get_adapters():
+        for ip in adapter.ips:
+            if isinstance(ip.ip, str) and ip.network_prefix < 31:
+                out.add(ipaddress.IPv4Network(f"{ip.ip}/{ip.network_prefix}", strict=False).broadcast_address)
+    return out
+
+
+def usable_address(text: str, broadcasts: Collection[ipaddress.IPv4Address] = ()) -> bool:
+    """Whether a machine can be reached at the announced address ``text``: not unspecified
+    (0.0.0.0, ::), loopback, multicast, reserved, the broadcast address or one of ``broadcasts``."""
+    try:
+        address = ipaddress.ip_address(text.split("%")[0])
+    except ValueError:
+        return False
+    if address.is_unspecified or address.is_loopback or address.is_multicast or address.is_reserved:
+        return False
+    return not (isinstance(address, ipaddress.IPv4Address)
+                and (address == ipaddress.IPv4Address("255.255.255.255") or address in broadcasts))
+
+
+def checked(found: list[Found], heard: Mapping[str, set[str]],
+            network: ipaddress.IPv4Network | ipaddress.IPv6Network | None,
+            known: Mapping[str, str]) -> tuple[list[Found], list[str]]:
+    """``found`` less the machines outside ``network`` and the conflicts, and one line per
+    conflict. A conflict: a name heard with two IPv4 addresses (by one announcement, two,
+    or address records that replaced each other: ``heard``), or a name of ``known`` (an
+    inventory's, name to address) announced at an address it does not have there."""
+    kept = [f for f in (_only_in(f, network) for f in found) if f is not None]
+    by_name: dict[str, list[Found]] = {}
+    for f in kept:
+        by_name.setdefault(host_name(f), []).append(f)
+    out, problems = [], []
+    for name, group in by_name.items():
+        addresses = {a for f in group for a in f.addresses}
+        addresses |= {a for f in group for a in heard.get(f.server.lower(), set())
+                      if usable_address(a) and _only_in(Found("", "", (a,), 0), network) is not None}
+        ipv4 = sorted(a for a in addresses if ipaddress.ip_address(a.split("%")[0]).version == 4)
+        if len(ipv4) > 1:
+            problems.append(f"conflict: {name} was announced with {len(ipv4)} addresses ({', '.join(ipv4)}): "
+                            "another machine may be claiming its name; left out (add it by hand, or narrow "
+                            "with --network)")
+            continue
+        if name in known and known[name] not in addresses:
+            problems.append(f"conflict: {name} is at {known[name]} in the inventory, but now announced at "
+                            f"{group[0].address}; left out (edit the inventory by hand if it moved)")
+            continue
+        out.append(group[0])
+    return out, problems
 
 
 def _only_in(found: Found, network: ipaddress.IPv4Network | ipaddress.IPv6Network | None) -> Found | None:
