@@ -21,6 +21,7 @@ from typing import Any, Literal, get_args
 import torch
 from torch import nn
 
+from meshtrain import yaml12
 from meshtrain.errors import InputError
 from meshtrain.run_dir import atomic_write_text
 
@@ -280,7 +281,7 @@ def base_model_of(name_or_path: str) -> str:
     it: a saved adapter folder's own base, else :func:`model_reference`."""
     if is_adapter_folder(name_or_path):
         try:
-            config = json.loads((Path(name_or_path) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+            config = yaml12.read_json(Path(name_or_path) / ADAPTER_CONFIG)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"{Path(name_or_path) / ADAPTER_CONFIG}: unreadable ({exc})") from None
         base = config.get("base_model_name_or_path") if isinstance(config, dict) else None
@@ -306,7 +307,7 @@ def name_base_model(model_dir: Path, base: str) -> bool:
     if path.stat().st_size > ADAPTER_CONFIG_LIMIT:
         raise ModelLoadError(f"{path}: {path.stat().st_size} bytes, larger than any adapter config")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        config = yaml12.read_json(path)  # the one reader of hostile JSON: bounded depth
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path}: not JSON ({exc})") from None
     if not isinstance(config, dict):
