@@ -227,3 +227,14 @@ def test_a_fragment_sync_is_recorded_as_running_beside_the_next_tau_steps(tmp_pa
                      batch_size=batch, cluster="wifi")
         projected = result.summary["projected"]
         assert projected["overlapped_seconds"] > 0, strategy
+
+
+def test_the_gpt_models_fragments_each_hold_about_a_quarter_of_it():
+    from meshtrain.tasks.gpt import CharGPT
+
+    sizes = [p.numel() * 4 for p in CharGPT(100, 64, 2, 4, 64, 0.0).parameters()]
+    fragments = split_fragments(sizes, 4)
+    assert [i for f in fragments for i in f] == list(range(len(sizes)))  # contiguous, in order
+    # Cut at whole tensors where the running total comes nearest to k/4 (the largest tensor,
+    # the MLP's 64x256 weight, is 15% of the model): the largest fragment is 30%, not 25%.
+    assert max(sum(sizes[i] for i in f) for f in fragments) <= 0.31 * sum(sizes)

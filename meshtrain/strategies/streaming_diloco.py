@@ -16,7 +16,7 @@ steps (alpha = 0 replaces it by the global one, torchft's default; the paper mix
 alpha = 0.5 when it overlaps). With F = 1, tau = 0 and alpha = 0 it is DiLoCo, bit for bit.
 
 Fragments are contiguous runs of parameter tensors in registration order with about equal
-bytes (a cut falls where the running total crosses k/F of the model): for a transformer
+bytes (a cut falls where the running total comes nearest to k/F of the model): for a transformer
 these are consecutive layer blocks (the paper's "sequential" pattern; it reports the
 strided one slightly better), and for any model the peak bytes of a sync are about 1/F of
 the whole, which is what the projection counts on.
@@ -41,26 +41,23 @@ from meshtrain.strategies.base import CommunicationModule, Optim, Strategy
 
 def split_fragments(sizes: Sequence[int], count: int) -> list[list[int]]:
     """Indices of ``sizes`` (bytes per tensor) cut into ``count`` contiguous non-empty runs
-    of about equal bytes: run k closes once the running total reaches (k + 1) / count of
-    the whole, or when each run left needs one of the tensors left."""
+    of about equal bytes: cut k falls between the tensors where the running total comes
+    nearest to k / count of the whole (the first such place on a tie)."""
     if not 1 <= count <= len(sizes):
         raise ValueError(f"fragments must be between 1 and the {len(sizes)} trainable parameter "
                          f"tensors of the model, got {count}")
-    total = sum(sizes)
-    runs: list[list[int]] = []
-    current: list[int] = []
-    held = 0
-    for i, size in enumerate(sizes):
-        current.append(i)
-        held += size
-        runs_left = count - len(runs) - 1
-        if runs_left == 0:
-            continue
-        if len(sizes) - i - 1 == runs_left or held * count >= total * (len(runs) + 1):
-            runs.append(current)
-            current = []
-    runs.append(current)
-    return runs
+    before = [0]  # bytes before tensor j
+    for size in sizes:
+        before.append(before[-1] + size)
+    total = before[-1]
+    cuts = [0]
+    for k in range(1, count):
+        # Each run keeps at least one tensor: the cut lies after the last one and leaves one
+        # tensor for every run still to come.
+        options = range(cuts[-1] + 1, len(sizes) - (count - k) + 1)
+        cuts.append(min(options, key=lambda j: abs(before[j] * count - k * total)))
+    cuts.append(len(sizes))
+    return [list(range(start, end)) for start, end in zip(cuts, cuts[1:], strict=False)]
 
 
 class StreamingOuterSync(CommunicationModule):
