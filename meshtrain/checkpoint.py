@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,7 +281,11 @@ def _problem(folder: Path) -> str | None:
         return f"meta.json says step {step}, the folder's name step {int(named)}"
     for name in files:
         # mmap: the tensors stay on disk; only the small plain values are read.
-        state = torch.load(folder / name, weights_only=True, mmap=True, map_location="cpu")
+        try:
+            state = torch.load(folder / name, weights_only=True, mmap=True, map_location="cpu")
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:  # not tensors and plain values
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            return f"{name} cannot be read as a checkpoint ({first})"
         held = (state.get("run_id"), state.get("step")) if isinstance(state, dict) else (None, None)
         if held != (run_id, step):
             return (f"meta.json says run {run_id} step {step}, but {name} holds run {held[0]!r} "

@@ -170,7 +170,7 @@ def test_a_checkpoint_is_read_without_running_code(tmp_path: Path) -> None:
     import hashlib
     import pickle
 
-    from meshtrain.checkpoint import find_latest, load_node
+    from meshtrain.checkpoint import Found, find_latest, load_node
 
     with pytest.raises(NodeFailed):  # a run that stops keeps its checkpoints
         _fit(CrashesAt(7), "ddp", tmp_path, checkpoint_every=3, run_id="r")
@@ -180,6 +180,9 @@ def test_a_checkpoint_is_read_without_running_code(tmp_path: Path) -> None:
     meta = json.loads((folder / "meta.json").read_text())
     meta["files"]["node-0.pt"] = hashlib.sha256((folder / "node-0.pt").read_bytes()).hexdigest()
     (folder / "meta.json").write_text(json.dumps(meta))
-    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
-        load_node(find_latest(folder), 0)
+    # Refused when the checkpoint is checked, before a resume is announced: one line.
+    with pytest.raises(CheckpointError, match="node-0.pt cannot be read as a checkpoint .*Weights only"):
+        find_latest(folder)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):  # and by a node
+        load_node(Found(folder, 6, "r", 1, [], (0,)), 0)
     assert not marker.exists()
