@@ -155,10 +155,15 @@ def read_bytes(path: Path, limit: int = MAX_BYTES) -> bytes:
         size = os.fstat(f.fileno()).st_size
         if size > limit:
             raise TooLarge(f"{size} bytes, more than the {limit} a file may have")
-        data = f.read(limit + 1)  # a file that grew since fstat
-    if len(data) > limit:
+        data = bytearray()
+        while len(data) <= limit:  # in chunks: read(limit) would allocate all of limit at once
+            chunk = f.read(min(1 << 16, limit + 1 - len(data)))
+            if not chunk:
+                break
+            data += chunk
+    if len(data) > limit:  # a file that grew since fstat
         raise TooLarge(f"more than the {limit} bytes a file may have")
-    return data
+    return bytes(data)
 
 
 def _text(data: bytes) -> str:

@@ -550,7 +550,7 @@ def test_a_large_metrics_csv_is_streamed_into_bounded_memory(tmp_path: Path) -> 
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert size > 4_000_000 and peak < size, (size, peak)  # 38 times the size, before
+    assert size > 4_000_000 and peak < size / 2, (size, peak)  # 25 times the size, before
     mean, val = run.mean_series, run.val_series
     assert mean is not None and val is not None
     assert mean.points[0][0] == 1 and mean.points[-1][0] == rows and len(mean.points) <= MAX_POINTS
