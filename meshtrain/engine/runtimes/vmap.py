@@ -126,7 +126,7 @@ VMAP_CONTRACT = ("under vmap every tensor it touches holds all nodes along dimen
 def _trial_problem(strategy: Strategy, model: nn.Module, train_data: Any, collate_fn: Any,
                    config: Any) -> str | None:
     """Run the vectorised loss and gradient once on two nodes, then one step of the strategy
-    on them; say what fails, if anything."""
+    on them and its final sync; say what fails, if anything."""
     data, _ = resolve_dataset(train_data, 0, 1, "train")
     device = resolve_device(config.device)
     replica = node_replica(model, device)
@@ -150,6 +150,7 @@ def _trial_problem(strategy: Strategy, model: nn.Module, train_data: Any, collat
     try:
         trial.setup(holder, StackedCommunicator(2), seed=config.seed, max_steps=2, num_samples=1)
         trial.step(0)
+        trial.finish(0)  # the final sync: what a strategy does every H steps, done once here
         shapes = [tuple(t.shape) for t in trial.params_data()]
         expected = [tuple(t.shape) for t in holder.stacked]
         if shapes != expected:
