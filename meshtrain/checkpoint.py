@@ -111,7 +111,8 @@ def check_base(found: Found, model: torch.nn.Module) -> None:
     """Refuse, before any node starts, a checkpoint trained on another frozen base than
     ``model``'s (:class:`CheckpointError` naming both digests)."""
     where = f"{found.folder}/node-{found.source_rank(0)}.pt"
-    saved = torch.load(where, weights_only=True, map_location="cpu")
+    # mmap: a full model's checkpoint is not read whole just to find it has no digest.
+    saved = torch.load(where, weights_only=True, map_location="cpu", mmap=True)
     if saved.get("frozen_sha256") is not None:
         _check_base(model, saved, where)
 
