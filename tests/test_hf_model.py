@@ -209,3 +209,23 @@ def test_saved_adapter_reloads_from_any_directory(speech: SpeechAssets, tmp_path
     reloaded = HFModel.from_pretrained(str(saved))
     assert eval_loss(reloaded, batch) == pytest.approx(eval_loss(tuned, batch), abs=1e-6)
     assert model_reference("openai/whisper-tiny.en") == "openai/whisper-tiny.en"
+
+
+def test_naming_the_base_of_a_copied_back_adapter_reads_only_a_small_json_object(tmp_path: Path) -> None:
+    """The launcher rewrites the base that rank 0's adapter_config.json names: the file came
+    from a host, so only a small JSON object is taken; other keys are kept as they were."""
+    import json
+
+    from meshtrain.hf.model import ADAPTER_CONFIG_LIMIT, name_base_model
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    assert not name_base_model(model_dir, "openai/whisper-tiny")  # a full model names no base
+    config = model_dir / "adapter_config.json"
+    config.write_text(json.dumps({"base_model_name_or_path": "/w/.meshtrain/data/ab/tiny", "r": 8}))
+    assert name_base_model(model_dir, "/home/me/tiny")
+    assert json.loads(config.read_text()) == {"base_model_name_or_path": "/home/me/tiny", "r": 8}
+    for hostile in ("[1, 2]", "{not json", " " * (ADAPTER_CONFIG_LIMIT + 1)):
+        config.write_text(hostile)
+        with pytest.raises(ModelLoadError, match="adapter_config.json"):
+            name_base_model(model_dir, "/home/me/tiny")
