@@ -20,6 +20,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -313,6 +314,52 @@ def start_advertising(netns: str, service: str, server: str, address: str) -> su
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "registered"
     return proc
+
+
+#: Runs in a host namespace: raw mDNS answers every 0.2 s until killed, as any program on the
+#: LAN can send them. argv: mode, count, addresses (comma-separated, used in turn).
+#: "claim": an address record for studio-1.local. (the honest host 0's name) with the rogue's
+#: address, cache-flush bit set; "silent": ``count`` services that are only named, never
+#: resolvable; "many": ``count`` resolvable services rogue-N on host rogue-N.local.
+ROGUE = """
+import socket, sys, time
+from zeroconf import DNSAddress, DNSOutgoing, DNSPointer, DNSService, DNSText, const
+mode, count, addresses = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
+unique = const._CLASS_IN | const._CLASS_UNIQUE
+out = DNSOutgoing(const._FLAGS_QR_RESPONSE | const._FLAGS_AA)
+if mode == "claim":
+    out.add_answer_at_time(DNSAddress("studio-1.local.", const._TYPE_A, unique, 120,
+                                      socket.inet_aton(addresses[0])), 0)
+for i in range(count if mode != "claim" else 0):
+    full, server = f"rogue-{i}._ssh._tcp.local.", f"rogue-{i}.local."
+    out.add_answer_at_time(DNSPointer("_ssh._tcp.local.", const._TYPE_PTR, const._CLASS_IN, 120, full), 0)
+    if mode == "many":
+        out.add_answer_at_time(DNSService(full, const._TYPE_SRV, unique, 120, 0, 0, 22, server), 0)
+        out.add_answer_at_time(DNSText(full, const._TYPE_TXT, unique, 120, b"\\x00"), 0)
+        address = socket.inet_aton(addresses[i % len(addresses)])
+        out.add_answer_at_time(DNSAddress(server, const._TYPE_A, unique, 120, address), 0)
+sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(sys.argv[4]))
+print("sending", flush=True)
+while True:
+    for packet in out.packets():
+        sock.sendto(packet, ("224.0.0.251", 5353))
+    time.sleep(0.2)
+"""
+
+
+@contextmanager
+def rogue_announcing(netns: str, mode: str, count: int, addresses: list[str], source: str) -> Iterator[None]:
+    """While inside, :data:`ROGUE`'s ``mode`` answers are sent from ``netns`` (its interface
+    address ``source``): a rogue on the LAN."""
+    proc = subprocess.Popen(["ip", "netns", "exec", netns, PYTHON, "-c", ROGUE, mode, str(count),
+                             ",".join(addresses), source], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "sending"
+        yield
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 # --------------------------------------------------------------------------- processes

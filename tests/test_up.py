@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 from speech_fixtures import SpeechAssets, speech_fixture  # noqa: F401 (the fixture)
-from ssh_fixtures import PYTHON, Namespaces, SshWorld, generate_key, start_advertising
+from ssh_fixtures import PYTHON, Namespaces, SshWorld, generate_key, rogue_announcing, start_advertising
 from typer.testing import CliRunner
 
 from meshtrain.cli.main import app
@@ -320,3 +320,21 @@ def test_the_planned_strategy_keeps_the_profiles_own_options(tmp_path: Path,
     loaded = load_profile("profiles/lan.yaml")
     assert {k: v for k, v in loaded.items() if k != "description"} == fast.settings
     assert f"#   {fast.plan.reasons[0]}" in text
+
+
+def test_yes_never_takes_a_name_a_rogue_claims(lan: Lan, tmp_path: Path) -> None:
+    """A rogue announcing studio-1.local at its own address became rank 0 under
+    `up --yes --accept-new-host-keys`, and the real studio-1 was dropped. The name is a
+    conflict: reported, left out, never offered, even to --yes."""
+    rogue_ns = lan.ns.hosts[1]  # air-2's namespace: another machine on the LAN claims studio-1
+    with rogue_announcing(rogue_ns, "claim", 1, [lan.ns.addresses[rogue_ns]], lan.ns.addresses[rogue_ns]):
+        child = spawn_up(lan, tmp_path, "--yes", "--accept-new-host-keys", "--no-dashboard",
+                         known_hosts=tmp_path / "known_hosts")
+        child.expect(pexpect.EOF, timeout=60)
+        child.close()
+    output = " ".join(child.before.split())
+    assert child.exitstatus == 1, output
+    studio, air = (lan.ns.addresses[h] for h in lan.ns.hosts)
+    assert f"conflict: studio-1 was announced with 2 addresses ({', '.join(sorted([studio, air]))})" in output
+    assert "training across machines needs at least 2, 1 chosen" in output
+    assert not (tmp_path / "known_hosts").exists() and not (tmp_path / "hosts").exists()
