@@ -121,7 +121,8 @@ def reduction_errors(numel: int = 1 << 20, seed: int = 0) -> list[tuple[str, int
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", default="digits,gpt")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--H", type=int, default=25)
