@@ -417,3 +417,32 @@ def test_compressed_weighted_fedavg_weights_each_nodes_payload_by_its_samples(tm
         offset += a.numel()
     payload = numel + 4 * math.ceil(numel / 16) + 4
     assert result.summary["bytes_sent_per_node"] == payload
+
+
+def test_streaming_diloco_sends_each_fragment_compressed(tmp_path):
+    """compression applies to streaming DiLoCo per fragment: every fragment sync of an int8 run
+    sends the int8 payload of the fragment its fp32 twin sends in full (2 nodes: 4n bytes)."""
+    from meshtrain.strategies.streaming_diloco import StreamingDiLoCo
+
+    data = regression_data(96)
+    kwargs = dict(nodes=2, max_steps=8, batch_size=4)
+    runs = {name: fit(StreamingDiLoCo(fragments=2, H=4, tau=1, lr=0.01, compression=name),
+                      tmp_path / name, data, **kwargs) for name in ("fp32", "int8")}
+    sent = {name: {r["step"]: r["bytes_sent"] for r in run.history if r.get("bytes_sent")}
+            for name, run in runs.items()}
+    last = max(sent["fp32"])  # the final syncs of every fragment share the last step
+    syncs = [(step, b) for step, b in sent["fp32"].items() if step != last]
+    assert len(syncs) >= 2
+    for step, fp32_bytes in syncs:
+        numel = fp32_bytes // 4
+        assert sent["int8"][step] == numel + 4 * math.ceil(numel / 128), step
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine")
+@pytest.mark.parametrize("codec", [Codec("int8"), Codec("int4"), Codec("bf16"), SparseCodec(4096, 64)])
+def test_codecs_on_cuda_put_the_cpu_bytes_on_the_wire(codec):
+    x = torch.randn(2, 10_000, generator=torch.Generator().manual_seed(5))
+    on_cpu = codec.encode(x)
+    on_gpu = codec.encode(x.cuda())
+    assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), on_cpu)
+    assert torch.equal(codec.decode(on_gpu[0], 10_000).cpu(), codec.decode(on_cpu[0], 10_000))
