@@ -155,3 +155,36 @@ def test_a_finished_run_opens_in_the_dashboard_command(browser, tmp_path: Path) 
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_damaged_run_is_listed_with_its_reason_and_the_others_drawn(browser, tmp_path: Path) -> None:  # noqa: ANN001
+    """One run directory that cannot be read made `meshtrain dashboard runs/` exit 2 before any
+    page existed: it is listed as damaged, its reason among its events, the others drawn."""
+    import json
+    import sys
+
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    for name in ("good", "bad"):
+        folder = tmp_path / "runs" / name
+        folder.mkdir(parents=True)
+        (folder / "summary.json").write_text(json.dumps({"run_id": name, "nodes": 2, "steps": 3}))
+        (folder / "metrics.csv").write_text("step,train_loss,seconds\n1,0.5,0.1\n2,0.4,0.2\n3,0.3,0.3\n")
+    (tmp_path / "runs" / "bad" / "summary.json").write_text("{not json")
+    proc = subprocess.Popen([sys.executable, "-m", "meshtrain", "dashboard", str(tmp_path / "runs")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        shown = read_until(proc, ["dashboard of 2 runs, 1 damaged: http://127.0.0.1:"], timeout=60)
+        url = re.search(r"(http://127\.0\.0\.1:\d+/\?token=[\w-]+)", shown).group(1)
+        browser.get(url)
+        wait = WebDriverWait(browser, 30, poll_frequency=0.2)
+        state = "return document.querySelector(`#runs li[data-run=\"${arguments[0]}\"] .state`)?.textContent"
+        wait.until(lambda d: d.execute_script(state, "bad") == "damaged")
+        browser.execute_script("document.querySelector('#runs li[data-run=\"good\"]').click()")
+        wait.until(lambda d: _points(d, "chart-step", "mean of nodes") == 3)
+        browser.execute_script("document.querySelector('#runs li[data-run=\"bad\"]').click()")
+        wait.until(lambda d: "summary.json: unreadable" in d.find_element("id", "events").text)
+        assert "damaged" in browser.find_element("id", "run-info").text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
