@@ -145,6 +145,8 @@ def _limits(meta: dict[str, Any]) -> str:
         parts.append(f"<= {meta['maximum']:g}")
     if meta.get("choices"):
         parts.append("one of " + ", ".join(code(c) for c in meta["choices"]))
+    if meta.get("on_resume"):  # a run setting: what a resumed run may do with it
+        parts.append(f"on resume: {meta['on_resume']}")
     return cell("; ".join(parts)) if parts else ""
 
 
