@@ -95,7 +95,7 @@ def load_run(path: str | Path) -> FinishedRun:
         name = "metrics.csv"
         with (folder / name).open(newline="", encoding="utf-8") as f:
             metrics = [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
-    except UnicodeDecodeError:
+    except (UnicodeDecodeError, yaml12.NotText):
         raise RunError(f"{folder / name}: not UTF-8 text (damaged?); not a finished run") from None
     except yaml12.Refused as exc:  # too large, an alias bomb, not JSON, not a regular file
         raise RunError(f"{folder / name}: {exc}; not a finished run") from None
