@@ -136,7 +136,8 @@ def test_wrong_kind_and_undecodable_files_are_named(tmp_path: Path) -> None:
     (broken / "summary.json").write_text('{"a": ' + "[" * 5000 + "]" * 5000 + "}")  # deeper than json follows
     plotted = runner.invoke(app, ["plot", str(broken), "--out", str(tmp_path / "plots")])
     assert plotted.exit_code == 2 and "Traceback" not in plotted.output
-    assert plotted.output.strip() == f"error: {broken / 'summary.json'}: nested too deeply; not a finished run"
+    assert plotted.output.strip() == (f"error: {broken / 'summary.json'}: nested too deeply; "
+                                      "not a finished run")
     (broken / "summary.json").write_bytes(b"\xff\xfe\x00garbage")
     plotted = runner.invoke(app, ["plot", str(broken), "--out", str(tmp_path / "plots")])
     assert plotted.output.strip() == (f"error: {broken / 'summary.json'}: not UTF-8 text (damaged?); "
