@@ -26,7 +26,17 @@ from meshtrain.engine import math_kernels
 from meshtrain.engine.runtimes.processes import node_context
 from meshtrain.engine.runtimes.threads import _SharedGenerator
 from meshtrain.engine.trainer import NodeJob, TrainConfig
-from meshtrain.strategies import DDP, SPARTA, DeMo, DiLoCo, FedAvg, Optim, SPARTADiLoCo, StreamingDiLoCo
+from meshtrain.strategies import (
+    DDP,
+    SPARTA,
+    DeMo,
+    DiLoCo,
+    FedAvg,
+    Optim,
+    SparseLoCo,
+    SPARTADiLoCo,
+    StreamingDiLoCo,
+)
 
 NODES = 3
 STEPS = 20
@@ -39,6 +49,9 @@ CONFIGS = {
     # Its all-reduces run on a side channel's thread on processes, at once on threads.
     "diloco-delay": lambda: DiLoCo(H=6, lr=0.01, delay=1),
     "streaming-diloco": lambda: StreamingDiLoCo(fragments=2, H=6, tau=2, lr=0.01),
+    # An all-gather of int8 payloads, decoded and added in member order on every node.
+    "diloco-int8": lambda: DiLoCo(H=6, lr=0.01, compression="int8", error_feedback=True),
+    "sparseloco": lambda: SparseLoCo(H=6, lr=0.01, chunk=64, topk=8),
     "sparta-random": lambda: SPARTA(p=0.3, selector="random", lr=0.01),
     "sparta-partitioned": lambda: SPARTA(p=0.25, selector="partitioned", lr=0.01),
     "sparta-diloco": lambda: SPARTADiLoCo(p=0.2, sparse_interval=2, H=5, lr=0.01),
