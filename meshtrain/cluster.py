@@ -67,6 +67,16 @@ CLUSTERS: dict[str, Cluster] = {
         Cluster("wifi", "Macs on one Wi-Fi 6 network (~60 MB/s shared, 3 ms)", 60e6, 3e-3, True),
         Cluster("gbe", "machines on a 1 Gb Ethernet switch (~117 MB/s, 0.2 ms)", 117e6, 2e-4),
         Cluster("10gbe", "machines on 10 Gb Ethernet (~1.17 GB/s, 50 us)", 1.17e9, 5e-5),
+        # Two Macs joined by a Thunderbolt cable (macOS "Thunderbolt Bridge", self-assigned
+        # 169.254/16 addresses): a point-to-point link, not a shared medium. Published iperf3
+        # TCP figures over a Thunderbolt 4/USB4 20 Gbit/s link between a MacBook Pro M2 and a
+        # PC: 16.4 Gbit/s one way, 5.3 Gbit/s the other at the default 1500-byte MTU
+        # (jiribrejcha.net, "Direct 20 Gbps connection between Mac and Windows 11 machine");
+        # an MLX user's job took 11 s over Thunderbolt against 274 s over Wi-Fi
+        # (ml-explore/mlx#1210). 10 Gbit/s (~1.25 GB/s) sits between the two directions; the
+        # latency is a 10 GbE-like 50 us (a direct cable, no switch).
+        Cluster("thunderbolt", "two Macs on a Thunderbolt bridge cable (~1.25 GB/s, 50 us)",
+                1.25e9, 5e-5),
         Cluster("internet", "machines in different places over the internet (~12.5 MB/s, 40 ms)",
                 12.5e6, 4e-2),
         Cluster("infiniband", "a datacenter with InfiniBand NDR (~50 GB/s, 5 us)", 50e9, 5e-6),

@@ -139,6 +139,17 @@ def bench_hosts(inventory: Path, how: HostsBenchSettings) -> None:
         raise fail_on(exc) from None
     except InputError as exc:
         raise fail_on(exc) from None
+    for choice in bench.links:
+        tried = ", ".join(f"{m.address.ip} ({m.address.iface}) from {m.sender}: "
+                          + (f"{human_bytes(m.bandwidth)}/s" if m.bandwidth is not None
+                             else f"not measured ({m.problem})")
+                          for m in choice.measurements)
+        console.print(f"fastest link to {choice.host}: {choice.address.ip} on {choice.address.iface}, "
+                      f"{human_bytes(choice.bandwidth)}/s (measured {tried})", highlight=False,
+                      markup=False, soft_wrap=True)
+    if bench.inventory_updated:
+        console.print(f"recorded the fastest links in {inventory} (advertise, iface, link_bandwidth)",
+                      highlight=False)
     cluster = bench.cluster
     table = Table(title=f"all-reduce over {inv.world_size} hosts: measured vs fitted model",
                   caption=str(inventory))

@@ -29,7 +29,7 @@ from meshtrain.devices import DEVICES
 from meshtrain.errors import InputError
 
 # Keys a host entry may set; every one except name/host/advertise may also go in defaults.
-HOST_ONLY_KEYS = ("name", "host", "advertise")
+HOST_ONLY_KEYS = ("name", "host", "advertise", "link_bandwidth")
 SHARED_KEYS = ("user", "port", "identity_file", "known_hosts", "ssh_config", "python", "workdir",
                "device", "env", "iface", "threads")
 TOP_KEYS = ("defaults", "rendezvous", "hosts")
@@ -78,6 +78,7 @@ class Host:
     env: dict[str, str] = field(default_factory=dict)
     iface: str | None = None  # GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME unless env sets it)
     threads: int | None = None  # torch intra-op threads of this rank (None: its machine's cores, shared)
+    link_bandwidth: float | None = None  # bytes/s `hosts bench` measured to ``advertise`` (a record only)
 
     @property
     def label(self) -> str:
@@ -260,11 +261,17 @@ def _parse_host(defaults: dict[str, Any], entry: dict[str, Any], rank: int, wher
     threads = merged.get("threads")
     if threads is not None:
         threads = parse_threads(threads, f"{where}: key 'threads'")
+    link_bandwidth = merged.get("link_bandwidth")
+    if link_bandwidth is not None and (isinstance(link_bandwidth, bool)
+                                       or not isinstance(link_bandwidth, (int, float))
+                                       or not 0 < link_bandwidth < float("inf")):
+        raise InventoryError(f"{where}: key 'link_bandwidth': expected bytes per second > 0, "
+                             f"got {link_bandwidth!r}")
     return Host(
         name=name, rank=rank, host=alias, hostname=hostname, advertise=advertise,
         user=_text(user, f"{where}: key 'user'"), port=port, identity_file=identity,
         known_hosts=known_hosts, python=python, workdir=workdir, device=device, env=env, iface=iface,
-        threads=threads,
+        threads=threads, link_bandwidth=None if link_bandwidth is None else float(link_bandwidth),
     )
 
 

@@ -111,3 +111,39 @@ def _only_python_changed(before: Inventory, new_text: str, path: Path, wanted: d
         return False
     expected = tuple(dataclasses.replace(h, python=wanted.get(h.name, h.python)) for h in before.hosts)
     return after.hosts == expected and after.rendezvous == before.rendezvous
+
+
+def set_links(path: Path, links: dict[str, tuple[str, str, float]]) -> bool:
+    """Make host ``name`` use ``links[name] = (address, iface, bandwidth)``: its ``advertise``
+    and ``iface`` keys become the chosen link's, ``link_bandwidth`` records what was
+    measured. Returns whether the file changed. The file is written again from its parsed
+    form (YAML comments are not kept), checked to parse to the same inventory with only
+    those keys changed, and replaced atomically with its mode kept."""
+    text = path.read_text()
+    raw = yaml12.load(text)
+    before = parse_inventory(raw, path)
+    entries = raw["hosts"]
+    for entry in entries:
+        link = links.get(entry["name"])
+        if link is not None:
+            address, iface, bandwidth = link
+            entry["advertise"], entry["iface"] = address, iface
+            entry["link_bandwidth"] = float(f"{bandwidth:.4g}")
+    after = parse_inventory(raw, path)
+    expected = tuple(dataclasses.replace(h, advertise=links[h.name][0], iface=links[h.name][1],
+                                         link_bandwidth=float(f"{links[h.name][2]:.4g}"))
+                     if h.name in links else h for h in before.hosts)
+    if after.hosts != expected or after.rendezvous != before.rendezvous:
+        raise InventoryError(f"{path}: recording the chosen links would change more than the "
+                             "hosts' advertise, iface and link_bandwidth")
+    if after.hosts == before.hosts:
+        return False
+    new_text = yaml.safe_dump(raw, sort_keys=False)
+    mode = path.stat().st_mode & 0o777
+
+    def write_with_mode(tmp: Path) -> None:
+        tmp.write_text(new_text)
+        tmp.chmod(mode)
+
+    atomic_write(path, write_with_mode)
+    return True

@@ -32,7 +32,10 @@ from meshtrain.hosts.bench import (
     result_text,
     samples_from_json,
 )
-from meshtrain.hosts.inventory import Inventory
+from meshtrain.hosts.inventory import Inventory, load_inventory
+from meshtrain.hosts.inventory_edit import set_links
+from meshtrain.hosts.links import LinkChoice, choose_links
+from meshtrain.hosts.ssh import SSHError
 from meshtrain.launch.launcher import REMOTE_RUNS, LaunchOptions, RankFailure, launch, new_launch_id
 from meshtrain.run_dir import atomic_write_text
 from meshtrain.tasks import get_task
@@ -60,6 +63,9 @@ class Benchmark:
     probe_spread: dict[str, float]
     #: A warning when the model misses a measured size badly (None when it fits).
     doubt: str | None
+    #: The fastest link chosen for each host that had more than one (recorded in the inventory).
+    links: list[LinkChoice] = dataclasses.field(default_factory=list)
+    inventory_updated: bool = False
 
 
 def benchmark_hosts(inventory: Path, inv: Inventory, how: HostsBenchSettings) -> Benchmark:
@@ -81,6 +87,15 @@ def benchmark_hosts(inventory: Path, inv: Inventory, how: HostsBenchSettings) ->
     name = how.name or inventory.stem
     out = Path(how.out) if how.out else Path("clusters") / f"{name}.yaml"
     check_output_path(out)  # before minutes of measuring, not after
+    # The fastest link first: the all-reduces below then run over it, as training will.
+    try:
+        links = choose_links(inv, accept_new_host_keys=how.accept_new_host_keys)
+    except SSHError as exc:
+        raise BenchmarkFailed(str(exc), []) from None
+    updated = set_links(inventory, {c.host: (c.address.ip, c.address.iface, c.bandwidth)
+                                    for c in links}) if links else False
+    if updated:
+        inv = load_inventory(inventory)
     argv = ["python", "-m", "meshtrain.hosts.bench", "--sizes", ",".join(map(str, sizes)),
             "--repeats", str(how.repeats), *(probe.argv() if probe else [])]
     with tempfile.TemporaryDirectory(prefix="meshtrain-bench-") as tmp:
@@ -118,7 +133,8 @@ def benchmark_hosts(inventory: Path, inv: Inventory, how: HostsBenchSettings) ->
         cluster = dataclasses.replace(cluster, step_seconds=max(seconds.values()),
                                       step_jitter=max(spread.values()),
                                       probe=probe_label(probe.task, probe.batch_size, probe.threads))
-    bench = Benchmark(samples, cluster, out, how.repeats, seconds, spread, fit_warning(samples, cluster))
+    bench = Benchmark(samples, cluster, out, how.repeats, seconds, spread, fit_warning(samples, cluster),
+                      links, updated)
     try:
         atomic_write_text(out, cluster_file_text(
             cluster, f"meshtrain hosts bench {inventory}: {len(samples)} sizes x {how.repeats} repeats"
