@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from meshtrain import NodeFailed, Trainer
 from meshtrain.checkpoint import CheckpointError, find_latest
 from meshtrain.cli.main import app
-from meshtrain.strategies import DDP, SPARTA, DeMo, DiLoCo, FedAvg, SPARTADiLoCo
+from meshtrain.strategies import DDP, SPARTA, DeMo, DiLoCo, FedAvg, SparseLoCo, SPARTADiLoCo
 
 STRATEGIES = {
     "ddp": lambda: DDP("adamw", 0.01),
@@ -23,6 +23,9 @@ STRATEGIES = {
     "sparta-diloco": lambda: SPARTADiLoCo(H=3, p=0.3, lr=0.01),
     "fedavg": lambda: FedAvg(H=2, island_size=2, weighted=True, lr=0.05),
     "demo": lambda: DeMo(lr=0.01, compression_topk=4, compression_chunk=4),
+    # error feedback: each node's residual is part of its checkpoint
+    "diloco-int8": lambda: DiLoCo(H=3, lr=0.01, compression="int8", error_feedback=True),
+    "sparseloco": lambda: SparseLoCo(H=3, lr=0.01, chunk=64, topk=8),
 }
 # 3 nodes x 32 samples, batch 4: 8 steps an epoch, so 12 steps cross an epoch boundary.
 RUN = dict(nodes=3, max_steps=12, batch_size=4, progress=False, val_interval=5)
@@ -43,7 +46,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(strategy: str, runtime: st
     folder = tmp_path / "runs" / "r.checkpoints"
     found = find_latest(folder)
     # DiLoCo-like strategies checkpoint right after an outer sync: every 4 rounds up to H=3's 6.
-    assert found.step == (6 if "diloco" in strategy else 8)
+    assert found.step == (6 if "loco" in strategy else 8)  # DiLoCo, SPARTA-DiLoCo, SparseLoCo
     assert not (tmp_path / "runs" / "r").exists()  # the failed run left no run directory...
     assert (tmp_path / "runs" / "r.error.log").is_file()  # ...but kept its checkpoints
 
@@ -58,7 +61,7 @@ def test_interrupted_and_resumed_equals_uninterrupted(strategy: str, runtime: st
     assert resumed.summary["initial"] == reference.summary["initial"]
     # The finished run keeps its last checkpoints (keep_checkpoints=2 by default; none at the end).
     kept = sorted(p.name for p in (resumed.run_dir / "checkpoints").glob("step-*"))
-    assert kept == (["step-000006"] if "diloco" in strategy else ["step-000004", "step-000008"])
+    assert kept == (["step-000006"] if "loco" in strategy else ["step-000004", "step-000008"])
     assert not folder.exists()
 
 
