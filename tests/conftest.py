@@ -24,13 +24,40 @@ def pytest_configure(config) -> None:  # noqa: ANN001 - pytest's hook signature
         atexit.register(shutil.rmtree, cache, ignore_errors=True)
 
 
+#: The fast subset, ``pytest -m fast`` (CONTRIBUTING.md: the development loop): the in-process
+#: core (strategies' math and bytes, settings, checkpoints, planning, layering, the docs' code),
+#: under 2 minutes on 2 cores. A test of these files that starts processes (the processes
+#: runtime, gloo groups: their names say so) or is marked slow stays out.
+FAST_FILES = {
+    "test_reference_math.py", "test_identities.py", "test_strategies.py", "test_bytes.py",
+    "test_comm.py", "test_checkpoint.py", "test_resume_rules.py", "test_resume_refusals.py",
+    "test_settings_flags.py", "test_bad_values.py", "test_numbers.py", "test_build.py",
+    "test_architecture.py", "test_custom_strategy.py", "test_examples.py", "test_docs.py",
+    "test_data.py", "test_random_streams.py", "test_run_dir.py", "test_planning.py",
+    "test_cluster.py", "test_inventory.py", "test_errors.py", "test_safe_copy.py",
+    "test_node_replica.py", "test_rank.py", "test_engine_shape.py", "test_untrusted_files.py",
+    "test_nonfinite_guard.py", "test_environment.py", "test_launch_output.py", "test_quoting.py",
+}
+_NOT_FAST = ("processes", "gloo", "across_runtimes", "every_runtime", "both_runtimes")
+
+
+def _is_fast(item: pytest.Item) -> bool:
+    return (item.path.name in FAST_FILES and item.get_closest_marker("slow") is None
+            and not any(word in item.nodeid.lower() for word in _NOT_FAST))
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m reads the markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files marked slow run first (a stable sort: each file's tests keep their order).
+    """Marks the fast subset, and runs files marked slow first (a stable sort: each file's tests
+    keep their order).
 
     Under xdist's ``--dist loadfile`` the workers take whole files in this order. Taken
     alphabetically, a long launch file came last and one worker finished it alone while the
     other core idled (about 70 s of a 678 s run on 2 cores); started first, the long files
     overlap and the many short ones fill the end."""
+    for item in items:
+        if _is_fast(item):
+            item.add_marker(pytest.mark.fast)
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
