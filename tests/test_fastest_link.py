@@ -98,6 +98,12 @@ def test_only_addresses_every_peer_shares_a_network_with_are_candidates() -> Non
     assert [a.ip for a in shared_candidates(own, [peer, peer[:1]])] == ["10.200.0.10"]
 
 
+
+def test_one_machine_listed_twice_has_no_link_to_choose() -> None:
+    own = parse_addresses(LINUX, "a")
+    assert shared_candidates(own, [own]) == []  # traffic to its own address never leaves it
+
+
 @pytest.mark.parametrize("text, message", [
     ("received 100 0.5\n", None),
     ("received 99 0.5\n", "received 99 bytes of 100"),

@@ -151,9 +151,14 @@ def parse_addresses(text: str, source: str) -> list[Address]:
 
 
 def shared_candidates(own: Sequence[Address], others: Sequence[Sequence[Address]]) -> list[Address]:
-    """The addresses of ``own`` that every other host has an address on the same network with."""
-    return [a for a in own
-            if all(any(a.shares_network_with(b) for b in theirs) for theirs in others)]
+    """The addresses of ``own`` that every other host has an address on the same network with.
+
+    An address another host also reports is never one: it cannot tell the two apart (two
+    inventory entries for one machine, or two hosts behind one NAT), and traffic to it
+    might never leave the sender."""
+    claimed = {b.interface.ip for theirs in others for b in theirs}
+    return [a for a in own if a.interface.ip not in claimed
+            and all(any(a.shares_network_with(b) for b in theirs) for theirs in others)]
 
 
 # --------------------------------------------------------------------------- timing
