@@ -14,6 +14,7 @@ import functools
 import http.server
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -180,6 +181,11 @@ def test_the_generated_reference_names_every_command_option_and_setting(site: Pa
     for title, options in commands:
         section = cli[cli.index(f"<code>{title}</code>"):]
         assert all(option in section for option in options), (title, options)
+    api = (site / "reference" / "python-api" / "index.html").read_text()
+    for name in ("Trainer", "Strategy", "CommunicationModule", "Communicator", "ThreadCommunicator",
+                 "TorchDistCommunicator", "StackedCommunicator"):
+        assert re.search(rf'id="meshtrain\.[\w.]*\.{name}"', api), name  # rendered from its docstring
+    assert ":class:" not in api and ":meth:" not in api  # the Sphinx roles shown as what they name
     settings = (site / "reference" / "settings" / "index.html").read_text()
     for cls in (RunSpec, LaunchSettings):
         names = [f.name for f in dataclasses.fields(cls) if "help" in f.metadata]

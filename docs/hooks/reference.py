@@ -13,6 +13,7 @@ The hand-written text of each page stays; the generated part is appended to it.
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -199,3 +200,17 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
         return markdown
     return markdown.rstrip() + "\n" + generate()
 
+
+
+#: A Sphinx cross-reference role left in a docstring (``:class:`~a.b.C```), as it comes out of
+#: mkdocstrings: the role's name before the code span, and the ``~`` that shortens the path.
+_SPHINX_ROLE = re.compile(r":(?:class|meth|func|mod|data|attr|exc|obj):<code>(~?)([\w.]+)</code>")
+
+
+def on_page_content(html: str, page: Page, config: MkDocsConfig, files: Files) -> str:
+    """The docstrings' Sphinx roles shown as what they name (``TrainConfig``), not as markup."""
+    def shown(match: re.Match[str]) -> str:
+        target = match.group(2)
+        return f"<code>{target.rsplit('.', 1)[-1] if match.group(1) else target}</code>"
+
+    return _SPHINX_ROLE.sub(shown, html)
