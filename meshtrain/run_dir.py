@@ -146,6 +146,12 @@ class RunDirectory:
             os.close(self._claim)
             self._claim = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The claim is a descriptor of this process: a node process that receives a copy
+        # (processes runtime) must not close its own descriptor of that number (a socket
+        # of its process group, say). The process that reserved the name releases it.
+        return {**self.__dict__, "_claim": None}
+
     def write_config(self, config: dict[str, Any]) -> None:
         atomic_write_text(self.partial / "config.yaml", yaml.safe_dump(config, sort_keys=False))
 

@@ -80,3 +80,20 @@ def test_a_live_claim_is_still_refused_and_a_dead_one_taken_over(tmp_path: Path)
     assert taken.partial.is_dir() and not any(taken.partial.iterdir())
     live.discard()
     taken.discard()
+
+
+def test_a_copy_of_the_run_directory_never_closes_the_claim(tmp_path: Path) -> None:
+    """Node processes receive a copy of the run directory (processes runtime); the claim's
+    descriptor number means something else there (a socket of the process group), so a copy
+    holds no claim and its release closes nothing. The process that reserved it releases it."""
+    import pickle
+
+    run = RunDirectory.reserve(tmp_path, "c", "ddp", 1)
+    fd = run._claim
+    assert fd is not None
+    copy = pickle.loads(pickle.dumps(run))
+    copy.commit()  # a node process committing the run: renames the folder, closes nothing
+    os.fstat(fd)  # still open in this process
+    run.release()
+    with pytest.raises(OSError):
+        os.fstat(fd)

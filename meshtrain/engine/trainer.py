@@ -233,3 +233,6 @@ def run_job(job: NodeJob) -> FitResult:
             if not isinstance(exc, KeyboardInterrupt):
                 job.run_dir.write_error_log(exc)
         raise
+    finally:
+        if job.run_dir is not None:
+            job.run_dir.release()  # where node processes committed it, the claim is still ours
