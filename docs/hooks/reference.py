@@ -136,14 +136,19 @@ def _default(f: dataclasses.Field[Any]) -> str:
     return code(repr(value))
 
 
+def _number(value: float) -> str:
+    """A limit as written in its definition: a whole number whole (2**63 - 1, not 9.22337e+18)."""
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
 def _limits(meta: dict[str, Any]) -> str:
     parts = []
     if meta.get("minimum") is not None:
-        parts.append(f">= {meta['minimum']:g}")
+        parts.append(f">= {_number(meta['minimum'])}")
     if meta.get("above") is not None:
-        parts.append(f"> {meta['above']:g}")
+        parts.append(f"> {_number(meta['above'])}")
     if meta.get("maximum") is not None:
-        parts.append(f"<= {meta['maximum']:g}")
+        parts.append(f"<= {_number(meta['maximum'])}")
     if meta.get("choices"):
         parts.append("one of " + ", ".join(code(c) for c in meta["choices"]))
     if meta.get("on_resume"):  # a run setting: what a resumed run may do with it
