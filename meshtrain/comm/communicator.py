@@ -404,6 +404,10 @@ class Communicator(ABC):
         """The log of every node this communicator plays (one; the vmap runtime's, all)."""
         return [self.log]
 
+    def set_node_logs(self, logs: list[CommLog]) -> None:
+        """Record into ``logs`` from now on (as :meth:`node_logs` lists them)."""
+        (self.log,) = logs
+
     def open_side_channel(self) -> Communicator | None:
         """A communicator whose collectives may run on a second thread while this one's
         thread trains and communicates (:class:`BesideTraining`), or None where
@@ -507,33 +511,56 @@ SideWork = Callable[[Communicator], None]
 
 
 class Pending:
-    """Work :meth:`BesideTraining.start` started; :meth:`wait` until it is done."""
+    """Work :meth:`BesideTraining.start` started; :meth:`wait` until it is done.
 
-    def __init__(self, owner: BesideTraining | None) -> None:
-        self._owner = owner
+    Its records join the node's log when it is waited for, in every runtime, so the bytes
+    of a run's steps are the same whether the work ran beside training or at once (each
+    record keeps the step the work started at)."""
+
+    def __init__(self, comm: Communicator | None = None, *, beside: bool = False) -> None:
+        self._comm = comm
+        self._beside = beside
         self._done = threading.Event()
-        self._records: list[CommRecord] = []
+        self._records: list[list[CommRecord]] = []  # by node log (the vmap runtime has several)
         self._error: BaseException | None = None
-        if owner is None:
+        if not beside:
             self._done.set()
 
     def wait(self) -> None:
-        """Block until the work is done; its records join the node's log, its wait counts
-        as communication time (the transfer that overlapped training does not)."""
-        owner, self._owner = self._owner, None
-        if owner is None:
+        """Block until the work is done; its records join the node's log, and where it ran
+        beside training the wait counts as communication time (the transfer that overlapped
+        training does not)."""
+        comm, self._comm = self._comm, None
+        if comm is None:
             return
-        comm = owner.comm
-        clock = comm.collective_clock
-        started, clocked = time.perf_counter(), clock() if clock is not None else 0.0
-        self._done.wait()
-        comm.log.seconds += time.perf_counter() - started
-        if clock is not None:
-            comm.collective_clock_seconds += clock() - clocked
-        for record in self._records:
-            comm.log.add(record)
+        if self._beside:
+            clock = comm.collective_clock
+            started, clocked = time.perf_counter(), clock() if clock is not None else 0.0
+            self._done.wait()
+            comm.log.seconds += time.perf_counter() - started
+            if clock is not None:
+                comm.collective_clock_seconds += clock() - clocked
+        for log, records in zip(comm.node_logs(), self._records, strict=False):
+            for record in records:
+                log.add(record)
         if self._error is not None:
             raise self._error
+
+    def saved(self) -> list[list[tuple[Any, ...]]]:
+        """For a checkpoint: block until the work is done (raising its error) and return its
+        records, still unlogged, as :meth:`restored` takes them back."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return [[dataclasses.astuple(r) for r in records] for records in self._records]
+
+    @classmethod
+    def restored(cls, comm: Communicator, records: list[list[tuple[Any, ...]]]) -> Pending:
+        """Finished work read back from a checkpoint: its records join ``comm``'s log when it
+        is waited for, at the same step as in a run that was never interrupted."""
+        pending = cls(comm)
+        pending._records = [[CommRecord(*r) for r in node] for node in records]
+        return pending
 
 
 class BesideTraining:
@@ -553,16 +580,24 @@ class BesideTraining:
         """Start ``work``, to be waited for ``overlap_steps`` steps later (its records say
         so, for the projection); where there is no side channel it runs now, on this
         communicator."""
+        def marked(log: CommLog) -> list[CommRecord]:
+            return [dataclasses.replace(r, overlap_steps=overlap_steps) for r in log.records]
+
         if self.side is None:
             logs = self.comm.node_logs()
-            before = [len(log.records) for log in logs]
-            work(self.comm)
-            for log, start in zip(logs, before, strict=True):
-                log.records[start:] = [dataclasses.replace(r, overlap_steps=overlap_steps)
-                                       for r in log.records[start:]]
-            return Pending(None)
+            held = [CommLog() for _ in logs]
+            self.comm.set_node_logs(held)
+            try:
+                work(self.comm)
+            finally:
+                self.comm.set_node_logs(logs)
+            for log, kept in zip(logs, held, strict=True):
+                log.seconds += kept.seconds
+            pending = Pending(self.comm)
+            pending._records = [marked(kept) for kept in held]
+            return pending
         side = self.side
-        pending = Pending(self)
+        pending = Pending(self.comm, beside=True)
         step, alive = self.comm.step, list(self.comm.alive)
 
         def job() -> None:
@@ -570,8 +605,7 @@ class BesideTraining:
                 side.log, side.step = CommLog(), step
                 side.set_alive(alive)
                 work(side)
-                pending._records = [dataclasses.replace(r, overlap_steps=overlap_steps)
-                                    for r in side.log.records]
+                pending._records = [marked(side.log)]
             except BaseException as exc:  # handed to the node's thread, which raises it
                 pending._error = exc
             finally:

@@ -49,6 +49,9 @@ class StackedCommunicator(Communicator):
     def node_logs(self) -> list[CommLog]:
         return self.logs
 
+    def set_node_logs(self, logs: list[CommLog]) -> None:
+        self.logs, self.log = logs, logs[0]
+
     def all_reduce(
         self,
         tensors: torch.Tensor | Sequence[torch.Tensor],

@@ -166,11 +166,12 @@ class OuterSync(CommunicationModule):
         if self.delay:
             # The average on its way is waited for (it is the same on every node) and saved
             # unapplied: a resumed run applies it at the same step as an uninterrupted one.
-            if self.in_flight is not None:
-                self.in_flight[1].wait()
             state["anchor"] = [a.clone() for a in self.anchor]
-            state["in_flight"] = (None if self.in_flight is None
-                                  else [t.clone() for t in self.in_flight[0]])
+            if self.in_flight is not None:
+                records = self.in_flight[1].saved()  # first: the average is written in place
+                state["in_flight"] = ([t.clone() for t in self.in_flight[0]], records)
+            else:
+                state["in_flight"] = None
         if self.compression is not None:  # the error-feedback residual is this node's own
             state["compression"] = self.compression.state_dict()
         return state
@@ -187,7 +188,7 @@ class OuterSync(CommunicationModule):
                 a.copy_(saved)
             saved_flight = state["in_flight"]
             self.in_flight = None if saved_flight is None else (
-                [t.clone() for t in saved_flight], Pending(None))
+                [t.clone() for t in saved_flight[0]], Pending.restored(self.strategy.comm, saved_flight[1]))
 
 
 class DiLoCo(Strategy):

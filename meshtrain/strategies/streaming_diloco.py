@@ -192,13 +192,13 @@ class StreamingOuterSync(CommunicationModule):
     def state_dict(self) -> dict[str, Any]:
         # Syncs on their way are waited for (their averages are the same on every node) and
         # saved unmerged: a resumed run merges them at the same steps as an uninterrupted one.
-        for _, _, pending in self.in_flight.values():
-            pending.wait()
+        # First wait (an average is written in place), then copy.
+        records = {p: pending.saved() for p, (_, _, pending) in self.in_flight.items()}
         return {
             "outer": [t.clone() for t in self.outer],
             "outer_optimizer": self.outer_optimizer.state_dict(),
             "last_start": list(self.last_start),
-            "in_flight": {p: (at, [t.clone() for t in averaged])
+            "in_flight": {p: (at, [t.clone() for t in averaged], records[p])
                           for p, (at, averaged, _) in self.in_flight.items()},
             # Error-feedback residuals are this node's own.
             "compression": [c.state_dict() if c is not None else None for c in self.compressions],
@@ -209,8 +209,9 @@ class StreamingOuterSync(CommunicationModule):
             theta.copy_(saved)
         self.outer_optimizer.load_state_dict(state["outer_optimizer"])
         self.last_start = list(state["last_start"])
-        self.in_flight = {int(p): (int(at), [t.clone() for t in averaged], Pending(None))
-                          for p, (at, averaged) in state["in_flight"].items()}
+        comm = self.strategy.comm
+        self.in_flight = {int(p): (int(at), [t.clone() for t in averaged], Pending.restored(comm, records))
+                          for p, (at, averaged, records) in state["in_flight"].items()}
         for c, saved in zip(self.compressions, state.get("compression", []), strict=False):
             if c is not None and saved is not None:
                 c.load_state_dict(saved)
