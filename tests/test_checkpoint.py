@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from meshtrain import NodeFailed, Trainer
 from meshtrain.checkpoint import CheckpointError, find_latest
 from meshtrain.cli.main import app
-from meshtrain.strategies import DDP, SPARTA, DeMo, DiLoCo, FedAvg, SparseLoCo, SPARTADiLoCo
+from meshtrain.strategies import DDP, SPARTA, DeMo, DiLoCo, FedAvg, SparseLoCo, SPARTADiLoCo, StreamingDiLoCo
 
 STRATEGIES = {
     "ddp": lambda: DDP("adamw", 0.01),
@@ -28,6 +28,7 @@ STRATEGIES = {
     "sparseloco": lambda: SparseLoCo(H=3, lr=0.01, chunk=64, topk=8),
     # Averages on their way at a checkpoint are saved unapplied, with their records.
     "diloco-delay": lambda: DiLoCo(H=3, lr=0.01, delay=1),
+    "streaming": lambda: StreamingDiLoCo(fragments=2, H=4, tau=2, lr=0.01),  # syncs in flight at 4, 8
 }
 # 3 nodes x 32 samples, batch 4: 8 steps an epoch, so 12 steps cross an epoch boundary.
 RUN = dict(nodes=3, max_steps=12, batch_size=4, progress=False, val_interval=5)

@@ -109,7 +109,9 @@ def test_every_strategy_communicates_only_trainable_parameters(name: str, tmp_pa
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     adapter_bytes = 4 * model.trainable_parameters()
     cls = STRATEGIES[name]
-    kwargs = {"H": 2} if "H" in cls.parameters() else {}
+    kwargs: dict[str, int] = {"H": 2} if "H" in cls.parameters() else {}
+    if "fragments" in cls.parameters():
+        kwargs["fragments"] = 2  # streaming: each fragment syncs at its own step of the H
     result = Trainer(model, data, collate_fn=lm_batch).fit(
         strategy=cls(**kwargs), nodes=2, max_steps=4, batch_size=4, out_dir=tmp_path, progress=False)
     assert result.summary["bytes_sent_per_node"] > 0
