@@ -30,7 +30,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshtrain.comm.communicator import Communicator, Group, ReduceOp, _flatten, _unflatten_into
+from meshtrain.comm.communicator import (
+    Communicator,
+    Group,
+    ReduceOp,
+    _flatten,
+    _unflatten_into,
+    start_worker,
+)
 
 #: Bytes of gradients per bucket (at least; a larger tensor is a bucket of its own): small
 #: enough that the first buckets leave early in the backward pass, large enough that the
@@ -116,7 +123,7 @@ class GradientBuckets:
         if not self.comm.reduces_in_background or len(members) < 2:
             return
         if self._jobs is None:
-            self._jobs = _start_worker()
+            self._jobs = start_worker("meshtrain-gradient-buckets")
         self._flight = _Flight(step, op, scale, members, [len(b) for b in self.layout])
 
     @torch.no_grad()
@@ -207,18 +214,3 @@ class GradientBuckets:
             with flight.ready:
                 flight.done += 1
                 flight.ready.notify_all()
-
-
-def _start_worker() -> queue.SimpleQueue[Callable[[], None]]:
-    """A daemon thread running the jobs put on the returned queue, one at a time, at the
-    node's intra-op thread count (a new thread would otherwise take torch's default)."""
-    jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-    threads = torch.get_num_threads()
-
-    def run() -> None:
-        torch.set_num_threads(threads)
-        while True:
-            jobs.get()()
-
-    threading.Thread(target=run, name="meshtrain-gradient-buckets", daemon=True).start()
-    return jobs

@@ -612,14 +612,15 @@ class BesideTraining:
                 pending._done.set()
 
         if self._jobs is None:
-            self._jobs = _start_worker()
+            self._jobs = start_worker("meshtrain-beside-training")
         self._jobs.put(job)
         return pending
 
 
-def _start_worker() -> queue.SimpleQueue[Callable[[], None]]:
+def start_worker(name: str) -> queue.SimpleQueue[Callable[[], None]]:
     """A daemon thread running the jobs put on the returned queue, one at a time, at the
-    node's intra-op thread count (so its sums match the node thread's, bit for bit)."""
+    node's intra-op thread count (a new thread would otherwise take torch's default, and its
+    sums would not match the node thread's bit for bit)."""
     jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
     threads = torch.get_num_threads()
 
@@ -628,5 +629,5 @@ def _start_worker() -> queue.SimpleQueue[Callable[[], None]]:
         while True:
             jobs.get()()
 
-    threading.Thread(target=run, name="meshtrain-beside-training", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
     return jobs
