@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -23,10 +21,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from browser import headless_chromium
 from ssh_fixtures import SshWorld, loopback_world, read_until, start_meshtrain
 
 pytestmark = pytest.mark.slow
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 HOSTS = ["alpha", "beta"]
 SCREENSHOT = os.environ.get("MESHTRAIN_DASHBOARD_SCREENSHOT")
 # DiLoCo on digits, for longer than the checks take on any machine (~2 s per 1,200 steps on an
@@ -38,25 +36,7 @@ TRAINING = ["--task", "digits", "--strategy", "diloco", "--steps", "40000",
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
-    webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (the test extra)")
-    for path in (CHROMIUM, CHROMEDRIVER):
-        if not os.path.exists(path):
-            pytest.skip(f"{path} is missing: apt-get install chromium chromium-driver")
-    from selenium.webdriver.chrome.service import Service
-
-    profile = tempfile.mkdtemp(prefix="meshtrain-chromium-")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 f"--user-data-dir={profile}", "--window-size=1400,1250"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
-    try:
-        yield driver
-    finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
+    yield from headless_chromium("1400,1250")
 
 
 @pytest.fixture(scope="module")
