@@ -48,17 +48,32 @@ def _is_fast(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(tryfirst=True)  # before -m reads the markers
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks the fast subset, and runs files marked slow first (a stable sort: each file's tests
-    keep their order).
+    """Marks the fast subset, and orders the files for xdist's ``--dist loadfile``: files with a
+    test marked slow first (most slow tests first), then the others, most tests first. A stable
+    sort of whole files: each file's tests stay together and in their order (so ``-n 0`` sets a
+    module's fixtures up once).
 
-    Under xdist's ``--dist loadfile`` the workers take whole files in this order. Taken
-    alphabetically, a long launch file came last and one worker finished it alone while the
-    other core idled (about 70 s of a 678 s run on 2 cores); started first, the long files
-    overlap and the many short ones fill the end."""
-    for item in items:
+    The workers take whole files in this order (pyproject's addopts give
+    ``--no-loadscope-reorder``: by default xdist re-sorts the files by their number of tests
+    alone, which put the long launch files, few tests each, at the end of the run, where one
+    worker finished them while the others idled). Started first, the long files overlap and
+    the many short ones fill the end."""
+    slow: dict[str, int] = {}
+    count: dict[str, int] = {}
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
         if _is_fast(item):
             item.add_marker(pytest.mark.fast)
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+        file = str(item.path)
+        first.setdefault(file, index)
+        count[file] = count.get(file, 0) + 1
+        slow[file] = slow.get(file, 0) + (item.get_closest_marker("slow") is not None)
+
+    def order(item: pytest.Item) -> tuple[bool, int, int, int]:
+        file = str(item.path)
+        return slow[file] == 0, -slow[file], -count[file], first[file]
+
+    items.sort(key=order)
 
 
 # --------------------------------------------------------------------------- shared worlds
