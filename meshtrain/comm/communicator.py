@@ -408,6 +408,14 @@ class Communicator(ABC):
         """Record into ``logs`` from now on (as :meth:`node_logs` lists them)."""
         (self.log,) = logs
 
+    def transaction(self, body: Callable[[], object], *, snapshot: Callable[[], Any],
+                    restore: Callable[[Any], None], admit: bool, step: int) -> None:
+        """Run ``body``, one step's communicating work. An elastic run's communicator
+        (:mod:`meshtrain.comm.elastic`) undoes it with ``restore(snapshot())`` and does it
+        again when a peer is lost in it, and admits rejoining nodes after it where
+        ``admit``; a fixed group just runs it."""
+        body()
+
     def open_side_channel(self) -> Communicator | None:
         """A communicator whose collectives may run on a second thread while this one's
         thread trains and communicates (:class:`BesideTraining`), or None where

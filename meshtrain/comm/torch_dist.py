@@ -31,11 +31,14 @@ class TorchDistCommunicator(Communicator):
     def __init__(self, group: Any = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised: call init_process_group first")
-        super().__init__(dist.get_rank(), dist.get_world_size())
+        self._setup(dist.get_rank(), dist.get_world_size(), group, dist.get_backend())
+
+    def _setup(self, rank: int, world_size: int, group: Any, backend: str) -> None:
+        Communicator.__init__(self, rank, world_size)
         #: The process group its messages travel in (None: the default group); a side
         #: channel has a group of its own, so its rings never mix with the node thread's.
         self.group = group
-        self.backend = dist.get_backend()  # "gloo", or "cpu:gloo,cuda:nccl" (backend_for)
+        self.backend = backend  # "gloo", or "cpu:gloo,cuda:nccl" (backend_for)
         self.moves_cuda = "nccl" in self.backend
         self._sends: list[Any] = []  # requests posted and not yet waited for
         self._receives: list[Any] = []
@@ -47,6 +50,15 @@ class TorchDistCommunicator(Communicator):
         self.reduces_in_background = self.backend == "gloo"
         self._scratch = torch.empty(0)  # the ring's receive space, kept from call to call
         self._side: TorchDistCommunicator | None = None
+
+    @property
+    def group_size(self) -> int:
+        """How many ranks the process group holds."""
+        return self.world_size
+
+    def _sum_over_group(self, flat: torch.Tensor) -> None:
+        """gloo's own all-reduce (a sum, in place) over the whole process group."""
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
 
     def open_side_channel(self) -> Communicator | None:
         """On gloo: a communicator over a process group of its own (every rank's), so a ring
@@ -126,12 +138,12 @@ class TorchDistCommunicator(Communicator):
         if flat.device.type != "cpu":  # a CUDA tensor, on nccl
             return self._ring_all_reduce_stepwise(flat, op, members)
         g = len(members)
-        if g == 2 == self.world_size and op != "max":
+        if g == 2 == self.group_size and op != "max":
             # With two members each element of the sum is one addition, and a + b == b + a
             # bit for bit: gloo's own all-reduce gives the ring's result, in one C++ call
             # instead of a Python loop of exchanges (on loopback, 4 MB: ~1.5x faster). Not
             # for max: gloo's max need not propagate a NaN as torch.maximum does.
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+            self._sum_over_group(flat)
             if op == "mean":
                 flat.div_(g)
             return flat

@@ -1,0 +1,236 @@
+"""Collectives of an elastic run: a group that loses members and takes them back.
+
+:class:`ElasticCommunicator` is :class:`~meshtrain.comm.torch_dist.TorchDistCommunicator`'s
+ring over a gloo process group of the *current membership* (:mod:`meshtrain.comm.membership`):
+one ``ProcessGroupGloo`` per epoch, formed through the rendezvous store under that epoch's
+key prefix, so only ranks that passed the HMAC gate can take part. Ranks keep their slot
+numbers (the inventory's ranks); a slot's place in the epoch's group is its position
+among the members.
+
+Every collective runs inside a *transaction* (:meth:`transaction`): the work of one step
+that communicates (the strategy's update and the callbacks after it). The node's state is
+copied first. When a peer is lost inside it (gloo reports the connection closed, or its
+timeout passes), the members meet, the coordinator drops the silent ones, every member
+forms the next epoch's group, puts the copied state back and does the work again among
+the survivors. A transaction at an *admission point* (an outer sync, or every step of
+DDP) ends with a meeting that may admit joiners: the group is formed again with them and
+the lowest old member sends them its whole state (:mod:`meshtrain.comm.state_transfer`);
+a last meeting confirms the heal before anyone goes on.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from meshtrain.comm.membership import Decision, Dropped, Table
+from meshtrain.comm.state_transfer import receive_state, send_state
+from meshtrain.comm.torch_dist import TorchDistCommunicator
+
+#: Pulses per pulse timeout: a few may be late without the rank counting as lost.
+PULSES_PER_TIMEOUT = 5
+
+
+class Healer(Protocol):
+    """What a rejoining node needs from a healthy one: its state, and how to take it."""
+
+    def capture(self) -> Any:
+        """This node's state, to send (a ``state_dict``-like structure)."""
+
+    def apply(self, state: Any) -> None:
+        """Become the node that sent ``state``."""
+
+
+def peer_lost(exc: BaseException) -> bool:
+    """Whether ``exc`` is gloo's word that a peer went away (closed, reset, timed out)."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("gloo" in text or "connection" in text or "timed out" in text)
+
+
+class ElasticCommunicator(TorchDistCommunicator):
+    """One slot's collectives over the membership of the moment (see the module docstring).
+
+    ``seal`` is called after every group forms (closes its new listening socket to
+    strangers, as a fixed group's is: :mod:`meshtrain.comm.sealing`)."""
+
+    def __init__(self, table: Table, timeout_s: float, *, seal: Callable[[], object] = lambda: None) -> None:
+        # No torch.distributed default group: every epoch has a process group of its own.
+        self._setup(table.slot, table.slots, group=None, backend="gloo")
+        self.reduces_in_background = False  # every collective on the node's thread, in a transaction
+        self.table = table
+        self.store = table.store
+        self.timeout_s = timeout_s
+        self.seal = seal
+        self.epoch = -1
+        self.meeting = 0
+        self.pg: Any = None
+        self._place: dict[int, int] = {}
+        self._graveyard: list[Any] = []  # old groups and their requests: never freed mid-run
+        self._calls = 0  # collectives so far: a transaction without one needs no meeting
+        self._in_transaction = False
+        self.healer: Healer | None = None
+        #: Every change of membership: {"step", "epoch", "members", "lost", "joined", "heal_bytes"}.
+        self.events: list[dict[str, Any]] = []
+        self.heal_bytes = 0
+
+    # ----------------------------------------------------------------- transport
+    @property
+    def group_size(self) -> int:
+        return len(self.alive)
+
+    def _sum_over_group(self, flat: torch.Tensor) -> None:
+        self._calls += 1
+        self.pg.allreduce([flat]).wait()
+
+    def _post_send(self, tensor: torch.Tensor, dst: int) -> None:
+        self._calls += 1
+        self._sends.append(self.pg.send([tensor], self._place[dst], 0))
+        self._finished_bytes += tensor.nbytes
+
+    def _post_receive(self, tensor: torch.Tensor, src: int) -> None:
+        self._calls += 1
+        self._receives.append(self.pg.recv([tensor], self._place[src], 0))
+        self._finished_bytes += tensor.nbytes
+
+    def _exchange_now(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int) -> None:
+        self._post_send(send, dst)
+        self._post_receive(recv, src)
+        self._settle()
+
+    def open_side_channel(self) -> None:
+        return None  # work "beside" runs at once: a transaction holds every collective
+
+    # ----------------------------------------------------------------- membership
+    def start(self) -> None:
+        """Form the first group, of every slot (the launch's first attempt starts them all)."""
+        self._form(Decision(0, 0, tuple(range(self.world_size))))
+        self.events.append({"step": 0, "epoch": 0, "members": list(self.alive), "lost": [], "joined": [],
+                            "heal_bytes": 0})
+
+    def join(self, timeout: float) -> Decision:
+        """A joiner: be admitted, form the group with everyone, take the state from a healthy
+        member, and confirm with everyone. Returns the decision that admitted it."""
+        nonce = self.table.ask_to_join()
+        decision = self.table.await_admission(nonce, timeout)
+        self.meeting = decision.meeting + 1
+        self.step = decision.step
+        ok = self._attempt(lambda: self._regroup(decision))
+        self._settle_membership(ok, step=decision.step)
+        return decision
+
+    def _form(self, decision: Decision) -> None:
+        if self.pg is not None:
+            self._graveyard.append(self.pg)
+        self._graveyard += self._sends + self._receives + self._finished + self._retired
+        self._sends, self._receives, self._finished, self._retired = [], [], [], []
+        self._scratch = torch.empty(0)
+        members = list(decision.members)
+        self.pg = None
+        self.alive = members
+        self._place = {slot: i for i, slot in enumerate(members)}
+        self.epoch = decision.epoch
+        store = dist.PrefixStore(f"elastic/pg/{decision.epoch}/", self.store)
+        self.pg = dist.ProcessGroupGloo(store, members.index(self.rank), len(members),
+                                        timedelta(seconds=self.timeout_s))
+        self.seal()
+
+    def _regroup(self, decision: Decision) -> None:
+        """Form ``decision``'s group; then the lowest old member heals the joiners."""
+        self._form(decision)
+        if not decision.joiners:
+            return
+        source = min(m for m in decision.members if m not in decision.joiners)
+        group = sorted({source, *decision.joiners})
+        if self.rank == source:
+            assert self.healer is not None
+            sent = send_state(self, self.healer.capture(), group) * len(decision.joiners)
+            self.heal_bytes += sent
+            self.events[-1]["heal_bytes"] += sent
+        elif self.rank in decision.joiners:
+            assert self.healer is not None
+            state, _ = receive_state(self, source, group)
+            self.healer.apply(state)
+
+    def _attempt(self, work: Callable[[], object]) -> bool:
+        """Run ``work``; False when a peer was lost in it (any other error propagates)."""
+        try:
+            work()
+        except Exception as exc:
+            if not peer_lost(exc):
+                raise
+            return False
+        return True
+
+    def _meet(self, ok: bool, *, admit: bool, step: int) -> Decision:
+        decision = self.table.meet(self.meeting, self.epoch, tuple(self.alive), ok, admit=admit, step=step)
+        self.meeting += 1
+        if self.rank not in decision.members:
+            raise Dropped(f"rank {self.rank} was left out of the group at step {step + 1} (silent for more "
+                          f"than {self.table.pulse_timeout:g} s): it leaves, and may join again")
+        if decision.epoch != self.epoch:
+            self.events.append({"step": step + 1, "epoch": decision.epoch,
+                                "members": list(decision.members), "lost": list(decision.lost),
+                                "joined": list(decision.joiners), "heal_bytes": 0})
+        return decision
+
+    def _settle_membership(self, ok: bool, *, step: int) -> None:
+        """Meet (without admitting) until a meeting changes nothing: every member then holds
+        the same group, formed."""
+        while True:
+            decision = self._meet(ok, admit=False, step=step)
+            if decision.epoch == self.epoch:
+                return
+            ok = self._attempt(lambda d=decision: self._regroup(d))  # type: ignore[misc]
+
+    # ----------------------------------------------------------------- transactions
+    def transaction(self, body: Callable[[], object], *, snapshot: Callable[[], Any],
+                    restore: Callable[[Any], None], admit: bool, step: int) -> None:
+        """Run ``body`` (this step's communicating work) so that a peer lost in it costs a
+        redo among the survivors; at an admission point, take joiners in afterwards."""
+        saved = snapshot()
+        calls = self._calls
+        ok = self._attempt(body)
+        if ok and not admit and self._calls == calls:
+            return  # nothing was said to anyone: nothing to agree on
+        while True:
+            decision = self._meet(ok, admit=admit, step=step)
+            if not decision.redo:  # the work stands
+                if decision.epoch != self.epoch:  # joiners came: heal them, then all confirm
+                    ok = self._attempt(lambda d=decision: self._regroup(d))  # type: ignore[misc]
+                    self._settle_membership(ok, step=step)
+                return
+            restore(saved)  # a peer was lost: the survivors do the work again
+            if not self._attempt(lambda d=decision: self._regroup(d)):  # type: ignore[misc]
+                ok = False  # another was lost while the group formed: meet again
+                continue
+            ok = self._attempt(body)
+
+
+def start_pulse(store: Any, slot: int, pulse_timeout: float,
+                stop: threading.Event | None = None) -> threading.Thread:
+    """Add to ``slot``'s pulse counter every ``pulse_timeout / 5`` seconds, from a daemon
+    thread on ``store`` (a connection of its own: the main one may wait long in a group's
+    formation), until ``stop`` is set. A stopped or cut-off process stops pulsing: the
+    coordinator drops it."""
+    interval = pulse_timeout / PULSES_PER_TIMEOUT
+    stopped = stop or threading.Event()
+
+    def beat() -> None:
+        key = Table.pulse_key(slot)
+        while not stopped.is_set():
+            try:
+                store.add(key, 1)
+            except Exception:  # noqa: BLE001 - rank 0 is gone: the main thread finds out itself
+                return
+            stopped.wait(interval)
+
+    thread = threading.Thread(target=beat, name="meshtrain-pulse", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,152 @@
+"""The pieces of ``launch --elastic`` in one process: membership decisions, the state sent
+to a joiner, and a real gloo group (threads on loopback) that loses a member mid-collective,
+redoes the work among the survivors, and takes the member back with a peer's state."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from meshtrain.comm.elastic import ElasticCommunicator, start_pulse
+from meshtrain.comm.membership import Decision, MembershipError, Table, decide
+from meshtrain.comm.state_transfer import StateTransferError, decode, encode
+from meshtrain.comm.torch_dist import loopback_interface
+
+
+# --------------------------------------------------------------------------- decisions
+def test_a_silent_member_is_dropped_and_the_work_redone_in_a_new_epoch() -> None:
+    d = decide(4, 2, [0, 1, 2], {0: True, 1: False}, [], admit=True, step=9)
+    assert (d.members, d.lost, d.redo, d.epoch, d.joiners) == ((0, 1), (2,), True, 3, ())
+
+
+def test_joiners_come_in_only_at_an_admission_point_where_nothing_failed() -> None:
+    everyone_ok = {0: True, 1: True}
+    assert decide(1, 0, [0, 1], everyone_ok, [2], admit=False, step=0).members == (0, 1)
+    d = decide(1, 0, [0, 1], everyone_ok, [2], admit=True, step=19)
+    assert (d.members, d.joiners, d.redo, d.epoch) == ((0, 1, 2), (2,), False, 1)
+    assert decide(1, 0, [0, 1], {0: True, 1: False}, [2], admit=True, step=19).joiners == ()
+    # Nothing changed: the same epoch, the same group.
+    assert decide(1, 5, [0, 1], everyone_ok, [], admit=True, step=19).epoch == 5
+
+
+@pytest.mark.parametrize("text", [
+    b"not json", b"[]", b'{"meeting": 1}',
+    b'{"meeting": 1, "epoch": 0, "members": [0, "x"], "redo": false, "joiners": [], "lost": [], "step": 0}',
+    b'{"meeting": 1, "epoch": 0, "members": [0], "redo": 1, "joiners": [], "lost": [], "step": 0}',
+    b'{"meeting": true, "epoch": 0, "members": [0], "redo": false, "joiners": [], "lost": [], "step": 0}',
+])
+def test_a_malformed_decision_is_refused(text: bytes) -> None:
+    with pytest.raises(MembershipError):
+        Decision.from_json(text)
+
+
+# --------------------------------------------------------------------------- state transfer
+def test_an_optimizer_state_survives_the_skeleton_bit_for_bit() -> None:
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, betas=(0.9, 0.95))
+    model(torch.ones(4, 3)).sum().backward()
+    opt.step()
+    state = {"opt": opt.state_dict(), "step": 7, "none": None, "pair": (1, "a")}
+    skeleton, tensors = encode(state)
+    back = decode(skeleton, [t.clone() for t in tensors])
+    assert back["step"] == 7 and back["none"] is None and back["pair"] == (1, "a")
+    fresh = torch.optim.AdamW(torch.nn.Linear(3, 2).parameters(), lr=0.5)
+    fresh.load_state_dict(back["opt"])  # integer keys and tuples came back as they were
+    for key, value in opt.state_dict()["state"][0].items():
+        assert torch.equal(fresh.state_dict()["state"][0][key], value), key
+    assert fresh.param_groups[0]["betas"] == (0.9, 0.95)
+
+
+@pytest.mark.parametrize("skeleton", [{"x": 1}, {"t": 5, "dtype": "float32", "shape": [1]},
+                                      {"d": [[True, {"v": 1}]]}, {"v": [1, 2]}, {"l": [{"v": {}}]}])
+def test_a_malformed_state_is_refused(skeleton: Any) -> None:
+    with pytest.raises(StateTransferError):
+        decode(skeleton, [])
+
+
+# --------------------------------------------------------------------------- a real group
+class _Node:
+    """One slot on a thread: its communicator, a value it contributes, a pulse it can stop."""
+
+    def __init__(self, store: Any, slot: int, slots: int) -> None:
+        table = Table(store, slot, slots, pulse_timeout=1.0, wait_timeout=60.0)
+        self.comm = ElasticCommunicator(table, timeout_s=3.0)
+        self.stop = threading.Event()
+        start_pulse(store, slot, 1.0, self.stop)
+        self.value = torch.full((5,), float(slot + 1))
+        self.comm.healer = self
+
+    def capture(self) -> Any:
+        return {"value": self.value}
+
+    def apply(self, state: Any) -> None:
+        self.value = state["value"].clone()
+
+    def average(self, step: int, admit: bool = False) -> None:
+        def body() -> None:
+            self.comm.all_reduce(self.value, op="mean")
+
+        self.comm.transaction(body, snapshot=lambda: self.value.clone(),
+                              restore=lambda saved: self.value.copy_(saved), admit=admit, step=step)
+
+
+def _on_threads(*work: Any) -> None:
+    errors: list[BaseException] = []
+
+    def run(w: Any) -> None:
+        try:
+            w()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(w,)) for w in work]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+
+
+@pytest.fixture
+def loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    iface = loopback_interface()
+    if iface is None:
+        pytest.skip("no loopback interface for gloo")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", iface)
+
+
+def test_a_member_lost_mid_collective_is_dropped_then_rejoins_with_a_peers_state(loopback: None) -> None:
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=60))
+    nodes = [_Node(store, s, 3) for s in range(3)]
+    _on_threads(*(n.comm.start for n in nodes))
+    _on_threads(*(lambda n=n: n.average(0) for n in nodes))
+    assert all(torch.equal(n.value, torch.full((5,), 2.0)) for n in nodes)
+
+    # Slot 2 goes silent: no pulse, never comes to the next collective.
+    nodes[2].stop.set()
+    nodes[0].value += 1.0  # 3.0 and 2.0 now: the survivors' mean is 2.5
+    _on_threads(*(lambda n=n: n.average(1) for n in nodes[:2]))
+    for n in nodes[:2]:
+        assert n.comm.alive == [0, 1] and torch.equal(n.value, torch.full((5,), 2.5))
+    assert nodes[0].comm.events[-1]["lost"] == [2]
+
+    # Slot 2 starts again as a joiner; admitted at the next admission point with node 0's state.
+    joiner = _Node(store, 2, 3)
+    joiner.value = torch.full((5,), -100.0)  # whatever it held is replaced
+    survivors = nodes[:2]
+    _on_threads(lambda: joiner.comm.join(60.0), *(lambda n=n: n.average(2, admit=True) for n in survivors))
+    assert joiner.comm.alive == [0, 1, 2] and torch.equal(joiner.value, nodes[0].value)
+    event = nodes[0].comm.events[-1]
+    assert event["joined"] == [2] and event["heal_bytes"] > 5 * 4
+
+    # And the three average together again.
+    joiner.value += 3.0
+    _on_threads(*(lambda n=n: n.average(3) for n in [*survivors, joiner]))
+    for n in [*survivors, joiner]:
+        assert torch.equal(n.value, torch.full((5,), 3.5))
