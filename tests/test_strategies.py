@@ -33,7 +33,7 @@ COMMON = ["max_norm", "warmup_steps", "lr_schedule", "min_lr"]
 COMPRESSION = ["compression", "compression_block", "error_feedback"]
 EXPECTED_PARAMETERS = {
     "ddp": ["optim", "lr", *COMMON],
-    "diloco": ["H", "outer_lr", "outer_momentum", "nesterov", *COMPRESSION, "optim", "lr", "delay",
+    "diloco": ["H", "delay", "outer_lr", "outer_momentum", "nesterov", *COMPRESSION, "optim", "lr",
                *COMMON],
     "sparta": ["p", "selector", "optim", "lr", *COMMON],
     "sparta-diloco": ["p", "sparse_interval", "selector", "H", "outer_lr", "outer_momentum", "nesterov",

@@ -191,19 +191,60 @@ class OuterSync(CommunicationModule):
                 [t.clone() for t in saved_flight[0]], Pending.restored(self.strategy.comm, saved_flight[1]))
 
 
-class DiLoCo(Strategy):
-    """DiLoCo: H local steps of an inner optimizer, then one outer Nesterov step.
+class OuterSGDStrategy(Strategy):
+    """The arguments every strategy with DiLoCo's outer loop takes, defined once.
+
+    A subclass sets its own arguments (its schedule: H, fragments, ...) and calls this
+    constructor, which stores these and builds the subclass's :meth:`outer_modules`.
 
     Args:
-        H: inner steps between syncs (500 in the paper; 20-100 in small experiments).
         outer_lr, outer_momentum, nesterov: the outer SGD (paper: 0.7, 0.9, True).
         compression: how the outer gradient travels: fp32 (exact ring all-reduce), bf16,
             fp16, int8 or int4 (an all-gather of the encoded payloads, meshtrain/comm/compression.py).
         compression_block: values per float32 scale (int8, int4).
         error_feedback: carry what a payload lost into the next round's outer gradient.
         optim, lr: the inner optimizer (paper: AdamW, lr 4e-4, wd 0.1, betas 0.9/0.95).
+    """
+
+    def __init__(
+        self,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        compression: str = "fp32",
+        compression_block: int = 128,
+        error_feedback: bool = False,
+        optim: str | Optim = Optim("adamw", weight_decay=0.1, betas=(0.9, 0.95)),
+        lr: float = 4e-4,
+        **common: Any,
+    ) -> None:
+        self.outer_lr = outer_lr
+        self.outer_momentum = outer_momentum
+        self.nesterov = nesterov
+        self.compression = compression
+        self.compression_block = compression_block
+        self.error_feedback = error_feedback
+        super().__init__(optim, lr, modules=self.outer_modules(), **common)
+
+    def outer_modules(self) -> list[CommunicationModule]:
+        """The communication modules, built from the arguments stored on ``self``."""
+        raise NotImplementedError
+
+    def new_compression(self) -> PseudoGradientCompression | None:
+        """A fresh compression of one pseudo-gradient (its own error-feedback residual), None
+        for fp32."""
+        return compression_from(self.compression, self.compression_block, self.error_feedback)
+
+
+class DiLoCo(OuterSGDStrategy):
+    """DiLoCo: H local steps of an inner optimizer, then one outer Nesterov step.
+
+    Args:
+        H: inner steps between syncs (500 in the paper; 20-100 in small experiments).
         delay: 1 applies each round's average at the end of the next round, its all-reduce
             overlapping that round's training (arXiv 2502.12996); 0 (default) waits for it.
+        outer_lr, outer_momentum, nesterov, compression, compression_block, error_feedback,
+            optim, lr: see :class:`OuterSGDStrategy`.
     """
 
     name = "diloco"
@@ -216,31 +257,14 @@ class DiLoCo(Strategy):
     balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)
     supports_vmap = True
 
-    def __init__(
-        self,
-        H: int = 100,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
-        compression: str = "fp32",
-        compression_block: int = 128,
-        error_feedback: bool = False,
-        optim: str | Optim = Optim("adamw", weight_decay=0.1, betas=(0.9, 0.95)),
-        lr: float = 4e-4,
-        delay: int = 0,
-        **common: Any,
-    ) -> None:
+    def __init__(self, H: int = 100, *, delay: int = 0, **shared: Any) -> None:
         self.H = H
         self.delay = delay
-        self.outer_lr = outer_lr
-        self.outer_momentum = outer_momentum
-        self.nesterov = nesterov
-        self.compression = compression
-        self.compression_block = compression_block
-        self.error_feedback = error_feedback
-        sync = OuterSync(H, outer_lr, outer_momentum, nesterov,
-                         compression_from(compression, compression_block, error_feedback), delay)
-        super().__init__(optim, lr, modules=[sync], **common)
+        super().__init__(**shared)
+
+    def outer_modules(self) -> list[CommunicationModule]:
+        return [OuterSync(self.H, self.outer_lr, self.outer_momentum, self.nesterov,
+                          self.new_compression(), self.delay)]
 
     def sync_interval(self) -> int | None:
         return self.H

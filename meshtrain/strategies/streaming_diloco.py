@@ -35,8 +35,9 @@ from typing import Any
 import torch
 
 from meshtrain.comm.communicator import BesideTraining, Pending
-from meshtrain.comm.compression import PseudoGradientCompression, compression_from
-from meshtrain.strategies.base import CommunicationModule, Optim, Strategy
+from meshtrain.comm.compression import PseudoGradientCompression
+from meshtrain.strategies.base import CommunicationModule, Strategy
+from meshtrain.strategies.diloco import OuterSGDStrategy
 
 
 def split_fragments(sizes: Sequence[int], count: int) -> list[list[int]]:
@@ -217,7 +218,7 @@ class StreamingOuterSync(CommunicationModule):
                 c.load_state_dict(saved)
 
 
-class StreamingDiLoCo(Strategy):
+class StreamingDiLoCo(OuterSGDStrategy):
     """Streaming DiLoCo: DiLoCo synced fragment by fragment, overlapped with training.
 
     Args:
@@ -227,10 +228,9 @@ class StreamingDiLoCo(Strategy):
         tau: inner steps a fragment's all-reduce overlaps before its outer update merges
             (0: at once; the paper overlaps 1 to 5).
         alpha: the local fragment's share when the global one merges (0: replaced).
-        outer_lr, outer_momentum, nesterov: the outer SGD (paper: 0.7, 0.9, True).
+        outer_lr, outer_momentum, nesterov, optim, lr: see :class:`OuterSGDStrategy`.
         compression, compression_block, error_feedback: as DiLoCo's, per fragment (each
             keeps its own residual; the paper sends its outer gradients in 4 bits).
-        optim, lr: the inner optimizer (paper: AdamW, lr 4e-4, wd 0.1, betas 0.9/0.95).
     """
 
     name = "streaming-diloco"
@@ -246,28 +246,15 @@ class StreamingDiLoCo(Strategy):
         H: int = 100,
         tau: int = 1,
         alpha: float = 0.5,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
-        compression: str = "fp32",
-        compression_block: int = 128,
-        error_feedback: bool = False,
-        optim: str | Optim = Optim("adamw", weight_decay=0.1, betas=(0.9, 0.95)),
-        lr: float = 4e-4,
-        **common: Any,
+        **shared: Any,
     ) -> None:
         self.fragments = fragments
         self.H = H
         self.tau = tau
         self.alpha = alpha
-        self.outer_lr = outer_lr
-        self.outer_momentum = outer_momentum
-        self.nesterov = nesterov
-        self.compression = compression
-        self.compression_block = compression_block
-        self.error_feedback = error_feedback
-        compressions = [compression_from(compression, compression_block, error_feedback)
-                        for _ in range(max(fragments, 0))]
-        module = StreamingOuterSync(fragments, H, tau, alpha, outer_lr, outer_momentum, nesterov,
-                                    compressions)
-        super().__init__(optim, lr, modules=[module], **common)
+        super().__init__(**shared)
+
+    def outer_modules(self) -> list[CommunicationModule]:
+        compressions = [self.new_compression() for _ in range(max(self.fragments, 0))]
+        return [StreamingOuterSync(self.fragments, self.H, self.tau, self.alpha, self.outer_lr,
+                                   self.outer_momentum, self.nesterov, compressions)]
