@@ -286,21 +286,16 @@ def recommend(work: Workload, cluster: Cluster, budget: float = COMM_BUDGET) -> 
     largest = diloco[-1]
     reasons.append(f"even DiLoCo H={largest.options['H']} spends {largest.comm_share:.0%} "
                    f"communicating: {largest.speedup:.2f}x one host")
-    fitting = [c for c in compressed if c.comm_share <= budget] + \
-        [c for c in sparseloco if c.comm_share <= budget]
-    if fitting:
-        choice = fitting[0]
-        reasons.append(f"{choice.label} keeps communication within {budget:.0%} "
-                       f"({choice.comm_share:.1%}), its compute of encoding included: "
-                       f"{choice.speedup:.2f}x one host")
-        return Plan(work, cluster, choice, found, reasons)
-    fitting = [c for c in overlapped if c.comm_share <= budget]
-    if fitting:
-        choice = fitting[0]
-        reasons.append(f"{choice.label} keeps communication within {budget:.0%} "
-                       f"({choice.comm_share:.1%}) by hiding its syncs behind compute: "
-                       f"{choice.speedup:.2f}x one host")
-        return Plan(work, cluster, choice, found, reasons)
+    # Then the fewer bytes of compression, then the overlap that hides the syncs: the first
+    # candidate of each kind that keeps within the budget.
+    for kind, how in (([*compressed, *sparseloco], ", its compute of encoding included"),
+                      (overlapped, " by hiding its syncs behind compute")):
+        fitting = [c for c in kind if c.comm_share <= budget]
+        if fitting:
+            choice = fitting[0]
+            reasons.append(f"{choice.label} keeps communication within {budget:.0%} "
+                           f"({choice.comm_share:.1%}){how}: {choice.speedup:.2f}x one host")
+            return Plan(work, cluster, choice, found, reasons)
     choice = min([*diloco, *compressed, *sparseloco, *overlapped], key=lambda c: c.comm_seconds)
     reasons.append(f"none keeps within {budget:.0%}; {choice.label} communicates least "
                    f"({choice.comm_share:.0%}): {choice.speedup:.2f}x one host; a faster link would pay off")
