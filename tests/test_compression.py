@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 from helpers import MLP, regression_data
+from test_reference_math import sharded_batch
 from torch.testing import assert_close
 
 from meshtrain import Trainer
@@ -121,10 +122,24 @@ def test_sparse_codec_carries_top_k_in_two_bits_with_twelve_bit_indices():
 
 
 # --------------------------------------------------------------- DiLoCo with compression
-def sharded_batch(data, rank, nodes, step, batch):
-    """Node ``rank``'s batch ``step``: samples rank, rank + nodes, ... in order."""
-    rows = torch.arange(rank, len(data) - len(data) % nodes, nodes)[step * batch : (step + 1) * batch]
-    return tuple(t[rows] for t in data.tensors)
+def local_rounds(models, inner, data, steps, batch, H, outer_step) -> None:
+    """Each node's inner steps on its own shard; ``outer_step()`` every H steps and after the
+    last one."""
+    for s in range(steps):
+        for r, (m, opt) in enumerate(zip(models, inner, strict=True)):
+            opt.zero_grad()
+            m(sharded_batch(data, r, len(models), s, batch)).backward()
+            opt.step()
+        if (s + 1) % H == 0 or s == steps - 1:
+            outer_step()
+
+
+def restart_from(models, theta) -> None:
+    """Every node continues from the global parameters."""
+    with torch.no_grad():
+        for m in models:
+            for p, t in zip(m.parameters(), theta, strict=True):
+                p.copy_(t)
 
 
 def reference_compressed_diloco(data, nodes, steps, batch, *, H, inner_lr, levels, block,
@@ -156,18 +171,9 @@ def reference_compressed_diloco(data, nodes, steps, batch, *, H, inner_lr, level
                 t.grad = mean[offset : offset + t.numel()].view_as(t).clone()
                 offset += t.numel()
         outer.step()
-        with torch.no_grad():
-            for m in models:
-                for p, t in zip(m.parameters(), theta, strict=True):
-                    p.copy_(t)
+        restart_from(models, theta)
 
-    for s in range(steps):
-        for r, (m, opt) in enumerate(zip(models, inner, strict=True)):
-            opt.zero_grad()
-            m(sharded_batch(data, r, nodes, s, batch)).backward()
-            opt.step()
-        if (s + 1) % H == 0 or s == steps - 1:
-            outer_step()
+    local_rounds(models, inner, data, steps, batch, H, outer_step)
     return [t.detach() for t in theta]
 
 
@@ -315,17 +321,9 @@ def reference_sparseloco(data, nodes, steps, batch, *, H, inner_lr, outer_lr, de
             for t in theta:
                 t -= outer_lr * mean[offset : offset + t.numel()].view_as(t)
                 offset += t.numel()
-            for m in models:
-                for p, t in zip(m.parameters(), theta, strict=True):
-                    p.copy_(t)
+        restart_from(models, theta)
 
-    for s in range(steps):
-        for r, (m, opt) in enumerate(zip(models, inner, strict=True)):
-            opt.zero_grad()
-            m(sharded_batch(data, r, nodes, s, batch)).backward()
-            opt.step()
-        if (s + 1) % H == 0 or s == steps - 1:
-            outer_step()
+    local_rounds(models, inner, data, steps, batch, H, outer_step)
     return theta
 
 

@@ -10,10 +10,12 @@ saves the page, mid-run, as a PNG there (how docs/dashboard.png was made).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -37,6 +39,20 @@ TRAINING = ["--task", "digits", "--strategy", "diloco", "--steps", "40000",
 @pytest.fixture(scope="module")
 def browser() -> Iterator[object]:
     yield from headless_chromium("1400,1250")
+
+
+@contextlib.contextmanager
+def dashboard_command(runs: Path, banner: str) -> Iterator[str]:
+    """`meshtrain dashboard RUNS` running until the block ends: the page's URL, read from the
+    line that starts with ``banner``."""
+    proc = subprocess.Popen([sys.executable, "-m", "meshtrain", "dashboard", str(runs)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        shown = read_until(proc, [banner], timeout=60)
+        yield re.search(r"(http://127\.0\.0\.1:\d+/\?token=[\w-]+)", shown).group(1)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -109,8 +125,6 @@ def test_the_page_shows_every_host_and_growing_curves_while_a_launch_trains(
 
 
 def test_a_finished_run_opens_in_the_dashboard_command(browser, tmp_path: Path) -> None:  # noqa: ANN001
-    import sys
-
     from helpers import MLP, regression_data
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -120,11 +134,7 @@ def test_a_finished_run_opens_in_the_dashboard_command(browser, tmp_path: Path) 
         Trainer(MLP(seed), regression_data()).fit(nodes=2, max_steps=40, batch_size=8, seed=seed,
                                                   cluster="gbe", out_dir=str(tmp_path / "runs"), run_id=name,
                                                   progress=False)
-    proc = subprocess.Popen([sys.executable, "-m", "meshtrain", "dashboard", str(tmp_path / "runs")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        shown = read_until(proc, ["dashboard of 2 runs: http://127.0.0.1:"], timeout=60)
-        url = re.search(r"(http://127\.0\.0\.1:\d+/\?token=[\w-]+)", shown).group(1)
+    with dashboard_command(tmp_path / "runs", "dashboard of 2 runs: http://127.0.0.1:") as url:
         browser.get(url)
         wait = WebDriverWait(browser, 30, poll_frequency=0.2)
         wait.until(lambda d: _points(d, "chart-step", "mean of nodes") == 40)
@@ -132,16 +142,12 @@ def test_a_finished_run_opens_in_the_dashboard_command(browser, tmp_path: Path) 
         # Tick the second run: both runs' curves are drawn, one each.
         browser.execute_script("document.querySelector('#runs li[data-run=\"second\"] input').click()")
         wait.until(lambda d: [_points(d, "chart-step", run) for run in ("first", "second")] == [40, 40])
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def test_a_damaged_run_is_listed_with_its_reason_and_the_others_drawn(browser, tmp_path: Path) -> None:  # noqa: ANN001
     """One run directory that cannot be read made `meshtrain dashboard runs/` exit 2 before any
     page existed: it is listed as damaged, its reason among its events, the others drawn."""
     import json
-    import sys
 
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -151,11 +157,7 @@ def test_a_damaged_run_is_listed_with_its_reason_and_the_others_drawn(browser, t
         (folder / "summary.json").write_text(json.dumps({"run_id": name, "nodes": 2, "steps": 3}))
         (folder / "metrics.csv").write_text("step,train_loss,seconds\n1,0.5,0.1\n2,0.4,0.2\n3,0.3,0.3\n")
     (tmp_path / "runs" / "bad" / "summary.json").write_text("{not json")
-    proc = subprocess.Popen([sys.executable, "-m", "meshtrain", "dashboard", str(tmp_path / "runs")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        shown = read_until(proc, ["dashboard of 2 runs, 1 damaged: http://127.0.0.1:"], timeout=60)
-        url = re.search(r"(http://127\.0\.0\.1:\d+/\?token=[\w-]+)", shown).group(1)
+    with dashboard_command(tmp_path / "runs", "dashboard of 2 runs, 1 damaged: http://127.0.0.1:") as url:
         browser.get(url)
         wait = WebDriverWait(browser, 30, poll_frequency=0.2)
         state = "return document.querySelector(`#runs li[data-run=\"${arguments[0]}\"] .state`)?.textContent"
@@ -165,6 +167,3 @@ def test_a_damaged_run_is_listed_with_its_reason_and_the_others_drawn(browser, t
         browser.execute_script("document.querySelector('#runs li[data-run=\"bad\"]').click()")
         wait.until(lambda d: "summary.json: unreadable" in d.find_element("id", "events").text)
         assert "damaged" in browser.find_element("id", "run-info").text
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
