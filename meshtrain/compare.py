@@ -44,7 +44,7 @@ DEFAULT_STRATEGIES = ("ddp", "diloco", "sparta")
 #: with only 12 outer steps), SPARTA's lr 2e-3 (its local steps drift less than it gains).
 COMPARE_DEFAULTS: dict[str, dict[str, list[str]]] = {
     "digits": {"diloco": ["outer_momentum=0.8"], "sparta": ["lr=0.002"],
-               "streaming-diloco": ["outer_momentum=0.8"]},
+               "streaming-diloco": ["outer_momentum=0.8"], "async-diloco": ["outer_momentum=0.8"]},
 }
 
 #: Default target: this factor times the reference (DDP's, else the best) final val loss.

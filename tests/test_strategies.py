@@ -25,6 +25,7 @@ from meshtrain.strategies import (
     SPARTADiLoCo,
     Strategy,
 )
+from meshtrain.strategies.async_diloco import AsyncDiLoCo
 from meshtrain.strategies.base import OPTIMIZERS
 from meshtrain.strategies.demo import ChunkedDCT, dct_matrix
 from meshtrain.strategies.streaming_diloco import StreamingDiLoCo
@@ -43,13 +44,15 @@ EXPECTED_PARAMETERS = {
     "streaming-diloco": ["fragments", "H", "tau", "alpha", "outer_lr", "outer_momentum", "nesterov",
                          *COMPRESSION, "optim", "lr", *COMMON],
     "demo": ["lr", "compression_decay", "compression_topk", "compression_chunk", "weight_decay", *COMMON],
+    "async-diloco": ["H", "dylu", "grace", "outer_lr", "outer_momentum", "buffer_size", "momentum_activation",
+                     "speeds", "optim", "lr", *COMMON],
 }
 
 
 def test_registry_names():
     assert STRATEGIES == {"ddp": DDP, "diloco": DiLoCo, "sparta": SPARTA, "sparta-diloco": SPARTADiLoCo,
                           "fedavg": FedAvg, "demo": DeMo, "sparseloco": SparseLoCo,
-                          "streaming-diloco": StreamingDiLoCo}
+                          "streaming-diloco": StreamingDiLoCo, "async-diloco": AsyncDiLoCo}
 
 
 @pytest.mark.parametrize("name", list(EXPECTED_PARAMETERS))

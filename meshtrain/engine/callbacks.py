@@ -105,6 +105,7 @@ class NodeRun:
     seconds: list[float] = field(default_factory=list)  # since the run started, per step
     history_val: dict[int, dict[str, float]] = field(default_factory=dict)
     skipped: list[int] = field(default_factory=list)  # steps skipped for a non-finite loss
+    idle_steps: list[int] = field(default_factory=list)  # 0-based loop steps it did not train in
     departed: dict[int, NodeReport] = field(default_factory=dict)  # rank 0: nodes that left
     initial: dict[str, float] = field(default_factory=dict)  # the global model before step 1
     first_step: int = 0
@@ -125,10 +126,12 @@ class NodeRun:
         """What this node sends rank 0 about the steps it took."""
         in_collectives = self.comm.log.seconds - self.collectives_before
         looped = time.perf_counter() - self.loop_started
+        trained = len(self.losses) - self.first_step - sum(s >= self.first_step for s in self.idle_steps)
         return NodeReport(self.losses, self.seconds, *bytes_per_step(self.comm, self.max_steps),
-                          self.startup_sent, *self.clock.steady(len(self.losses) - self.first_step),
+                          self.startup_sent, *self.clock.steady(trained),
                           in_collectives / looped if looped > 0 else None,
-                          self.balancer.collective_share() if self.balancer is not None else None)
+                          self.balancer.collective_share() if self.balancer is not None else None,
+                          self.idle_steps)
 
 
 class Callback:
@@ -565,7 +568,7 @@ class Checkpointing(Callback):
             "comm": [astuple(r) for r in log.records],
             "comm_totals": [log.bytes_sent, log.bytes_received, log.seconds],
             "losses": run.losses, "seconds": run.seconds, "val": run.history_val, "initial": run.initial,
-            "skipped": run.skipped,
+            "skipped": run.skipped, "idle_steps": run.idle_steps,
             "startup_sent": run.startup_sent,
             "loop_seconds": run.loop_before + time.perf_counter() - run.loop_started,
         }

@@ -47,6 +47,7 @@ from meshtrain.engine.callbacks import (
 )
 from meshtrain.engine.job import FitResult, NodeJob
 from meshtrain.engine.report import NodeReport, finish_run
+from meshtrain.errors import SettingError
 from meshtrain.faults import check_steps
 from meshtrain.progress import Progress, Status
 from meshtrain.seeding import mix_seed
@@ -80,7 +81,7 @@ def train_node(job: NodeJob, comm: Communicator, *, rng_guard: RngGuard | None =
         run.initial = validation.evaluate_untrained(run.strategy, shown=job.config.progress)
     callbacks = _callbacks(run, validation)
     guard = NonFiniteGuard()
-    strategy, cfg = run.strategy, job.config
+    strategy = run.strategy
     run.loop_started, run.collectives_before = time.perf_counter(), comm.log.seconds
     with run.progress, run.live.closed_on_failure():
         for step in range(run.first_step, run.max_steps):
@@ -88,23 +89,15 @@ def train_node(job: NodeJob, comm: Communicator, *, rng_guard: RngGuard | None =
             comm.step = step
             if not all([c.step_start(run, step) for c in callbacks]):  # this node leaves (--fail)
                 return FitResult(model=run.model, history=[], run_dir=None, summary={})
-            loss = 0.0
-            indices = run.batches.next_indices()
-            micros = list(split_microbatches(indices, cfg.microbatch_size))
-            if sole_backward(cfg, len(micros)):  # DDP: gradients on the wire during backward
-                strategy.before_sole_backward(step)
-            for micro in micros:
-                batch = to_device(fetch(run.train_set, micro, job.collate_fn), run.device)
-                loss += _forward_backward(run, batch, weight=len(micro) / len(indices))
-            if run.scaler is not None:  # fp16: the gradients back to their true size
-                run.scaler.unscale(strategy.params)
-            skip = guard.skips(run, step, loss)
-            with run.clock:
-                if skip:
-                    strategy.skip_step(step)
-                else:
-                    strategy.step(step)  # the update, and this step's communication
-            run.losses.append(loss)
+            if strategy.trains_at(step):
+                run.losses.append(_train_step(run, step, guard))
+            else:  # async-diloco: a slower node's step spans several loop steps
+                guard.skips(run, step, 0.0)  # it still votes where the nodes agree on skipping
+                strategy.idle_step(step)
+                # Shown where a loss is shown (progress, live view): its last one; the
+                # history leaves the step out of its mean (idle_steps).
+                run.losses.append(run.losses[-1] if run.losses else math.nan)
+                run.idle_steps.append(step)
             if step == run.first_step:
                 run.clock.first_step_done()
             run.seconds.append(run.seconds_before + time.time() - job.started)
@@ -116,6 +109,28 @@ def train_node(job: NodeJob, comm: Communicator, *, rng_guard: RngGuard | None =
     # After finish every node holds the global model: node val loss equals the global one.
     final = validation.evaluate_global(strategy)
     return _report(run, final)
+
+
+def _train_step(run: NodeRun, step: int, guard: NonFiniteGuard) -> float:
+    """One training step: batch, forward and backward, the strategy's update. Its loss."""
+    cfg, strategy = run.job.config, run.strategy
+    loss = 0.0
+    indices = run.batches.next_indices()
+    micros = list(split_microbatches(indices, cfg.microbatch_size))
+    if sole_backward(cfg, len(micros)):  # DDP: gradients on the wire during backward
+        strategy.before_sole_backward(step)
+    for micro in micros:
+        batch = to_device(fetch(run.train_set, micro, run.job.collate_fn), run.device)
+        loss += _forward_backward(run, batch, weight=len(micro) / len(indices))
+    if run.scaler is not None:  # fp16: the gradients back to their true size
+        run.scaler.unscale(strategy.params)
+    skip = guard.skips(run, step, loss)
+    with run.clock:
+        if skip:
+            strategy.skip_step(step)
+        else:
+            strategy.step(step)  # the update, and this step's communication
+    return loss
 
 
 def sole_backward(cfg: TrainConfig, microbatches: int) -> bool:
@@ -164,6 +179,14 @@ def _start_node(job: NodeJob, comm: Communicator, rng_guard: RngGuard | None,
                 "checking that every host holds the same weights (hashing them)", after=HASH_NOTICE_AFTER_S):
             _verify_replicas(model, comm)
     strategy.setup(model, comm, seed=cfg.seed, max_steps=max_steps, num_samples=len(batches.indices))
+    try:  # simulated nodes' speeds come from --straggler; launched ones measure their own
+        strategy.use_node_speeds(None if cfg.runtime == "launched" else
+                                 [1.0 / plan.stragglers.get(r, 1.0) for r in range(cfg.nodes)])
+    except ValueError as exc:
+        raise SettingError(f"strategy {strategy.name}: {exc}") from None
+    work = strategy.relative_work()
+    if work is not None:  # the projection counts each node's compute per loop step
+        plan = dataclasses.replace(plan, work=work)
     # --balance: each node's share of the step's samples (engine/balance.py)
     balancer = balance.Balancer(comm, cfg.nodes, cfg.batch_size, measured=cfg.runtime == "launched",
                                 stragglers=plan.stragglers, sync_interval=strategy.sync_interval()) \
@@ -200,6 +223,7 @@ def _resume(run: NodeRun) -> None:
     run.comm.log = CommLog([CommRecord(*r) for r in saved["comm"]], *saved["comm_totals"])
     run.losses, run.seconds, run.history_val = list(saved["losses"]), list(saved["seconds"]), saved["val"]
     run.skipped = list(saved["skipped"])
+    run.idle_steps = list(saved.get("idle_steps", []))
     run.initial, run.startup_sent = saved["initial"], saved["startup_sent"]
     run.first_step, run.loop_before = saved["step"], saved["loop_seconds"]
     run.seconds_before = run.seconds[-1] if run.seconds else 0.0

@@ -7,12 +7,13 @@ Everything here runs once, after the last step, on what the nodes sent rank 0
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,8 @@ class NodeReport:
     # slowest node, plus the transfer), and the same since its --balance share took effect.
     collective_share: float | None = None
     balanced_collective_share: float | None = None
+    # 0-based loop steps this node did not train in (async-diloco's slower nodes).
+    idle_steps: list[int] = field(default_factory=list)
 
 
 def finish_run(job: NodeJob, strategy: Strategy, model: nn.Module, records: list[CommRecord],
@@ -106,24 +109,32 @@ def history_rows(
     steps: int,
     plan: FaultPlan | None = None,
 ) -> list[dict[str, Any]]:
-    """Per-step records: losses averaged over the step's nodes (alive ones, with ``--fail``),
-    bytes as their per-node mean; ``reports`` holds every node's, by rank."""
+    """Per-step records: losses averaged over the step's nodes (alive ones, with ``--fail``)
+    that trained in it (async-diloco's slower nodes skip loop steps; where none trained, the
+    row keeps the last mean), bytes as their per-node mean; ``reports`` holds every node's,
+    by rank."""
     plan = plan or FaultPlan()
     history: list[dict[str, Any]] = []
     total_sent = total_received = 0.0
     examples = 0
+    idle = [set(r.idle_steps) for r in reports]
+    train_loss = math.nan
     for step in range(steps):
-        alive = [reports[r] for r in plan.alive_at(step, len(reports))]
+        ranks = plan.alive_at(step, len(reports))
+        alive = [reports[r] for r in ranks]
         n = len(alive)
+        trained = [reports[r] for r in ranks if step not in idle[r]]
         sent = sum(r.bytes_sent[step] for r in alive) / n
         received = sum(r.bytes_received[step] for r in alive) / n
         total_sent += sent
         total_received += received
-        examples += job.config.batch_size * n
+        examples += job.config.batch_size * len(trained)
+        if trained:
+            train_loss = sum(r.losses[step] for r in trained) / len(trained)
         row: dict[str, Any] = {
             "step": step + 1,
             "nodes": n,
-            "train_loss": sum(r.losses[step] for r in alive) / n,
+            "train_loss": train_loss,
             "val_loss": None,
             "node_val_loss": None,
             "lr": strategy.lr_at(step),

@@ -213,6 +213,26 @@ class Strategy:
         """Raise ``ValueError`` when this strategy's settings do not fit a run of ``nodes``
         nodes (called before anything trains)."""
 
+    def use_node_speeds(self, simulated: Sequence[float] | None) -> None:
+        """Called by the training loop after :meth:`setup`, before step 0: each node's speed
+        relative to a normal node in a simulated run (1 / its ``--straggler`` slowdown), None
+        on launched hosts. Strategies that schedule work by speed (async-diloco) use it."""
+
+    def relative_work(self) -> dict[int, float] | None:
+        """Each node's compute per loop step relative to one of its own steps, when the
+        strategy spreads a slow node's steps over several loop steps (None: one step each);
+        the projection counts a straggler's loop step as its slowdown times this."""
+        return None
+
+    def trains_at(self, step: int) -> bool:
+        """Whether this node runs a training step (batch, forward, backward, update) at loop
+        step ``step``; when False the loop skips them and calls :meth:`idle_step`."""
+        return True
+
+    def idle_step(self, step: int) -> None:
+        """A loop step this node does not train in (:meth:`trains_at`): its syncs still run."""
+        self.after_optimizer_step(step)
+
     def vmap_problem(self) -> str | None:
         """Why this instance cannot run in the vmap runtime although its class can, or None."""
         return None

@@ -104,6 +104,7 @@ TASK = Task(
         "diloco": {"H": 25, "lr": 2e-3},
         "sparta-diloco": {"H": 25, "lr": 2e-3},
         "streaming-diloco": {"H": 25, "lr": 2e-3},
+        "async-diloco": {"H": 25, "lr": 2e-3},
         "fedavg": {"lr": 0.1},
     },
     options={"arch": "mlp", "hidden": 128},
