@@ -208,7 +208,7 @@ BACKWARD_SHARE = 2 / 3
 
 
 def communication_by_step(records: Iterable[CommRecord], cluster: Cluster,
-                          backward_seconds: float) -> dict[int, float]:
+                          backward_seconds: float, steps: int | None = None) -> dict[int, float]:
     """The seconds each step's collectives add to its compute on ``cluster``.
 
     A step's buckets sent during a backward pass of ``backward_seconds`` go one after the
@@ -217,7 +217,9 @@ def communication_by_step(records: Iterable[CommRecord], cluster: Cluster,
     only what runs past the end of the backward pass adds. A collective that runs beside
     the next ``overlap_steps`` steps (streaming DiLoCo's fragment sync, delayed DiLoCo's
     outer step) adds only what runs past their compute (``backward_seconds`` is
-    :data:`BACKWARD_SHARE` of a step's). Every other collective adds all of its time.
+    :data:`BACKWARD_SHARE` of a step's), as many of them as the run's ``steps`` still take
+    after it (one started at the last step is waited for when training ends and hides behind
+    none). Every other collective adds all of its time.
     """
     by_step: dict[int, list[CommRecord]] = {}
     for r in records:
@@ -234,7 +236,8 @@ def communication_by_step(records: Iterable[CommRecord], cluster: Cluster,
                 ready += r.bytes_sent
                 done = max(done, backward_seconds * ready / total_bytes) + cost
             elif r.overlap_steps:
-                added += max(0.0, cost - r.overlap_steps * backward_seconds / BACKWARD_SHARE)
+                beside = r.overlap_steps if steps is None else min(r.overlap_steps, steps - 1 - step)
+                added += max(0.0, cost - max(0, beside) * backward_seconds / BACKWARD_SHARE)
             else:
                 added += cost
         seconds[step] = added + max(0.0, done - backward_seconds)
@@ -297,7 +300,7 @@ def project(
     (:func:`communication_by_step`)."""
     records = list(records)
     backward = BACKWARD_SHARE * step_seconds / cluster.speed
-    comm = sum(communication_by_step(records, cluster, backward).values())
+    comm = sum(communication_by_step(records, cluster, backward, steps).values())
     every = sum(collective_seconds(r, cluster) for r in records if r.step >= 0)
     compute = steps * step_seconds / cluster.speed
     out: dict[str, float | str] = {

@@ -151,3 +151,18 @@ def test_a_collective_beside_the_next_steps_adds_only_what_runs_past_their_compu
     out = project(one, link, steps=10, step_seconds=1.5)
     assert out["communication_seconds"] == pytest.approx(0.5)
     assert out["overlapped_seconds"] == pytest.approx(1.5)
+
+
+def test_a_collective_beside_steps_the_run_never_takes_hides_behind_those_it_takes() -> None:
+    # Delayed DiLoCo's last round and streaming DiLoCo's last fragment start an all-reduce at
+    # the last step (or near it) and wait for it when training ends: the steps it was meant
+    # to overlap are never taken. A 2 s all-reduce with 3 steps of overlap started at step 8
+    # of 10 (0-based) has one 1.5 s step left to hide behind; at step 9, none.
+    link = Cluster("l", "a link", bandwidth=1e6, latency=0.0)
+    late = CommRecord(8, "all_reduce", 2 * 10**6, 2 * 10**6, 2, overlap_steps=3)
+    last = dataclasses.replace(late, step=9)
+    assert communication_by_step([late], link, 1.0, steps=10) == {8: pytest.approx(0.5)}
+    assert communication_by_step([last], link, 1.0, steps=10) == {9: pytest.approx(2.0)}
+    assert communication_by_step([late], link, 1.0) == {8: pytest.approx(0.0)}  # steps unknown
+    assert project([late, last], link, steps=10, step_seconds=1.5)["communication_seconds"] == \
+        pytest.approx(2.5)

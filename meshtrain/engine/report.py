@@ -235,7 +235,7 @@ def add_projected_seconds(history: list[dict[str, Any]], records: list[CommRecor
     ``slowdowns``); the last row equals its total."""
     comm_seconds = [0.0] * len(history)
     backward = BACKWARD_SHARE * step_seconds / cluster.speed  # what DDP's buckets may hide behind
-    for step, seconds in communication_by_step(records, cluster, backward).items():
+    for step, seconds in communication_by_step(records, cluster, backward, len(history)).items():
         # a collective after the last step (the final sync) counts in the last step
         comm_seconds[min(step, len(history) - 1)] += seconds
     for step, wait in sync_waits(records, cluster).items():  # 0 unless the cluster has a jitter
