@@ -197,3 +197,14 @@ def test_listed_as_a_built_in_strategy():
     assert STRATEGIES["async-diloco"] is AsyncDiLoCo
     wanted = {"H", "dylu", "grace", "buffer_size", "momentum_activation", "speeds"}
     assert wanted <= set(AsyncDiLoCo.parameters())
+
+
+def test_plan_weighs_async_diloco():
+    from meshtrain.cluster import get_cluster
+    from meshtrain.planning import Workload, candidates
+
+    found = {c.label: c for c in candidates(Workload(100_000, 0.05, 2), get_cluster("wifi"))}
+    mine, sync = found["async-diloco (H=50)"], found["diloco (H=50)"]
+    assert "2401.09135" not in mine.quality and "[8]" in mine.quality
+    # Its round moves each host's update to the other once: DiLoCo's bytes on 2 hosts.
+    assert mine.peak_bytes == sync.peak_bytes

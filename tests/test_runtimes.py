@@ -37,6 +37,7 @@ from meshtrain.strategies import (
     SPARTADiLoCo,
     StreamingDiLoCo,
 )
+from meshtrain.strategies.async_diloco import AsyncDiLoCo
 
 NODES = 3
 STEPS = 20
@@ -59,6 +60,10 @@ CONFIGS = {
     "fedavg-weighted": lambda: FedAvg(H=4, weighted=True, lr=0.05),
     "demo": lambda: DeMo(lr=0.003, compression_topk=4, compression_chunk=4),
     "ddp-dropout": lambda: DDP("sgd", 0.05),
+    # Its slower nodes skip loop steps; one all-gather a round (DyLU), broadcasts as updates
+    # arrive apart (every node H steps, no grace).
+    "async-diloco": lambda: AsyncDiLoCo(H=6, lr=0.01, speeds=[1.0, 0.5, 1 / 3]),
+    "async-diloco-drifting": lambda: AsyncDiLoCo(H=6, lr=0.01, speeds=[1.0, 0.5, 0.4], dylu=False, grace=0),
 }
 
 
