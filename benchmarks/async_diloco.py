@@ -39,8 +39,9 @@ RUNS = {
 }
 
 
-def _simulate(out: Path, name: str, seed: int, args: argparse.Namespace) -> tuple[float | None, float, float]:
-    """(projected seconds to the target or None, final val loss, projected total seconds)."""
+def _simulate(out: Path, name: str, seed: int,
+              args: argparse.Namespace) -> tuple[tuple[float, int] | None, float, float]:
+    """((projected seconds, step) at the target or None, final val loss, projected total seconds)."""
     run_id = f"{name.replace(' ', '').replace('-', '')}-{seed}"
     command = [sys.executable, "-m", "meshtrain", "simulate", *RUNS[name], "--nodes", "2",
                "--steps", str(args.steps), "--seed", str(seed), "--val-interval", str(args.val_interval),
@@ -51,7 +52,7 @@ def _simulate(out: Path, name: str, seed: int, args: argparse.Namespace) -> tupl
         raise SystemExit(f"$ {' '.join(command)}\n{(done.stdout + done.stderr)[-3000:]}")
     with (out / run_id / "metrics.csv").open() as f:
         rows = list(csv.DictReader(f))
-    reached = next((float(r["projected_seconds"]) for r in rows
+    reached = next(((float(r["projected_seconds"]), int(r["step"])) for r in rows
                     if r["val_loss"] and float(r["val_loss"]) <= args.target), None)
     summary = json.loads((out / run_id / "summary.json").read_text())
     return reached, float(summary["final_val_loss"]), float(summary["projected"]["total_seconds"])
@@ -69,13 +70,15 @@ def main() -> None:
     table = Table(title=f"digits, 2 nodes, node 1 3x slower: projected seconds to val loss <= {args.target} "
                         f"({args.steps} steps, step {args.step_seconds} s, {args.cluster}; median of seeds "
                         f"{', '.join(map(str, args.seeds))})")
-    for column in ("strategy", "to target (s)", "reached", "final val loss", "whole run (s)"):
+    for column in ("strategy", "to target (s)", "at step", "reached", "final val loss", "whole run (s)"):
         table.add_column(column, justify="left" if column == "strategy" else "right")
     with tempfile.TemporaryDirectory() as tmp:
         for name in RUNS:
             results = [_simulate(Path(tmp), name, seed, args) for seed in args.seeds]
-            times = [t for t, _, _ in results if t is not None]
+            reached = [t for t, _, _ in results if t is not None]
+            times, steps = [t for t, _ in reached], [s for _, s in reached]
             table.add_row(name, f"{statistics.median(times):.2f}" if times else "-",
+                          f"{statistics.median(steps):g}" if steps else "-",
                           f"{len(times)}/{len(results)}",
                           f"{statistics.median(v for _, v, _ in results):.4f}",
                           f"{statistics.median(w for _, _, w in results):.2f}")

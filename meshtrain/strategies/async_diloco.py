@@ -276,24 +276,33 @@ class AsyncOuterSync(CommunicationModule):
                 a.copy_(theta)
 
     def measure(self, step: int) -> None:
-        """A launched rank's seconds per inner step over steps 1..``step``, all-gathered: the
-        speeds of every later job."""
+        """A launched rank's seconds per inner step over steps 1..``step``, all-gathered with
+        its wall seconds per step: the speeds of every later job. Every rank decides from the
+        gathered numbers alone, so all take the same schedule."""
         assert self._timed_from is not None
         comm = self.strategy.comm
         began, waited = self._timed_from
         wall = time.perf_counter() - began
-        mine = (wall - (comm.log.seconds - waited)) / step
-        claims = [float(t.item()) for t in comm.all_gather(torch.tensor([mine], dtype=torch.float64),
-                                                            record=False)]
+        mine = torch.tensor([(wall - (comm.log.seconds - waited)) / step, wall / step], dtype=torch.float64)
+        gathered = [t.tolist() for t in comm.all_gather(mine, record=False)]
+        claims = [float(c) for c, _ in gathered]
+        # The round's longest wall time per step: no rank computed longer than that.
+        longest = max(float(w) for _, w in gathered)
         self.measuring = False
-        bad = [r for r, s in enumerate(claims) if not (math.isfinite(s) and 0 < s <= wall / step * 1.05)]
+        bad = [r for r, s in enumerate(claims)
+               if not (math.isfinite(s) and math.isfinite(longest) and 1e-3 * longest <= s <= longest * 1.05)]
         if bad:
             if comm.rank == 0:
                 print(f"warning: async-diloco: rank {bad[0]} reported {claims[bad[0]]!r} seconds per step "
-                      f"beside a window of {wall / step:.3g} s per step: every node keeps equal speeds",
+                      f"beside rounds of {longest:.3g} s per step: every node keeps equal speeds",
                       file=sys.stderr, flush=True)
             return
         self.timeline.set_speeds([1.0 / s for s in claims])
+        if comm.rank == 0:  # what the rest of the run does with them, said once
+            speeds = ", ".join(f"{v:.2f}" for v in self.timeline.speeds)
+            steps = ", ".join(str(n) for n in self.timeline.job_steps)
+            print(f"async-diloco: measured speeds {speeds} (relative to the fastest): inner steps per "
+                  f"round {steps}", file=sys.stderr, flush=True)
 
     @torch.no_grad()
     def finish(self, step: int) -> bool:
