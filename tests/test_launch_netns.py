@@ -15,7 +15,6 @@ Skipped (with the reason) where namespaces or sshd cannot be had.
 from __future__ import annotations
 
 import re
-import subprocess
 import textwrap
 import time
 import uuid
@@ -24,8 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from in_process import meshtrain_here
 from ssh_fixtures import (
-    PYTHON,
     Namespaces,
     SshWorld,
     meshtrain,
@@ -69,10 +68,10 @@ def test_launch_on_two_hosts_matches_simulate_bit_for_bit(world, tmp_path: Path)
     assert {"config.yaml", "metrics.csv", "summary.json", "model.pt"} <= {p.name for p in local.iterdir()}
     assert yaml.safe_load((local / "config.yaml").read_text())["train"]["threads"] == 1  # recorded
 
-    simulated = subprocess.run(
-        [PYTHON, "-m", "meshtrain", "simulate", "--nodes", "2", "--runtime", "processes", "--device", "cpu",
-         "--out", str(tmp_path / "sim"), "--run-id", "sim", *TRAINING],
-        cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    # In this process: its node processes are real, an interpreter to start them is not needed.
+    simulated = meshtrain_here("simulate", "--nodes", "2", "--runtime", "processes", "--device", "cpu",
+                               "--out", str(tmp_path / "sim"), "--run-id", "sim", *TRAINING, cwd=tmp_path,
+                               timeout=240)
     assert simulated.returncode == 0, simulated.stderr
     a = torch.load(local / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "sim" / "sim" / "model.pt", weights_only=True)

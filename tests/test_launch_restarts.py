@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from in_process import meshtrain_here
 from ssh_fixtures import (
-    PYTHON,
     Namespaces,
     SshWorld,
     meshtrain,
@@ -41,11 +41,11 @@ def world(netns_hosts: tuple[SshWorld, Namespaces]) -> tuple[SshWorld, Namespace
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """The same run on local processes, never interrupted."""
+    """The same run on local processes, never interrupted (the command run in this process:
+    its node processes are real, the interpreter that would only start them is not needed)."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    done = subprocess.run([PYTHON, "-m", "meshtrain", "simulate", "--nodes", "2", "--runtime", "processes",
-                           "--device", "cpu", "--out", str(out), "--run-id", "sim", *TRAINING],
-                          capture_output=True, text=True, timeout=300)
+    done = meshtrain_here("simulate", "--nodes", "2", "--runtime", "processes", "--device", "cpu",
+                          "--out", str(out), "--run-id", "sim", *TRAINING, cwd=out, timeout=300)
     assert done.returncode == 0, done.stderr
     return torch.load(out / "sim" / "model.pt", weights_only=True)
 
