@@ -12,8 +12,16 @@ inner steps at its own pace (8 of the fast node's 25 per round, DyLU) and applie
 updates with delayed Nesterov. Medians over the seeds; every run reaches its own final loss
 too.
 
+With ``--launched`` the same three run as ``meshtrain launch`` on two namespace hosts with
+their own sshd (tests/ssh_fixtures.py), one capped at a third of the other's CPU by cgroup
+quotas (tests/cpu_limits.py: 1 core and 1/3 core), digits with the small CNN, one torch
+thread per rank; the time is real: metrics.csv's ``seconds`` (since the run started) at
+the first validation at or below the target. Needs root, openssh-server, iproute2 and a
+writable cgroup cpu controller.
+
     python benchmarks/async_diloco.py                      # seeds 0-2, 300 steps, target 0.45
     python benchmarks/async_diloco.py --seeds 0 1 2 3 4 --target 0.4
+    python benchmarks/async_diloco.py --launched --seeds 0 --steps 200
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ from rich.table import Table
 
 from meshtrain.tables import print_fitted
 
+#: (seconds and step at the target or None, final val loss, seconds at the last step)
+Result = tuple[tuple[float, int] | None, float, float]
+
 RUNS = {
     "diloco": ["--strategy", "diloco"],
     "diloco --balance": ["--strategy", "diloco", "--balance"],
@@ -39,8 +50,7 @@ RUNS = {
 }
 
 
-def _simulate(out: Path, name: str, seed: int,
-              args: argparse.Namespace) -> tuple[tuple[float, int] | None, float, float]:
+def _simulate(out: Path, name: str, seed: int, args: argparse.Namespace) -> Result:
     """((projected seconds, step) at the target or None, final val loss, projected total seconds)."""
     run_id = f"{name.replace(' ', '').replace('-', '')}-{seed}"
     command = [sys.executable, "-m", "meshtrain", "simulate", *RUNS[name], "--nodes", "2",
@@ -50,12 +60,72 @@ def _simulate(out: Path, name: str, seed: int,
     done = subprocess.run(command, capture_output=True, text=True, timeout=1200)
     if done.returncode != 0:
         raise SystemExit(f"$ {' '.join(command)}\n{(done.stdout + done.stderr)[-3000:]}")
-    with (out / run_id / "metrics.csv").open() as f:
-        rows = list(csv.DictReader(f))
-    reached = next(((float(r["projected_seconds"]), int(r["step"])) for r in rows
-                    if r["val_loss"] and float(r["val_loss"]) <= args.target), None)
-    summary = json.loads((out / run_id / "summary.json").read_text())
-    return reached, float(summary["final_val_loss"]), float(summary["projected"]["total_seconds"])
+    return _read(out / run_id, args.target, "projected_seconds")
+
+
+class _Folders:
+    """What ``netns_world`` needs of pytest's tmp_path_factory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def mktemp(self, name: str) -> Path:
+        return Path(tempfile.mkdtemp(prefix=name, dir=self.root))
+
+
+def _launched(folder: Path, args: argparse.Namespace) -> dict[str, list[Result]]:
+    """Each strategy launched on two namespace hosts, one capped at a third of the other's CPU."""
+    import pytest
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from cpu_limits import CpuGroup, cpu_cgroups
+    from ssh_fixtures import free_port, meshtrain, netns_world
+
+    worlds = netns_world(_Folders(folder))  # type: ignore[arg-type]
+    try:
+        ssh, _ = next(worlds)
+    except pytest.skip.Exception as exc:  # sshd or another tool of the world is missing
+        raise SystemExit(f"cannot run here: {exc}") from None
+    results: dict[str, list[Result]] = {name: [] for name in RUNS}
+    try:
+        root, version = cpu_cgroups()
+        fast, slow = CpuGroup(root, version, "fast", 1.0), CpuGroup(root, version, "slow", 1 / 3)
+        try:
+            fast.add(ssh.servers[0].pid)
+            slow.add(ssh.servers[1].pid)
+            hosts = [{"name": f"box{i}", "host": s.address, "workdir": str(folder / f"box{i}")}
+                     for i, s in enumerate(ssh.servers)]
+            for seed in args.seeds:
+                for name in RUNS:
+                    run_id = f"{name.replace(' ', '').replace('-', '')}-{seed}"
+                    inventory = ssh.inventory(folder / f"{run_id}.yaml", hosts, iface="eth0",
+                                              rendezvous={"port": free_port(), "timeout": 300})
+                    done = meshtrain(ssh, "launch", str(inventory), "--out", str(folder / "runs"),
+                                     "--run-id", run_id, *RUNS[name], "--task", "digits",
+                                     "--set", "task_options.arch=cnn", "--steps", str(args.steps),
+                                     "--seed", str(seed), "--batch-size", str(args.batch_size),
+                                     "--val-interval", str(args.val_interval),
+                                     "--threads", "1", "--no-progress", cwd=folder, timeout=1800)
+                    if done.returncode != 0:
+                        raise SystemExit((done.stdout + done.stderr)[-4000:])
+                    results[name].append(_read(folder / "runs" / run_id, args.target, "seconds"))
+        finally:
+            fast.delete()
+            slow.delete()
+    finally:
+        worlds.close()
+    return results
+
+
+def _read(run: Path, target: float, clock: str) -> Result:
+    """((``clock`` seconds, step) at the first validation at or below ``target`` or None, final
+    val loss, ``clock`` seconds at the last step)."""
+    with (run / "metrics.csv").open() as f:
+        rows = [r for r in csv.DictReader(f) if r["step"] != "0"]
+    reached = next(((float(r[clock]), int(r["step"])) for r in rows
+                    if r["val_loss"] and float(r["val_loss"]) <= target), None)
+    summary = json.loads((run / "summary.json").read_text())
+    return reached, float(summary["final_val_loss"]), float(rows[-1][clock])
 
 
 def main() -> None:
@@ -66,15 +136,24 @@ def main() -> None:
     parser.add_argument("--val-interval", type=int, default=5)
     parser.add_argument("--step-seconds", type=float, default=0.01)
     parser.add_argument("--cluster", default="gbe")
+    parser.add_argument("--launched", action="store_true",
+                        help="two namespace hosts, one capped at 1/3 of the other's CPU: real seconds")
+    parser.add_argument("--batch-size", type=int, default=128, help="--launched: per host")
     args = parser.parse_args()
-    table = Table(title=f"digits, 2 nodes, node 1 3x slower: projected seconds to val loss <= {args.target} "
-                        f"({args.steps} steps, step {args.step_seconds} s, {args.cluster}; median of seeds "
-                        f"{', '.join(map(str, args.seeds))})")
+    seeds = ", ".join(map(str, args.seeds))
+    title = (f"digits CNN launched on 2 namespace hosts, 1 core and 1/3 core: seconds to val loss <= "
+             f"{args.target} ({args.steps} steps, batch {args.batch_size}; median of seeds {seeds})"
+             if args.launched else
+             f"digits, 2 nodes, node 1 3x slower: projected seconds to val loss <= {args.target} "
+             f"({args.steps} steps, step {args.step_seconds} s, {args.cluster}; median of seeds {seeds})")
+    table = Table(title=title)
     for column in ("strategy", "to target (s)", "at step", "reached", "final val loss", "whole run (s)"):
         table.add_column(column, justify="left" if column == "strategy" else "right")
     with tempfile.TemporaryDirectory() as tmp:
+        launched = _launched(Path(tmp), args) if args.launched else {}
         for name in RUNS:
-            results = [_simulate(Path(tmp), name, seed, args) for seed in args.seeds]
+            results = launched[name] if args.launched else [_simulate(Path(tmp), name, seed, args)
+                                                             for seed in args.seeds]
             reached = [t for t, _, _ in results if t is not None]
             times, steps = [t for t, _ in reached], [s for _, s in reached]
             table.add_row(name, f"{statistics.median(times):.2f}" if times else "-",

@@ -183,7 +183,7 @@ def test_simulated_straggler_sets_the_speeds_and_the_projection(tmp_path):
     ({"momentum_activation": 0.6}, {}, "momentum_activation must be in [0, 1/buffer_size]"),
     ({"speeds": [1, "x"]}, {}, "speeds must be a list of numbers > 0"),
     ({"speeds": [1, 2]}, {"straggler": ["node=1,slowdown=2"]}, "give the nodes' speeds once"),
-    ({}, {"balance": True}, "does not weight its averages"),
+    ({}, {"balance": True}, "in place of --balance's shares of a step's samples: drop --balance"),
 ])
 def test_bad_async_diloco_settings_name_the_value(options, settings, message, tmp_path):
     data = regression_data(32)

@@ -15,6 +15,7 @@ from meshtrain import NodeFailed, Trainer
 from meshtrain.checkpoint import CheckpointError, find_latest
 from meshtrain.cli.main import app
 from meshtrain.strategies import DDP, SPARTA, DeMo, DiLoCo, FedAvg, SparseLoCo, SPARTADiLoCo, StreamingDiLoCo
+from meshtrain.strategies.async_diloco import AsyncDiLoCo
 
 STRATEGIES = {
     "ddp": lambda: DDP("adamw", 0.01),
@@ -29,6 +30,8 @@ STRATEGIES = {
     # Averages on their way at a checkpoint are saved unapplied, with their records.
     "diloco-delay": lambda: DiLoCo(H=3, lr=0.01, delay=1),
     "streaming": lambda: StreamingDiLoCo(fragments=2, H=4, tau=2, lr=0.01),  # syncs in flight at 4, 8
+    # Jobs in progress at a checkpoint: each node's own parameters and where its job began.
+    "async-local-sgd": lambda: AsyncDiLoCo(H=4, lr=0.01, speeds=[1.0, 0.5, 0.4], dylu=False, grace=0),
 }
 # 3 nodes x 32 samples, batch 4: 8 steps an epoch, so 12 steps cross an epoch boundary.
 RUN = dict(nodes=3, max_steps=12, batch_size=4, progress=False, val_interval=5)

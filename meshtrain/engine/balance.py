@@ -112,6 +112,8 @@ class Shares:
 
 def check_strategy(strategy: Any, balance: bool) -> None:
     """Raise :class:`SettingError` when ``balance`` is asked of a strategy that refuses it."""
+    if balance and getattr(strategy, "balance_refusal", None):
+        raise SettingError(f"balance: strategy {strategy.name} {strategy.balance_refusal}")
     if balance and not getattr(strategy, "balances", False):
         raise SettingError(f"balance: strategy {strategy.name} does not weight its averages by each "
                            "node's samples (DeMo applies the sign of a decoded sum; a strategy of your own "

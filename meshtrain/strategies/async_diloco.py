@@ -365,7 +365,9 @@ class AsyncDiLoCo(Strategy):
     key_parameters = {"H": "H", "buffer_size": "N"}
     # Every node keeps theta and the server state, but a worker's job in progress is its own.
     continues_on_fewer_nodes = False
-    balances = False  # DyLU replaces balance: it refuses to share a step's samples by speed
+    balances = False
+    balance_refusal = ("gives each node inner steps in proportion to its speed (dynamic local updates) "
+                       "in place of --balance's shares of a step's samples: drop --balance")
 
     def __init__(
         self,

@@ -144,6 +144,8 @@ class Strategy:
     #: so ``balance`` can weight it by samples; ``balance`` is refused otherwise (DeMo's
     #: update is the sign of a decoded sum; a custom strategy averaging by itself).
     balances: ClassVar[bool] = False
+    #: Why ``balance`` is refused, in the strategy's own words (None: the general reason).
+    balance_refusal: ClassVar[str | None] = None
     #: This node's samples per step under ``balance``, set by the training loop before step 0;
     #: None (the default): every node takes ``batch_size`` samples and means are plain means.
     sample_weight: float | None = None
