@@ -4,8 +4,8 @@ conftest.py's ``netns_hosts``):
 * with the speeds given, the launched run's weights equal ``simulate``'s
   bit for bit (threads runtime; the schedule is a function of the speeds alone);
 * with one host's CPU capped at half the other's (cgroup quotas, tests/cpu_limits.py), the
-  ranks measure their speeds over the first round and the slow host runs fewer inner steps a
-  round from then on.
+  ranks measure their speeds over a first job of 6 steps and the slow host runs fewer inner
+  steps a round from then on.
 
 Skipped (with the reason) where namespaces, sshd or a cgroup cpu controller cannot be had.
 """
@@ -92,5 +92,6 @@ def test_a_host_capped_at_half_a_core_runs_fewer_inner_steps(world, tmp_path: Pa
     # about half of the fast host's steps, never all of them.
     assert 0.25 < speed < 0.8 and slow_steps < H, said.group(0)
     examples = _examples(tmp_path / "runs" / "capped")
-    assert examples[H - 1] == 2 * batch * H  # the first round: both ran every step, timed
-    assert examples[-1] == 2 * batch * H + batch * (steps - H) + batch * slow_steps * (steps - H) // H
+    assert examples[5] == 2 * batch * 6  # the first job: both ran 6 steps, 2 to 6 timed
+    # Then a round of 10 loop steps: the fast host ran all 10, the capped one its share.
+    assert examples[15] - examples[5] == batch * (H + slow_steps)

@@ -51,8 +51,8 @@ speeds.
 
 Where the speeds come from: the ``speeds`` parameter when given (one number per node,
 relative); else, in ``meshtrain simulate``, ``--straggler`` (speed 1 / slowdown); else, on
-launched hosts, measured: every worker runs H steps in the first job, each rank times its
-steps 1 to H - 1 (wall time less time in collectives) and at the first round end the ranks
+launched hosts, measured: every worker runs min(H, 6) steps in the first job, each rank
+times its steps 2 to 6 (wall time less time in collectives) and at that job's end the ranks
 all-gather their seconds per step (unrecorded) and take DyLU step counts from them for the
 rest of the run. A claim that is not a finite number > 0 or longer than the measured window
 itself makes every rank keep equal speeds (a warning says so).
@@ -84,6 +84,9 @@ import torch
 from meshtrain.strategies.base import CommunicationModule, Optim, Strategy
 
 _EPS = 1e-9  # float slack when times on the simulated clock are rounded to loop steps
+#: A launched rank times its steps 2 to this + 1 (the first pays one-off costs) in a first job
+#: every node runs at once, then takes DyLU's step counts from the gathered times.
+MEASURED_STEPS = 5
 
 
 def dylu_steps(speeds: Sequence[float], H: int) -> list[int]:
@@ -228,10 +231,12 @@ class AsyncOuterSync(CommunicationModule):
             self.timeline.set_speeds(self.speeds)
         elif simulated is not None:
             self.timeline.set_speeds(simulated)
-        else:  # a launched host: measured over the first job
+        self.timeline.restart(range(len(self.timeline.start)), -1)
+        if self.speeds is None and simulated is None:  # a launched host: measured first
             self.measuring = True
             self._timed_from: tuple[float, float] | None = None
-        self.timeline.restart(range(len(self.timeline.start)), -1)
+            # A short first job at everyone's pace, then DyLU: the first steps are timed.
+            self.timeline.length = [min(self.H, MEASURED_STEPS + 1)] * len(self.timeline.start)
 
     def trains_at(self, step: int) -> bool:
         return self.timeline.trains(self.strategy.comm.rank, step)
