@@ -146,3 +146,87 @@ def _has_non_cpu(batch: Any) -> bool:
     if isinstance(batch, (list, tuple)):
         return any(_has_non_cpu(v) for v in batch)
     return hasattr(batch, "to")
+
+
+class SharedBatches:
+    """Batches of an elastic run (``launch --elastic``): one order per epoch for the whole
+    run, and each step its members take consecutive batches of it in slot order.
+
+    Every node holds this same object's state (a joiner receives it from a peer), so the
+    nodes agree on who takes which samples without talking. What it guarantees, per epoch:
+    every sample of the epoch's order is drawn exactly once by a node whose work reached the
+    global model, except the tail of fewer than ``members * batch_size`` samples the epoch
+    ends on (dropped, as :class:`NodeBatches` drops its last incomplete batch). The samples
+    a lost node drew since the last sync (its work of that round never reached the global
+    model) are drawn again, first, by the nodes that go on (:meth:`members_lost`).
+    """
+
+    def __init__(self, dataset: Dataset[Any], *, slot: int, slots: int, batch_size: int, seed: int,
+                 shuffle: bool) -> None:
+        size = len(dataset)  # type: ignore[arg-type]
+        if batch_size * slots > size:
+            raise ValueError(f"batch size {batch_size} on {slots} nodes needs {batch_size * slots} samples "
+                             f"a step; the data has {size}")
+        self.dataset = dataset
+        self.indices = torch.arange(size)  # what NodeBatches calls its shard: all of it
+        self.slot = slot
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.members: list[int] = list(range(slots))
+        self.epoch = 0
+        self.position = 0
+        self.again: list[int] = []  # a lost node's samples, drawn again first
+        self.round: dict[int, list[int]] = {}  # each member's samples since the last sync
+        self._order = self._epoch_order()
+
+    def __len__(self) -> int:
+        """Batches per node per epoch with every slot in."""
+        return len(self.indices) // (self.batch_size * len(self.members))
+
+    def _epoch_order(self) -> list[int]:
+        if not self.shuffle:
+            return self.indices.tolist()
+        g = seeded_generator(self.seed, -1, self.epoch)  # one order for every node
+        return torch.randperm(len(self.indices), generator=g).tolist()
+
+    def next_indices(self) -> list[int]:
+        """This node's batch of the next step; every member's draw of it is remembered."""
+        need = self.batch_size * len(self.members)
+        if len(self.again) + len(self._order) - self.position < need:
+            self.epoch += 1
+            self.position = 0
+            self.again = []  # the tail: dropped with the epoch
+            self._order = self._epoch_order()
+        take = min(need, len(self.again))
+        step = self.again[:take] + self._order[self.position:self.position + need - take]
+        self.again = self.again[take:]
+        self.position += need - take
+        mine: list[int] = []
+        for i, member in enumerate(self.members):
+            batch = step[i * self.batch_size:(i + 1) * self.batch_size]
+            self.round.setdefault(member, []).extend(batch)
+            if member == self.slot:
+                mine = batch
+        return mine
+
+    def synced(self) -> None:
+        """A sync took every member's work of the round into the global model."""
+        self.round = {}
+
+    def members_lost(self, lost: list[int]) -> None:
+        """``lost`` left before their round's work reached the global model: their samples
+        of the round are drawn again, first."""
+        for member in sorted(lost):
+            self.again.extend(self.round.pop(member, []))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "again": list(self.again),
+                "round": {m: list(v) for m, v in self.round.items()}, "members": list(self.members)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.again = [int(i) for i in state["again"]]
+        self.round = {int(m): [int(i) for i in v] for m, v in state["round"].items()}
+        self.members = [int(m) for m in state.get("members", self.members)]
+        self._order = self._epoch_order()

@@ -16,6 +16,7 @@ from meshtrain.comm.elastic import ElasticCommunicator, start_pulse
 from meshtrain.comm.membership import Decision, MembershipError, Table, decide
 from meshtrain.comm.state_transfer import StateTransferError, decode, encode
 from meshtrain.comm.torch_dist import loopback_interface
+from meshtrain.data import SharedBatches
 
 
 # --------------------------------------------------------------------------- decisions
@@ -150,3 +151,52 @@ def test_a_member_lost_mid_collective_is_dropped_then_rejoins_with_a_peers_state
     _on_threads(*(lambda n=n: n.average(3) for n in [*survivors, joiner]))
     for n in [*survivors, joiner]:
         assert torch.equal(n.value, torch.full((5,), 3.5))
+
+
+# --------------------------------------------------------------------------- shared data
+def test_shared_batches_draw_each_sample_once_per_epoch_across_membership_changes() -> None:
+    """Three slots; slot 2 is lost mid-round (its round's samples are drawn again by the
+    others) and comes back later with a peer's data state. Over each epoch, the samples whose
+    work reached the global model cover the epoch's order exactly once, but the tail."""
+    data = torch.utils.data.TensorDataset(torch.arange(300))
+    batch, sync = 4, 3  # a sync every 3 steps
+    nodes = {s: SharedBatches(data, slot=s, slots=3, batch_size=batch, seed=1, shuffle=True)
+             for s in range(3)}
+    counted: dict[int, list[int]] = {}  # epoch -> samples in the global model
+    pending: dict[int, list[tuple[int, list[int]]]] = {s: [] for s in range(3)}  # draws since the last sync
+    members = [0, 1, 2]
+    for step in range(60):
+        if step == 10:  # slot 2 lost mid-round: its draws of the round never reach the model
+            members = [0, 1]
+            pending[2] = []
+            for s in members:
+                nodes[s].members_lost([2])
+        if step == 31:  # slot 2 back at a sync, with slot 0's state
+            nodes[2] = SharedBatches(data, slot=2, slots=3, batch_size=batch, seed=1, shuffle=True)
+            nodes[2].load_state_dict(nodes[0].state_dict())
+            members = [0, 1, 2]
+        for s in members:
+            nodes[s].members = list(members)
+            drawn = nodes[s].next_indices()
+            pending[s].append((nodes[s].epoch, drawn))
+        states = {json_state(nodes[s].state_dict()) for s in members}
+        assert len(states) == 1, step  # every member holds the same data state
+        if (step + 1) % sync == 0:
+            for s in members:
+                for epoch, drawn in pending[s]:
+                    counted.setdefault(epoch, []).extend(drawn)
+                pending[s] = []
+                nodes[s].synced()
+    for epoch, drawn in counted.items():
+        assert len(drawn) == len(set(drawn)), f"epoch {epoch}: a sample counted twice"
+    # Epoch 0's samples missing from the model are its order's tail alone (fewer than one
+    # step's 3 * 4): the lost slot's draws were trained again, not skipped.
+    order = SharedBatches(data, slot=0, slots=3, batch_size=batch, seed=1, shuffle=True)._order
+    missing = set(order) - set(counted[0])
+    assert missing <= set(order[-(3 * batch - 1):]), sorted(order.index(i) for i in missing)
+
+
+def json_state(state: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(state, sort_keys=True, default=str)

@@ -38,6 +38,8 @@ from meshtrain.hosts.checks import CHECKS, check_hosts
 from meshtrain.hosts.inventory import Inventory, InventoryError, load_inventory, parse_inventory
 from meshtrain.launch.benchmark import BenchmarkFailed, benchmark_hosts, probe_note
 from meshtrain.launch.launcher import (
+    FINISHED_WITHOUT,
+    LaunchResult,
     PreflightError,
     RankFailure,
     launch,
@@ -332,9 +334,20 @@ def launch_hosts(inventory: Path, command: list[str] | None, dashboard: bool,
                       "directory was not copied back (see above)", highlight=False)
     if result.exit_code == 0:
         where = f"; run directory: {result.run_dir}" if result.run_dir else ""
-        console.print(f"all {result.world_size} ranks finished in {result.seconds:.1f} s{where}",
+        rejoined = elastic_line(result)
+        console.print(f"all {result.world_size} ranks finished in {result.seconds:.1f} s{rejoined}{where}",
                       highlight=False)
+    if result.exit_code == FINISHED_WITHOUT:
+        where = f"; run directory: {result.run_dir}" if result.run_dir else ""
+        console.print(f"finished in {result.seconds:.1f} s without {', '.join(result.left_out)} (lost, and "
+                      f"not back in the run before its end){elastic_line(result)}{where}", highlight=False)
     raise typer.Exit(result.exit_code)
+
+
+def elastic_line(result: LaunchResult) -> str:
+    """``--elastic``: which ranks were lost and how often they came back, for the last line."""
+    parts = [f"rank {h.rank} on {h.host} lost {len(h.lost)}x, rejoined {h.rejoined}x" for h in result.history]
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _show_plan(plan: Plan) -> None:

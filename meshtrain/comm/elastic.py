@@ -20,17 +20,24 @@ a last meeting confirms the heal before anyone goes on.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from meshtrain.comm.membership import Decision, Dropped, Table
+from meshtrain.comm import rendezvous, sealing
+from meshtrain.comm.membership import POLL_S, Decision, Dropped, Table
 from meshtrain.comm.state_transfer import receive_state, send_state
-from meshtrain.comm.torch_dist import TorchDistCommunicator
+from meshtrain.comm.torch_dist import LEAVE_GRACE_S, TorchDistCommunicator, host_loopback_store
+from meshtrain.errors import RunFailure
 
 #: Pulses per pulse timeout: a few may be late without the rank counting as lost.
 PULSES_PER_TIMEOUT = 5
@@ -234,3 +241,84 @@ def start_pulse(store: Any, slot: int, pulse_timeout: float,
     thread = threading.Thread(target=beat, name="meshtrain-pulse", daemon=True)
     thread.start()
     return thread
+
+
+#: Counter of the ranks that have left at the end (rank 0 waits for the members').
+LEFT_KEY = "elastic/left"
+
+
+@dataclass
+class ElasticStore:
+    """One rank's connections to an elastic run's store (see :func:`open_elastic_store`)."""
+
+    table: Table
+    keep_open: set[int]  # listening ports never sealed: rank 0's gate and loopback store
+    held: list[Any] = field(default_factory=list)  # the gate, tunnels, stores: alive as long as this
+
+    def seal(self) -> None:
+        """Close every listening socket of this rank to new connections but the gate and
+        the store: gloo's new listener of each epoch (:mod:`meshtrain.comm.sealing`)."""
+        fds = [fd for fd in sealing.listening_tcp_sockets() if _port(fd) not in self.keep_open]
+        sealing.seal_listening_sockets(fds)
+
+    def all_ready(self, timeout_s: float) -> None:
+        """Wait until every slot has reached its store (the first group then forms at once)."""
+        store, slot = self.table.store, self.table.slot
+        store.set(f"elastic/ready/{slot}", b"1")
+        deadline = time.monotonic() + timeout_s
+        keys = [f"elastic/ready/{s}" for s in range(self.table.slots)]
+        while not store.check(keys):
+            if time.monotonic() > deadline:
+                raise RunFailure(f"not every rank reached the rendezvous within {timeout_s:g} s")
+            time.sleep(POLL_S)
+
+    def leave(self, members: int, timeout_s: float) -> None:
+        """The end: every rank but 0 says it has left; rank 0, whose process holds the store,
+        waits for the other ``members - 1`` (at most a grace: a rank lost at the very end
+        never says so) before it exits."""
+        store = self.table.store
+        if self.table.slot != 0:
+            with contextlib.suppress(Exception):  # rank 0 may be gone already: nothing left to do
+                store.add(LEFT_KEY, 1)
+            return
+        deadline = time.monotonic() + min(timeout_s, LEAVE_GRACE_S)
+        while int(store.add(LEFT_KEY, 0)) < members - 1 and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+
+
+def _port(fd: int) -> int | None:
+    sock = socket.socket(fileno=os.dup(fd))
+    try:
+        return int(sock.getsockname()[1])
+    except OSError:
+        return None
+    finally:
+        sock.close()
+
+
+def open_elastic_store(slot: int, slots: int, addr: str, port: int, timeout_s: float,
+                       heartbeat_s: float) -> ElasticStore:
+    """Reach the run's store as ``slot``. Rank 0 hosts it on 127.0.0.1 behind the HMAC gate
+    on ``addr:port``, which stays open all run (a joiner must pass it: only a rank that
+    proves the launch's secret gets in, from an inventory host's address). Every other rank
+    opens two connections through the gate, each through a tunnel of its own: one for the
+    protocol and one for its pulse (started here)."""
+    secret = rendezvous.take_secret()
+    if secret is None:
+        raise RunFailure("an elastic run needs the launch secret: start it with meshtrain launch --elastic")
+    timeout = timedelta(seconds=timeout_s)
+    if slot == 0:
+        store, store_port = host_loopback_store(timeout_s)
+        gate = rendezvous.Gate(addr, port, store_port, secret, admissions=None,
+                               peers=rendezvous.peers_from_env())
+        table = Table(store, slot, slots, heartbeat_s, wait_timeout=timeout_s)
+        return ElasticStore(table, {store_port, gate.port}, [gate, store])
+    held: list[Any] = []
+    stores = []
+    for _ in range(2):
+        tunnel = rendezvous.Tunnel(addr, port, secret, timeout_s)
+        stores.append(dist.TCPStore("127.0.0.1", tunnel.port, is_master=False, timeout=timeout))
+        held += [tunnel, stores[-1]]
+    main, pulse = stores
+    start_pulse(pulse, slot, heartbeat_s)
+    return ElasticStore(Table(main, slot, slots, heartbeat_s, wait_timeout=timeout_s), set(), held)

@@ -22,8 +22,7 @@ connection of its own), and decides:
   (every epoch has a freshly formed gloo group).
 
 A member that finds itself left out of a decision (it was silent too long, then came
-back) leaves the run: it exits with :data:`DROPPED_EXIT` and the launcher starts it
-again as a joiner.
+back) leaves the run (:class:`Dropped`); the launcher starts it again as a joiner.
 
 Joining. A rank started as a joiner writes a fresh nonce under its slot and waits; the
 coordinator admits it at the next meeting that may admit (an outer sync, see
@@ -47,8 +46,6 @@ from meshtrain.errors import RunFailure
 
 #: Every key of the elastic protocol starts with this (the store also holds gloo's keys).
 PREFIX = "elastic/"
-#: How a rank left out of the group exits, so the launcher starts it again as a joiner.
-DROPPED_EXIT = 75
 #: How often a waiting rank looks at the store (a key appears; the store cannot wake it
 #: while another thread shares the connection).
 POLL_S = 0.02

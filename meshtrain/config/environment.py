@@ -35,6 +35,9 @@ class LaunchedRank:
     master_addr: str | None = None
     master_port: int | None = None
     timeout_s: float | None = None  # MESHTRAIN_TIMEOUT: seconds a collective may wait
+    #: MESHTRAIN_ELASTIC: an elastic run's heartbeat (seconds of silence that lose a rank).
+    elastic_s: float | None = None
+    joining: bool = False  # MESHTRAIN_JOINING=1: started again mid-run, to rejoin
 
     def rendezvous(self) -> tuple[str, int]:
         """Where the group meets; raises if the launcher did not say."""
@@ -65,8 +68,26 @@ def launched_rank(environ: Mapping[str, str] | None = None) -> LaunchedRank | No
         if not (math.isfinite(timeout) and timeout > 0):
             raise RankEnvironmentError(f"MESHTRAIN_TIMEOUT must be a positive number of seconds, "
                                        f"got {env['MESHTRAIN_TIMEOUT']!r}")
+    elastic = _seconds(env, "MESHTRAIN_ELASTIC") if "MESHTRAIN_ELASTIC" in env else None
     return LaunchedRank(rank=rank, world_size=world, master_addr=env.get("MASTER_ADDR"),
-                        master_port=port, timeout_s=timeout)
+                        master_port=port, timeout_s=timeout, elastic_s=elastic,
+                        joining=env.get(JOINING_ENV) == "1")
+
+
+#: Set (to 1) by the launcher on a rank it starts again to rejoin an elastic run.
+JOINING_ENV = "MESHTRAIN_JOINING"
+#: An elastic run's heartbeat in seconds, set by the launcher on every rank.
+ELASTIC_ENV = "MESHTRAIN_ELASTIC"
+
+
+def _seconds(env: Mapping[str, str], name: str) -> float:
+    try:
+        value = float(env[name])
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise RankEnvironmentError(f"{name} must be a positive number of seconds, got {env[name]!r}")
+    return value
 
 
 #: The launch's host names in rank order, comma-separated (inventory names have no commas):

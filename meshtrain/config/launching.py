@@ -17,6 +17,8 @@ from meshtrain.config.settings import LONG_RUNS, OUTPUT, Flag, check_flag, setti
 HOSTS = "The hosts"
 #: Before a restart: how long a host that was cut off may take to answer again.
 RESTART_WAIT_S = 120.0
+#: With --elastic: the longest wait between two tries to reach a lost host.
+REJOIN_BACKOFF_S = 30.0
 #: Most files and folders rank 0's host may send back as the run directory.
 DEFAULT_MAX_FILES = 100_000
 
@@ -61,6 +63,17 @@ class LaunchSettings:
         False, "A host still unreachable after --restart-wait is left out: the others continue "
                "without it from the last checkpoint (ddp, diloco, sparta-diloco, fedavg).",
         flag=_launch_flag(("--allow-shrink",), LONG_RUNS))
+
+    elastic: bool = setting(
+        False, "A lost host (its rank killed, its link down, silent past --heartbeat-timeout) is dropped "
+               "at the next sync and the others go on; the launcher retries it over SSH and its rank "
+               "rejoins at an outer sync with a peer's state (ddp, diloco, fedavg, sparta-diloco). "
+               "Rank 0's host is not covered: see --max-restarts.",
+        flag=_launch_flag(("--elastic",), LONG_RUNS))
+    rejoin_backoff: float = setting(
+        REJOIN_BACKOFF_S, "With --elastic: most seconds between two tries to reach a lost host again "
+                          "(the first after 1 s, then twice as long each time).",
+        above=0, flag=_launch_flag(("--rejoin-backoff",), LONG_RUNS))
 
     @classmethod
     def checked(cls, given: dict[str, Any]) -> LaunchSettings:

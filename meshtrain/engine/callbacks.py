@@ -26,7 +26,7 @@ from torch import nn
 from meshtrain import checkpoint, observers, seeding
 from meshtrain.comm import Communicator
 from meshtrain.config.resume import recorded_settings
-from meshtrain.data import NodeBatches, fetch, resolve_dataset, to_device
+from meshtrain.data import NodeBatches, SharedBatches, fetch, resolve_dataset, to_device
 from meshtrain.engine import loggers
 from meshtrain.engine.balance import Balancer
 from meshtrain.engine.job import NodeJob
@@ -94,7 +94,7 @@ class NodeRun:
     model: nn.Module
     strategy: Strategy
     train_set: Any
-    batches: NodeBatches
+    batches: NodeBatches | SharedBatches
     device: torch.device
     max_steps: int
     plan: FaultPlan
@@ -159,6 +159,7 @@ class Balancing(Callback):
         status.show_batch_size(run.batches.batch_size)
 
     def step_end(self, run: NodeRun, step: int) -> None:
+        assert isinstance(run.batches, NodeBatches)  # --balance is refused with --elastic
         if self.balancer.step_done(step, run.batches, run.strategy):
             self.status.show_batch_size(run.batches.batch_size)
 

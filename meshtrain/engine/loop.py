@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict
 from typing import Any
@@ -23,8 +25,9 @@ from torch import nn
 from meshtrain import checkpoint
 from meshtrain.comm import Communicator
 from meshtrain.comm.communicator import CommLog, CommRecord
+from meshtrain.comm.elastic import ElasticCommunicator
 from meshtrain.config.settings import TrainConfig
-from meshtrain.data import NodeBatches, fetch, resolve_dataset, split_microbatches, to_device
+from meshtrain.data import NodeBatches, SharedBatches, fetch, resolve_dataset, split_microbatches, to_device
 from meshtrain.devices import resolve_device
 from meshtrain.engine import balance, loggers, memory
 from meshtrain.engine.callbacks import (
@@ -45,6 +48,7 @@ from meshtrain.engine.callbacks import (
     node_replica,
     set_node_rng_state,
 )
+from meshtrain.engine.elastic import ElasticNode, admits, placeholder_report
 from meshtrain.engine.job import FitResult, NodeJob
 from meshtrain.engine.report import NodeReport, finish_run
 from meshtrain.errors import SettingError
@@ -66,22 +70,35 @@ def node_seed(seed: int, rank: int) -> int:
 
 
 def train_node(job: NodeJob, comm: Communicator, *, rng_guard: RngGuard | None = None,
-               verify_replicas: bool = False) -> FitResult:
+               verify_replicas: bool = False, join_timeout: float | None = None) -> FitResult:
     """The training loop every node runs. Returns the global model on every node;
     history, summary and the run directory on rank 0 only.
 
     ``rng_guard`` (threads runtime) is a context manager giving this node exclusive use
     of torch's global generator, holding the node's own stream, around forward passes.
+    ``join_timeout`` (an elastic run's node started again): wait this long to be admitted,
+    then go on from a healthy peer's state (:mod:`meshtrain.engine.elastic`).
     """
-    run = _start_node(job, comm, rng_guard, verify_replicas)
+    joining = join_timeout is not None
+    run = _start_node(job, comm, rng_guard, verify_replicas and not joining)
+    elastic = ElasticNode(run) if isinstance(comm, ElasticCommunicator) else None
     validation = Validation(job, run.model, comm.rank, run.device, comm.check_abort)
-    if job.resume is not None:
+    if isinstance(comm, ElasticCommunicator) and elastic is not None:
+        comm.healer = elastic
+        if join_timeout is not None:
+            comm.join(join_timeout)
+    if joining:
+        pass  # the state came from a peer
+    elif job.resume is not None:
         _resume(run)
     else:  # step 0: the global model before training, so every run shows before and after
         run.initial = validation.evaluate_untrained(run.strategy, shown=job.config.progress)
     callbacks = _callbacks(run, validation)
     guard = NonFiniteGuard()
     strategy = run.strategy
+    # Snapshots exist only in an elastic run (a fixed group never asks for one).
+    snapshot = elastic.snapshot if elastic is not None else dict
+    restore = elastic.restore if elastic is not None else (lambda saved: None)
     run.loop_started, run.collectives_before = time.perf_counter(), comm.log.seconds
     with run.progress, run.live.closed_on_failure():
         for step in range(run.first_step, run.max_steps):
@@ -89,35 +106,54 @@ def train_node(job: NodeJob, comm: Communicator, *, rng_guard: RngGuard | None =
             comm.step = step
             if not all([c.step_start(run, step) for c in callbacks]):  # this node leaves (--fail)
                 return FitResult(model=run.model, history=[], run_dir=None, summary={})
+            if elastic is not None:
+                elastic.before_step()
             if strategy.trains_at(step):
-                run.losses.append(_train_step(run, step, guard))
+                loss, update = _train_step(run, step, guard, overlap=elastic is None)
+                run.losses.append(loss)
             else:  # async-diloco: a slower node's step spans several loop steps
                 guard.skips(run, step, 0.0)  # it still votes where the nodes agree on skipping
-                strategy.idle_step(step)
+                update = functools.partial(strategy.idle_step, step)
                 # Shown where a loss is shown (progress, live view): its last one; the
                 # history leaves the step out of its mean (idle_steps).
                 run.losses.append(run.losses[-1] if run.losses else math.nan)
                 run.idle_steps.append(step)
-            if step == run.first_step:
-                run.clock.first_step_done()
-            run.seconds.append(run.seconds_before + time.time() - job.started)
+
+            def communicate(step: int = step, update: Callable[[], object] = update) -> None:
+                update()  # the strategy's update, and this step's communication
+                if step == run.first_step:
+                    run.clock.first_step_done()
+                run.seconds.append(run.seconds_before + time.time() - job.started)
+                for c in callbacks:
+                    c.step_end(run, step)
+
+            # An elastic run undoes and redoes it without a peer lost in it (comm/elastic.py).
+            admit = elastic is not None and admits(strategy, step, run.max_steps)
+            comm.transaction(communicate, snapshot=snapshot, restore=restore, admit=admit, step=step)
+            if elastic is not None:
+                elastic.after_step(step, admit)
+
+        def finish() -> None:
+            strategy.finish(run.max_steps - 1)
             for c in callbacks:
-                c.step_end(run, step)
-        strategy.finish(run.max_steps - 1)
-        for c in callbacks:
-            c.train_end(run)
+                c.train_end(run)
+
+        comm.transaction(finish, snapshot=snapshot, restore=restore, admit=False, step=run.max_steps - 1)
     # After finish every node holds the global model: node val loss equals the global one.
     final = validation.evaluate_global(strategy)
-    return _report(run, final)
+    return _report(run, final, elastic)
 
 
-def _train_step(run: NodeRun, step: int, guard: NonFiniteGuard) -> float:
-    """One training step: batch, forward and backward, the strategy's update. Its loss."""
+def _train_step(run: NodeRun, step: int, guard: NonFiniteGuard, *,
+                overlap: bool) -> tuple[float, Callable[[], None]]:
+    """One training step's batch, forward and backward: its loss, and the strategy's update
+    to run next. ``overlap``: DDP may send gradients during the backward pass (not in an
+    elastic run, whose communication all happens in the update's transaction)."""
     cfg, strategy = run.job.config, run.strategy
     loss = 0.0
     indices = run.batches.next_indices()
     micros = list(split_microbatches(indices, cfg.microbatch_size))
-    if sole_backward(cfg, len(micros)):  # DDP: gradients on the wire during backward
+    if overlap and sole_backward(cfg, len(micros)):  # DDP: gradients on the wire during backward
         strategy.before_sole_backward(step)
     for micro in micros:
         batch = to_device(fetch(run.train_set, micro, run.job.collate_fn), run.device)
@@ -125,12 +161,15 @@ def _train_step(run: NodeRun, step: int, guard: NonFiniteGuard) -> float:
     if run.scaler is not None:  # fp16: the gradients back to their true size
         run.scaler.unscale(strategy.params)
     skip = guard.skips(run, step, loss)
-    with run.clock:
-        if skip:
-            strategy.skip_step(step)
-        else:
-            strategy.step(step)  # the update, and this step's communication
-    return loss
+
+    def update() -> None:
+        with run.clock:
+            if skip:
+                strategy.skip_step(step)
+            else:
+                strategy.step(step)  # the update, and this step's communication
+
+    return loss, update
 
 
 def sole_backward(cfg: TrainConfig, microbatches: int) -> bool:
@@ -167,8 +206,13 @@ def _start_node(job: NodeJob, comm: Communicator, rng_guard: RngGuard | None,
     if cfg.gradient_checkpointing:
         memory.enable_checkpointing(model)
     train_set, shard = resolve_dataset(job.train_data, rank, cfg.nodes, "train")
-    batches = NodeBatches(train_set, rank=rank, nodes=cfg.nodes, batch_size=cfg.batch_size,
-                          seed=cfg.seed, shuffle=cfg.shuffle, shard=shard)
+    batches: NodeBatches | SharedBatches
+    if isinstance(comm, ElasticCommunicator) and shard:  # members change: one order, shared out
+        batches = SharedBatches(train_set, slot=rank, slots=cfg.nodes, batch_size=cfg.batch_size,
+                                seed=cfg.seed, shuffle=cfg.shuffle)
+    else:
+        batches = NodeBatches(train_set, rank=rank, nodes=cfg.nodes, batch_size=cfg.batch_size,
+                              seed=cfg.seed, shuffle=cfg.shuffle, shard=shard)
     comm.step = -1  # start-up traffic
     max_steps = cfg.steps or _agreed_epoch_steps(cfg.epochs, len(batches), comm)  # type: ignore[arg-type]
     plan = cfg.fault_plan()
@@ -192,6 +236,7 @@ def _start_node(job: NodeJob, comm: Communicator, rng_guard: RngGuard | None,
                                 stragglers=plan.stragglers, sync_interval=strategy.sync_interval()) \
         if cfg.balance else None
     if balancer is not None:
+        assert isinstance(batches, NodeBatches)  # --balance is refused with --elastic
         balancer.start(batches, strategy)
         if balancer.shares is not None:  # the projection counts each node's work
             plan = dataclasses.replace(plan, work=balancer.shares.work(cfg.batch_size))
@@ -244,21 +289,37 @@ def _callbacks(run: NodeRun, validation: Validation) -> list[Callback]:
     return [Faults(status), SyncCheck(), *balancing, status, validation, Checkpointing(), ProgressReport(run)]
 
 
-def _report(run: NodeRun, final: dict[str, float]) -> FitResult:
+def _report(run: NodeRun, final: dict[str, float], elastic: ElasticNode | None = None) -> FitResult:
     """Every node sends rank 0 its report; rank 0 writes the run."""
     comm = run.comm
-    gathered = comm.gather_json(asdict(run.report()))
+    box: list[list[Any] | None] = [None]
+
+    def gather() -> None:
+        box[0] = comm.gather_json(asdict(run.report()))
+
+    comm.transaction(gather, snapshot=dict, restore=lambda saved: None, admit=False, step=run.max_steps - 1)
+    gathered = box[0]
     if comm.rank != 0:
         return FitResult(model=run.model, history=[], run_dir=None, summary={})
     assert gathered is not None
     by_rank = {**run.departed, **{r: NodeReport(**g) for r, g in zip(comm.alive, gathered, strict=True)}}
-    reports = [by_rank[r] for r in range(run.job.config.nodes)]
+    # An elastic run's slot whose process is gone at the end has no report: no loss of its own.
+    reports = [by_rank.get(r) or placeholder_report(run.max_steps) for r in range(run.job.config.nodes)]
     return finish_run(run.job, run.strategy, run.model, comm.log.records, reports,
                       history_val=run.history_val, initial=run.initial, final=final,
                       skipped=run.skipped, steps=run.max_steps, plan=run.plan, live=run.live,
                       log_lines=run.progress.lines,
                       balance=run.balancer.to_dict() if run.balancer is not None else None,
-                      measured_communication_seconds=comm.log.seconds)
+                      measured_communication_seconds=comm.log.seconds,
+                      elastic=_elastic_record(comm, elastic))
+
+
+def _elastic_record(comm: Communicator, elastic: ElasticNode | None) -> dict[str, Any] | None:
+    """Rank 0's account of an elastic run: who was in at every step, and every change."""
+    if elastic is None or not isinstance(comm, ElasticCommunicator):
+        return None
+    return {"members_by_step": elastic.members_by_step, "events": comm.events, "heal_bytes": comm.heal_bytes,
+            "final_members": list(comm.alive)}
 
 
 def _agreed_epoch_steps(epochs: float, batches_per_epoch: int, comm: Communicator) -> int:

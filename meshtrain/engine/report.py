@@ -59,11 +59,17 @@ def finish_run(job: NodeJob, strategy: Strategy, model: nn.Module, records: list
                initial: dict[str, float], final: dict[str, float], skipped: list[int], steps: int,
                plan: FaultPlan, live: loggers.RunLoggers, log_lines: list[str],
                balance: dict[str, Any] | None = None,
-               measured_communication_seconds: float | None = None) -> FitResult:
+               measured_communication_seconds: float | None = None,
+               elastic: dict[str, Any] | None = None) -> FitResult:
     """Rank 0, after the last step: the history and summary from every node's report, the
-    projection, the loggers' last word and the run directory."""
+    projection, the loggers' last word and the run directory. ``elastic``: an elastic
+    run's membership (:func:`meshtrain.engine.loop._elastic_record`)."""
     cfg = job.config
-    history = history_rows(job, strategy, reports, history_val, final, steps, plan)
+    members = None
+    if elastic is not None:
+        by_step = elastic["members_by_step"]
+        members = {steps - len(by_step) + i: m for i, m in enumerate(by_step)}
+    history = history_rows(job, strategy, reports, history_val, final, steps, plan, members)
     summary = run_summary(job, strategy, history, final, reports, model)
     if plan:
         summary["faults"] = plan.to_dict()
@@ -71,6 +77,8 @@ def finish_run(job: NodeJob, strategy: Strategy, model: nn.Module, records: list
     if balance is not None:
         summary["balance"] = {**balance, "collective_share_per_node": [
             _rounded(r.balanced_collective_share) for r in reports]}
+    if elastic is not None:
+        summary["elastic"] = elastic_summary(elastic, cfg.nodes)
     summary["initial"] = initial
     summary["skipped_steps"] = len(skipped)
     if cfg.skip_nonfinite:
@@ -108,11 +116,13 @@ def history_rows(
     final: dict[str, float],
     steps: int,
     plan: FaultPlan | None = None,
+    members: dict[int, list[int]] | None = None,
 ) -> list[dict[str, Any]]:
-    """Per-step records: losses averaged over the step's nodes (alive ones, with ``--fail``)
-    that trained in it (async-diloco's slower nodes skip loop steps; where none trained, the
-    row keeps the last mean), bytes as their per-node mean; ``reports`` holds every node's,
-    by rank."""
+    """Per-step records: losses averaged over the step's nodes (alive ones, with ``--fail``;
+    in an elastic run the ``members`` of each step, whose work reached the global model:
+    then a ``members`` column names them) that trained in it (async-diloco's slower nodes
+    skip loop steps; where none trained, the row keeps the last mean), bytes as their
+    per-node mean; ``reports`` holds every node's, by rank."""
     plan = plan or FaultPlan()
     history: list[dict[str, Any]] = []
     total_sent = total_received = 0.0
@@ -120,10 +130,14 @@ def history_rows(
     idle = [set(r.idle_steps) for r in reports]
     train_loss = math.nan
     for step in range(steps):
-        ranks = plan.alive_at(step, len(reports))
+        ranks = members.get(step, list(range(len(reports)))) if members is not None \
+            else plan.alive_at(step, len(reports))
         alive = [reports[r] for r in ranks]
         n = len(alive)
-        trained = [reports[r] for r in ranks if step not in idle[r]]
+        # An elastic run's member whose process is gone at the end (lost, or its run before
+        # it rejoined) left no loss of its own (NaN): the step's loss is the others'.
+        trained = [reports[r] for r in ranks
+                   if step not in idle[r] and math.isfinite(reports[r].losses[step])]
         sent = sum(r.bytes_sent[step] for r in alive) / n
         received = sum(r.bytes_received[step] for r in alive) / n
         total_sent += sent
@@ -145,12 +159,22 @@ def history_rows(
             "examples": examples,
             "seconds": reports[0].seconds[step],
         }
+        if members is not None:
+            row["members"] = " ".join(map(str, ranks))
         row.update(val.get(step, {}))
         history.append(row)
     if final:
         history[-1].update(final)
         history[-1]["node_val_loss"] = final["val_loss"]
     return history
+
+
+def elastic_summary(elastic: dict[str, Any], slots: int) -> dict[str, Any]:
+    """summary.json's ``elastic``: every change of membership, the bytes healing cost, the
+    slots in at the end and those lost for good."""
+    final = list(elastic["final_members"])
+    return {"events": elastic["events"], "heal_bytes": elastic["heal_bytes"], "final_members": final,
+            "lost_for_good": [s for s in range(slots) if s not in final]}
 
 
 def peak_bytes_per_sync(history: list[dict[str, Any]]) -> float:

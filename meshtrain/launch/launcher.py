@@ -34,8 +34,8 @@ import paramiko
 
 from meshtrain.comm.rendezvous import PEERS_ENV, SECRET_FILE_ENV, SECRET_FOLDER_PREFIX, new_secret
 from meshtrain.comm.sealing import ADVERTISE_ENV, GLOO_HINT, interface_environment
-from meshtrain.config.environment import HOST_NAMES_ENV
-from meshtrain.config.launching import RESTART_WAIT_S
+from meshtrain.config.environment import ELASTIC_ENV, HOST_NAMES_ENV, JOINING_ENV
+from meshtrain.config.launching import REJOIN_BACKOFF_S, RESTART_WAIT_S
 from meshtrain.config.settings import check_run_id
 from meshtrain.errors import InputError
 from meshtrain.heartbeat import EXIT_GRACE_S, HEARTBEAT_FD, heartbeat_interval
@@ -67,9 +67,12 @@ from meshtrain.hosts.transfer import (
     sftp_path,
 )
 from meshtrain.launch.output import STOPPED, RankOutput
+from meshtrain.launch.rejoin import RankHistory, Rejoiner, restart_as_joiner, wait_briefly
 from meshtrain.run_dir import atomic_write_text
 
 POLL_SECONDS = 0.1
+#: ``--elastic``: the run finished, but without some host (lost and not back in time).
+FINISHED_WITHOUT = 3
 REMOTE_RUNS = "runs"  # under each host's workdir: where rank 0 writes <run_id>/
 
 
@@ -88,6 +91,8 @@ class LaunchOptions:
     max_restarts: int = 0  # after a failure, start every rank again from that checkpoint
     restart_wait: float = RESTART_WAIT_S  # before a restart: how long a cut-off host may take
     allow_shrink: bool = False  # a host still cut off after restart_wait is left out
+    elastic: bool = False  # a lost rank but 0's is retried over SSH and rejoins (launch/rejoin.py)
+    rejoin_backoff: float = REJOIN_BACKOFF_S  # with elastic: the longest wait between two tries
     shipments: list[Shipment] = field(default_factory=list)  # local data sent into every workdir first
     # (what, path) every host must already hold, relative to its workdir (launch --no-ship)
     required_paths: list[tuple[str, str]] = field(default_factory=list)
@@ -126,6 +131,8 @@ class LaunchResult:
     resumed_at: int | None = None  # the checkpoint step this attempt started from
     world_size: int = 0  # ranks of the last attempt (fewer than the inventory's after a shrink)
     started: bool = True  # False: stopped before any rank of this launch started
+    history: list[RankHistory] = field(default_factory=list)  # --elastic: ranks lost (and rejoined)
+    left_out: list[str] = field(default_factory=list)  # --elastic: hosts not in the run at its end
 
 
 class PreflightError(InputError, RuntimeError):
@@ -229,8 +236,10 @@ def _forget_secret(client: paramiko.SSHClient, host: Host, run_id: str) -> None:
         pass
 
 
-def rank_env(inventory: Inventory, host: Host, run_id: str) -> dict[str, str]:
-    """The environment of ``host``'s rank: torchrun's variables plus meshtrain's."""
+def rank_env(inventory: Inventory, host: Host, run_id: str, *, elastic: bool = False,
+             joining: bool = False) -> dict[str, str]:
+    """The environment of ``host``'s rank: torchrun's variables plus meshtrain's (``elastic``:
+    the heartbeat that loses a rank; ``joining``: a rank started again to rejoin)."""
     same_machine = [h for h in inventory.hosts if h.hostname == host.hostname]
     env = dict(host.env)
     env.update({
@@ -259,11 +268,15 @@ def rank_env(inventory: Inventory, host: Host, run_id: str) -> dict[str, str]:
     # The rank proves it is alive (not stopped, not hung) by beating on fd 3: see heartbeat.py.
     env["MESHTRAIN_HEARTBEAT"] = f"{heartbeat_interval(inventory.rendezvous.heartbeat_timeout):g}"
     env["MESHTRAIN_HEARTBEAT_FD"] = str(HEARTBEAT_FD)
+    if elastic:
+        env[ELASTIC_ENV] = f"{inventory.rendezvous.heartbeat_timeout:g}"
+    if joining:
+        env[JOINING_ENV] = "1"
     return env
 
 
 def rank_command(inventory: Inventory, host: Host, run_id: str, argv: list[str], *,
-                 training: bool) -> str:
+                 training: bool, elastic: bool = False, joining: bool = False) -> str:
     """The shell line that runs ``host``'s rank in its workdir.
 
     Variables go on the command line as sh assignments (``K=V PROGRAM``): sshd passes
@@ -274,7 +287,8 @@ def rank_command(inventory: Inventory, host: Host, run_id: str, argv: list[str],
     script command a leading ``python`` or ``python3`` means the host's interpreter
     from the inventory.
     """
-    env = [EnvAssignment(k, v) for k, v in rank_env(inventory, host, run_id).items()]
+    env = [EnvAssignment(k, v) for k, v in rank_env(inventory, host, run_id, elastic=elastic,
+                                                    joining=joining).items()]
     args = list(argv)
     if training:
         args += ["--device", host.device, "--out", REMOTE_RUNS, "--run-id", run_id]
@@ -522,7 +536,7 @@ def _launch_once(inventory: Inventory, argv: list[str], options: LaunchOptions, 
             deliver_secret(r.client, r.host, options.run_id, secret, options.connect_timeout)
         stop.check()
         result = _run_ranks(inventory, ranks, argv, options, output, stop, training=training,
-                            may_restart=may_restart)
+                            may_restart=may_restart, secret=secret)
         result.resumed_at = step
         return result
     finally:
@@ -651,11 +665,14 @@ def _record_restarts(run_dir: Path, restarts: list[dict[str, object]]) -> None:
 
 def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], options: LaunchOptions,
                output: RankOutput, stop: _Signal, *, training: bool,
-               may_restart: bool = False) -> LaunchResult:
+               may_restart: bool = False, secret: str = "") -> LaunchResult:
     failures: list[RankFailure] = []
+    elastic = options.elastic and training
+    rejoiner = _rejoiner(inventory, argv, options, output, secret) if elastic else None
     try:
         for r in ranks:
-            command = rank_command(inventory, r.host, options.run_id, argv, training=training)
+            command = rank_command(inventory, r.host, options.run_id, argv, training=training,
+                                   elastic=elastic)
             r.process = RemoteProcess(r.client, command, functools.partial(output.line, r.row))
             r.heartbeat = Heartbeat(r.client)
             output.watch(r.row, r.process)  # the live view shows its heartbeats
@@ -672,13 +689,20 @@ def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], option
                 if r.outcome is not None and r.outcome != "ok":
                     tail = output.tail(r.row)
                     r.outcome = _with_likely_cause(r.outcome, tail)
+                    if rejoiner is not None and r.host.rank != 0 and ranks[0].outcome is None:
+                        rejoiner.lost(r, r.outcome)  # the others go on; it is tried again
+                        continue
                     failures.append(RankFailure(r.host.rank, r.host, r.outcome, tail))
+        if rejoiner is not None and ranks[0].outcome == "ok":
+            return _finish_elastic(ranks, rejoiner, options, output, stop)
         if all(r.outcome == "ok" for r in ranks):
             _teardown(ranks, options)  # anything the ranks left running in the background
             return _copy_back(ranks[0], options, output, stop)
         if not failures:
             time.sleep(POLL_SECONDS)
 
+    if rejoiner is not None:
+        rejoiner.stop()
     why = failures[0] if failures else None
     if why is not None:
         output.note(f"rank {why.rank} on {why.host.name} {why.reason}; stopping the other ranks",
@@ -699,6 +723,47 @@ def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], option
     code = 1 if failures else 128 + int(stop.signum)  # type: ignore[arg-type]
     return LaunchResult(code, failures, None, 0.0, teardown_seconds, list(unconfirmed.values()),
                         lost=sorted(unconfirmed))
+
+
+def _rejoiner(inventory: Inventory, argv: list[str], options: LaunchOptions, output: RankOutput,
+              secret: str) -> Rejoiner:
+    """``--elastic``: what tries a lost rank's host again and starts it as a joiner."""
+    def connect_host(host: Host) -> paramiko.SSHClient:
+        return connect(host, accept_new_host_keys=options.accept_new_host_keys,
+                       timeout=min(3.0, options.connect_timeout))
+
+    def start_rank(r: _Rank, client: paramiko.SSHClient) -> None:
+        deliver_secret(client, r.host, options.run_id, secret, options.connect_timeout)
+        command = rank_command(inventory, r.host, options.run_id, argv, training=True, elastic=True,
+                               joining=True)
+        restart_as_joiner(r, client, command, functools.partial(output.line, r.row),
+                          lambda process: output.watch(r.row, process))
+
+    return Rejoiner(connect_host, start_rank, lambda line: output.note(line, style="bold yellow"),
+                    options.rejoin_backoff)
+
+
+def _finish_elastic(ranks: list[_Rank], rejoiner: Rejoiner, options: LaunchOptions, output: RankOutput,
+                    stop: _Signal) -> LaunchResult:
+    """Rank 0 finished an elastic run: no more tries; the other ranks finish with it (a rank
+    still waiting to rejoin is stopped); then the run directory comes back. Exit status
+    :data:`FINISHED_WITHOUT` when a rank was not in at the end."""
+    rejoiner.stop()
+    wait_briefly(lambda: all(r.outcome is not None or (r.process is not None and r.process.finished)
+                             for r in ranks), options.grace * 5)
+    for r in ranks:
+        if r.outcome is None and r.process is not None and r.process.finished:
+            r.outcome = _outcome(r, options, 0.0)
+    _teardown(ranks, options)
+    missing = [r for r in ranks if r.outcome != "ok"]
+    for r in ranks:
+        output.ended(r.row, r.outcome or STOPPED)
+    result = _copy_back(ranks[0], options, output, stop)
+    result.history = list(rejoiner.history.values())
+    result.left_out = [r.host.name for r in missing]
+    if result.exit_code == 0 and missing:
+        result.exit_code = FINISHED_WITHOUT
+    return result
 
 
 def _outcome(r: _Rank, options: LaunchOptions, heartbeat_timeout: float) -> str | None:

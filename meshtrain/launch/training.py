@@ -39,6 +39,7 @@ from meshtrain.hosts.shipping import ShipError, Shipment, hash_path
 from meshtrain.launch.launcher import LaunchOptions, LaunchResult, new_launch_id, training_argv
 from meshtrain.planning import Plan, Workload, recommend, trainable_parameters
 from meshtrain.run_dir import atomic_write_text
+from meshtrain.strategies import STRATEGIES
 from meshtrain.tasks import Task, TaskOptions, check_options
 
 
@@ -108,6 +109,8 @@ def prepare_launch(inventory: Path, command: list[str] | None, settings: dict[st
     if device:
         inv = dataclasses.replace(inv, hosts=tuple(dataclasses.replace(h, device=device) for h in inv.hosts))
     inv = _apply_overrides(inv, threads, how.heartbeat_timeout)
+    if how.elastic and not training:
+        raise InputError("--elastic continues a training run: give training flags, not a command after --")
     if how.allow_shrink and not training:
         raise InputError("--allow-shrink continues a training run: give training flags, not a "
                          "command after --")
@@ -128,6 +131,8 @@ def prepare_launch(inventory: Path, command: list[str] | None, settings: dict[st
         spec, task = _resolve_training(flags, set_, inv.world_size, restarts=bool(resume or how.max_restarts))
         if how.allow_shrink:
             _check_shrink(spec, how.max_restarts)
+        if how.elastic:
+            _check_elastic(spec, how)
         given_model = spec.task_options.get("model")
         shipments, required = _ship_inputs(spec, task, how.no_ship)
         if any(s.what == "task_options.model" for s in shipments):
@@ -153,6 +158,7 @@ def prepare_launch(inventory: Path, command: list[str] | None, settings: dict[st
         run_id=resume or run_id or new_launch_id(label, inv.world_size, out), out_dir=out,
         accept_new_host_keys=how.accept_new_host_keys, uploads=list(upload), resume=bool(resume),
         max_restarts=how.max_restarts, restart_wait=how.restart_wait, allow_shrink=how.allow_shrink,
+        elastic=how.elastic, rejoin_backoff=how.rejoin_backoff,
         shipments=shipments, required_paths=required, copy_limits=limits, program=program)
     return PreparedLaunch(inv, argv, options, training, how, strategy, spec, settings_file, plan, base_model)
 
@@ -290,6 +296,26 @@ def _check_shrink(spec: RunSpec, max_restarts: int) -> None:
     refusal = fewer_nodes_refusal(build_strategy(spec))
     if refusal:
         raise InputError(f"--allow-shrink: {refusal}")
+
+
+def _check_elastic(spec: RunSpec, how: LaunchSettings) -> None:
+    """``--elastic`` needs a strategy whose nodes share one global state at each sync (a
+    joiner takes it from a peer, the others go on without a lost one) and no work outside
+    a step's transaction (meshtrain/engine/elastic.py); exit 2 naming what is refused."""
+    if how.allow_shrink:
+        raise InputError("--elastic goes on without a lost host by itself: drop --allow-shrink")
+    strategy = build_strategy(spec)
+    problem = strategy.fewer_nodes_problem()
+    if problem or not strategy.continues_on_fewer_nodes:
+        able = ", ".join(sorted(name for name, cls in STRATEGIES.items() if cls.continues_on_fewer_nodes))
+        raise InputError(f"--elastic: strategy {strategy.name} cannot go on without a node"
+                         f"{': ' + problem if problem else ''} (it serves {able})")
+    config = spec.train_config()
+    refused = [("--balance", config.balance), ("--epochs (give --steps)", config.epochs is not None),
+               ("--skip-nonfinite", config.skip_nonfinite), ("--precision fp16", config.precision == "fp16")]
+    for flag, given in refused:
+        if given:  # each is a collective outside a step's transaction (or a share of the data)
+            raise InputError(f"--elastic cannot be combined with {flag} yet")
 
 
 def _local_inputs(spec: RunSpec, task: Task) -> list[tuple[str, str, str]]:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from meshtrain.comm.elastic import ElasticCommunicator, open_elastic_store
 from meshtrain.comm.sealing import GLOO_HINT, bind_gloo_to_advertise, raise_open_file_limit
 from meshtrain.comm.torch_dist import TorchDistCommunicator, init_process_group, leave_in_order
 from meshtrain.config.environment import RankEnvironmentError, launched_rank
@@ -35,6 +36,9 @@ def run_launched_rank(job: NodeJob) -> FitResult:
     start_heartbeat()  # no-op unless `meshtrain launch` started this rank
     timeout = place.timeout_s if place.timeout_s is not None else job.config.timeout_s
     try:
+        if place.elastic_s is not None:
+            return train_elastic(job, rank, world, addr, port, timeout, place.elastic_s,
+                                 joining=place.joining)
         return join_and_train(job, rank, world, addr, port, timeout, verify_replicas=True)
     except Exception as exc:  # the same error a simulated node raises, traceback kept
         message = f"{type(exc).__name__}: {exc}"
@@ -80,3 +84,23 @@ def _barrier(comm: TorchDistCommunicator) -> None:
         dist.barrier()
     elif comm.rank in comm.alive:
         comm.all_reduce(torch.zeros(1), op="sum", record=False)  # a ring needs every member
+
+
+def train_elastic(job: NodeJob, slot: int, slots: int, addr: str, port: int, timeout_s: float,
+                  heartbeat_s: float, *, joining: bool) -> FitResult:
+    """Train as slot ``slot`` of an elastic run (``launch --elastic``): through the gate to
+    rank 0's store, a group that goes on without a lost rank and takes it back
+    (:mod:`meshtrain.comm.elastic`); ``joining``: this rank was started again to rejoin."""
+    if job.config.threads:
+        torch.set_num_threads(job.config.threads)
+    torch.manual_seed(node_seed(job.config.seed, slot))
+    place = open_elastic_store(slot, slots, addr, port, timeout_s, heartbeat_s)
+    comm = ElasticCommunicator(place.table, heartbeat_s, seal=place.seal)
+    if joining:
+        result = train_node(job, comm, join_timeout=timeout_s)
+    else:
+        place.all_ready(timeout_s)  # every slot is up: the first group forms within the heartbeat
+        comm.start()
+        result = train_node(job, comm, verify_replicas=True)
+    place.leave(len(comm.alive), timeout_s)
+    return result

@@ -1,0 +1,113 @@
+"""What a node of an elastic run (``launch --elastic``) adds to the training loop.
+
+The loop runs each step's communicating work as a transaction of the communicator
+(:mod:`meshtrain.comm.elastic`); this module gives it what a transaction needs from the
+node: a copy of the node's state to go back to when a peer is lost mid-step
+(:meth:`ElasticNode.snapshot`, :meth:`ElasticNode.restore`), the state a joiner takes
+from a healthy peer (:meth:`ElasticNode.capture`, :meth:`ElasticNode.apply`), the steps
+where joiners may come in (:func:`admits`), and rank 0's record of who was in at every
+step (:attr:`ElasticNode.members_by_step`) for metrics.csv and the summary.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+
+from meshtrain import checkpoint
+from meshtrain.comm.communicator import Communicator
+from meshtrain.data import SharedBatches
+from meshtrain.engine.callbacks import NodeRun
+from meshtrain.engine.report import NodeReport
+from meshtrain.strategies import Strategy
+
+
+def admits(strategy: Strategy, step: int, max_steps: int) -> bool:
+    """Whether joiners may come in after 0-based ``step``: at an outer sync (DiLoCo, FedAvg,
+    SPARTA-DiLoCo: every node holds the global state there), at every step where the
+    strategy has no such rhythm (DDP), never after the last step."""
+    interval = strategy.sync_interval() or 1
+    return (step + 1) % interval == 0 and step + 1 < max_steps
+
+
+class ElasticNode:
+    """One node's side of an elastic run; see the module docstring."""
+
+    def __init__(self, run: NodeRun) -> None:
+        self.run = run
+        self.comm: Communicator = run.comm
+        #: Rank 0: the members whose work of each step reached the global model.
+        self.members_by_step: list[list[int]] = []
+        self._events_seen = 0
+        self._round_start = run.first_step  # the first step of the round not yet synced
+
+    # ----------------------------------------------------------------- transactions
+    def snapshot(self) -> dict[str, Any]:
+        """The node's state before a step's communicating work (copies, not views)."""
+        run = self.run
+        return {"model": {k: v.detach().clone() for k, v in run.model.state_dict().items()},
+                "strategy": copy.deepcopy(run.strategy.state_dict()),
+                "seconds": len(run.seconds), "val": dict(run.history_val)}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        run = self.run
+        with torch.no_grad():
+            for name, value in run.model.state_dict().items():
+                value.copy_(saved["model"][name])
+        run.strategy.load_state_dict(copy.deepcopy(saved["strategy"]))
+        del run.seconds[saved["seconds"]:]
+        run.history_val = dict(saved["val"])
+
+    # ----------------------------------------------------------------- healing
+    def capture(self) -> dict[str, Any]:
+        """What a joiner needs to be this node: model, strategy, data position, the step."""
+        run = self.run
+        return {"step": len(run.losses), **checkpoint.model_state(run.model),
+                "strategy": run.strategy.state_dict(), "data": run.batches.state_dict()}
+
+    def apply(self, state: dict[str, Any]) -> None:
+        """Become the node that sent ``state`` (a joiner, before its first step)."""
+        run = self.run
+        checkpoint.load_model_state(run.model, state, "the state a peer sent")
+        run.strategy.load_state_dict(state["strategy"])
+        run.batches.load_state_dict(state["data"])
+        run.first_step = int(state["step"])
+        # The steps before it joined are not this node's: no loss, no time of its own.
+        run.losses = [math.nan] * run.first_step
+        run.seconds = [math.nan] * run.first_step
+        self._round_start = run.first_step
+
+    # ----------------------------------------------------------------- membership
+    def before_step(self) -> None:
+        """The step's members draw its samples (an elastic run's batches are shared)."""
+        if isinstance(self.run.batches, SharedBatches):
+            self.run.batches.members = list(self.comm.alive)
+
+    def after_step(self, step: int, admitted: bool) -> None:
+        """After a step's transaction: the samples of members lost before their round reached
+        the global model are drawn again; a sync closes the round; rank 0 records who was in."""
+        events = getattr(self.comm, "events", [])[self._events_seen:]
+        self._events_seen += len(events)
+        lost = sorted({slot for e in events for slot in e["lost"]})
+        batches = self.run.batches
+        if isinstance(batches, SharedBatches):
+            batches.members_lost(lost)
+        if self.comm.rank == 0:
+            self.members_by_step.append(list(self.comm.alive))
+            for s in range(self._round_start, step):  # their work of this round is gone
+                row = self.members_by_step[s - self.run.first_step]
+                row[:] = [m for m in row if m not in lost]
+        if admitted:  # the round's work is in the global model
+            if isinstance(batches, SharedBatches):
+                batches.synced()
+            self._round_start = step + 1
+
+
+def placeholder_report(steps: int) -> NodeReport:
+    """The report of a slot whose process is gone at the end (lost for good, or its earlier
+    run before it rejoined): no loss of its own at any step."""
+    return NodeReport([math.nan] * steps, [math.nan] * steps, [0] * steps, [0] * steps, 0)
+
