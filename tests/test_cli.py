@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 from cli_process import run_cli
+from in_process import meshtrain_here
 from typer.testing import CliRunner
 
 from meshtrain.cli.main import app
@@ -18,7 +19,8 @@ runner = CliRunner()
 
 
 def test_default_simulate_runs_digits_with_diloco_on_4_nodes(tmp_path: Path) -> None:
-    proc = run_cli("simulate", cwd=tmp_path)
+    # In this process (the entry point itself: test_bad_input_through_the_real_entry_point).
+    proc = meshtrain_here("simulate", cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "run directory:" in proc.stdout
     (run_dir,) = [p for p in (tmp_path / "runs").iterdir() if not p.name.startswith(".")]

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from in_process import meshtrain_here
 from ssh_fixtures import (
     PYTHON,
     SSHD,
@@ -485,8 +486,7 @@ def test_host_without_sftp_is_reported_and_copied_with_tar(world: SshWorld, no_s
     finally:
         client.close()
 
-    check = subprocess.run([PYTHON, "-m", "meshtrain", "hosts", "check", str(inv)], cwd=tmp_path,
-                           capture_output=True, text=True, timeout=120)
+    check = meshtrain_here("hosts", "check", str(inv), cwd=tmp_path)
     assert check.returncode == 0, check.stdout + check.stderr
     assert check.stdout.count("ok unavailable, tar fallback used") == 2, check.stdout
 
