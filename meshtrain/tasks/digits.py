@@ -105,6 +105,7 @@ TASK = Task(
         "sparta-diloco": {"H": 25, "lr": 2e-3},
         "streaming-diloco": {"H": 25, "lr": 2e-3},
         "async-diloco": {"H": 25, "lr": 2e-3},
+        "sparseloco": {"H": 25, "lr": 2e-3},  # DiLoCo's inner loop: the same H and inner lr
         "fedavg": {"lr": 0.1},
     },
     options={"arch": "mlp", "hidden": 128},

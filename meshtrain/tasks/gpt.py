@@ -175,7 +175,8 @@ TASK = Task(
     build=build,
     defaults={"steps": 200, "batch_size": 16, "val_interval": 50, "val_size": 256},
     strategy_defaults={"diloco": {"H": 20}, "sparta-diloco": {"H": 20},
-                      "streaming-diloco": {"H": 20}, "async-diloco": {"H": 20}, "fedavg": {"lr": 0.1}},
+                      "streaming-diloco": {"H": 20}, "async-diloco": {"H": 20}, "sparseloco": {"H": 20},
+                      "fedavg": {"lr": 0.1}},
     options={"block_size": 64, "layers": 2, "heads": 4, "dim": 128, "dropout": 0.0},
     check_data=check_data,
 )
