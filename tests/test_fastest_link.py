@@ -213,3 +213,53 @@ def test_bench_chooses_the_faster_of_two_links_and_records_it(two_links: tuple[S
     assert get_cluster(str(tmp_path / "clusters" / "lab.yaml")).bandwidth > 2 * SLOW_MBIT * 1e6 / 8
     raw = yaml.safe_load(inv.read_text())
     assert all("link_bandwidth" in h for h in raw["hosts"])
+
+
+COMMENTED = """\
+# The lab: two minis on the desk, one in the rack.   (a comment the user wrote)
+defaults:
+  python: /usr/bin/python3   # the system python
+  iface: eth0
+
+hosts:
+  # rank 0: the one with the monitor
+  - name: a          # desk, left
+    host: 10.0.0.1
+    # advertise is filled in by hosts bench
+    advertise: 10.0.0.1   # the wired one, for now
+    link_bandwidth: 1.0e6 # old measurement
+
+  - name: b
+    host: 10.0.0.2   # desk, right
+    env:
+      OMP_NUM_THREADS: "2"   # a nested mapping after name's line
+  - {name: c, host: 10.0.0.3}   # the rack
+# trailing words
+"""
+
+
+def test_recording_the_links_keeps_the_users_comments_and_layout(tmp_path: Path) -> None:
+    """`hosts bench` and `meshtrain up` wrote the inventory again from its parsed form: every
+    comment, blank line and the flow-style host were lost. Only the keys written change now."""
+    path = tmp_path / "lab.yaml"
+    path.write_text(COMMENTED)
+    path.chmod(0o640)
+    links = {"a": ("169.254.7.1", "bridge0", 2e9), "b": ("169.254.7.2", "bridge0", 123456789.0),
+             "c": ("fe80::3%bridge0", "bridge0", 5e8)}
+    assert set_links(path, links)
+    text = path.read_text()
+    for line in COMMENTED.splitlines():
+        if "advertise: 10.0.0.1" in line or "link_bandwidth: 1.0e6" in line or "{name" in line:
+            continue  # the two values replaced and the flow-style host: checked below
+        assert line in text.splitlines(), line
+    assert "  - {name: c, host: 10.0.0.3, " in text and text.count("}   # the rack\n") == 1
+    assert "advertise: 169.254.7.1   # the wired one, for now" in text
+    assert "link_bandwidth: 2000000000.0 # old measurement" in text
+    hosts = {h.name: h for h in load_inventory(path).hosts}
+    for name, (address, iface, bandwidth) in links.items():
+        assert (hosts[name].advertise, hosts[name].iface) == (address, iface)
+        assert hosts[name].link_bandwidth == float(f"{bandwidth:.4g}")
+    assert hosts["b"].env == {"OMP_NUM_THREADS": "2"}
+    assert path.stat().st_mode & 0o777 == 0o640
+    assert not set_links(path, links)  # nothing new: the file is left as it is
+    assert path.read_text() == text

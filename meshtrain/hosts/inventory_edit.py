@@ -1,4 +1,5 @@
-"""Set hosts' ``python:`` in an inventory file without disturbing the rest of it.
+"""Set hosts' ``python:``, and record their chosen links, in an inventory file without
+disturbing the rest of it (:func:`set_python`, :func:`set_links`).
 
 Only the characters of existing ``python:`` values change: their exact place comes
 from the YAML parser's marks, so comments, order, quoting and layout stay as the user
@@ -74,13 +75,7 @@ def set_python(path: Path, wanted: dict[str, str], *, write: bool = True) -> Inv
     if not _only_python_changed(inventory, new_text, path, wanted):
         edit.by_hand = [f"host {n}: set python: {wanted[n]}" for n in edit.changed]
         return edit
-    mode = path.stat().st_mode & 0o777  # kept (a new file would get the umask's mode)
-
-    def write_with_mode(tmp: Path) -> None:
-        tmp.write_text(new_text)
-        tmp.chmod(mode)
-
-    atomic_write(path, write_with_mode)
+    _replace_keeping_mode(path, new_text)
     edit.written = True
     return edit
 
@@ -116,34 +111,85 @@ def _only_python_changed(before: Inventory, new_text: str, path: Path, wanted: d
 def set_links(path: Path, links: dict[str, tuple[str, str, float]]) -> bool:
     """Make host ``name`` use ``links[name] = (address, iface, bandwidth)``: its ``advertise``
     and ``iface`` keys become the chosen link's, ``link_bandwidth`` records what was
-    measured. Returns whether the file changed. The file is written again from its parsed
-    form (YAML comments are not kept), checked to parse to the same inventory with only
-    those keys changed, and replaced atomically with its mode kept."""
+    measured. Returns whether the file changed.
+
+    Only those keys of those hosts change, in the text as the user wrote it: a key the host
+    has gets its value replaced in place (the comment after it stays), a key it lacks is a new
+    line right after the host's ``name:`` line, at its keys' indentation (inside the braces
+    for a host written as ``{name: ..., host: ...}``). Comments, blank lines, order and quoting
+    stay. The edited text must parse to the same inventory with only those keys changed, and
+    replaces the file atomically with its mode kept."""
     text = path.read_text()
-    raw = yaml12.load(text)
-    before = parse_inventory(raw, path)
-    entries = raw["hosts"]
-    for entry in entries:
-        link = links.get(entry["name"])
-        if link is not None:
-            address, iface, bandwidth = link
-            entry["advertise"], entry["iface"] = address, iface
-            entry["link_bandwidth"] = float(f"{bandwidth:.4g}")
-    after = parse_inventory(raw, path)
+    before = parse_inventory(yaml12.load(text), path)
     expected = tuple(dataclasses.replace(h, advertise=links[h.name][0], iface=links[h.name][1],
                                          link_bandwidth=float(f"{links[h.name][2]:.4g}"))
                      if h.name in links else h for h in before.hosts)
+    if expected == before.hosts:
+        return False
+    edits: list[tuple[int, int, str]] = []  # (start, end, new text) of the original text
+    hosts_node = _value(yaml.compose(text), "hosts")
+    for entry in hosts_node.value if isinstance(hosts_node, yaml.SequenceNode) else []:
+        name = _value(entry, "name")
+        if not (isinstance(entry, yaml.MappingNode) and isinstance(name, yaml.ScalarNode)
+                and name.value in links):
+            continue
+        address, iface, bandwidth = links[name.value]
+        values = {"advertise": _string(address), "iface": _string(iface),
+                  "link_bandwidth": _float(float(f"{bandwidth:.4g}"))}
+        added = []
+        for key, value in values.items():
+            node = _value(entry, key)
+            if isinstance(node, yaml.ScalarNode):
+                edits.append((node.start_mark.index, node.end_mark.index, value))
+            else:
+                added.append((key, value))
+        if added and entry.flow_style:
+            end = entry.end_mark.index - 1  # the closing brace
+            edits.append((end, end, "".join(f", {k}: {v}" for k, v in added)))
+        elif added:
+            # After the name's line: a single-line scalar (a host name), so the line that
+            # holds its end is the whole key, whatever follows the host (nested mappings).
+            line_end = text.find("\n", name.end_mark.index)
+            at = len(text) if line_end < 0 else line_end + 1
+            indent = " " * entry.value[0][0].start_mark.column
+            lines = "".join(f"{indent}{k}: {v}\n" for k, v in added)
+            edits.append((at, at, lines if line_end >= 0 else "\n" + lines))
+    new_text = text
+    for start, end, value in sorted(edits, reverse=True):
+        new_text = new_text[:start] + value + new_text[end:]
+    try:
+        after = parse_inventory(yaml12.load(new_text), path)
+    except (yaml.YAMLError, InventoryError) as exc:
+        raise InventoryError(f"{path}: recording the chosen links would make the file unreadable "
+                             f"({exc}); set advertise, iface and link_bandwidth by hand") from exc
     if after.hosts != expected or after.rendezvous != before.rendezvous:
         raise InventoryError(f"{path}: recording the chosen links would change more than the "
                              "hosts' advertise, iface and link_bandwidth")
-    if after.hosts == before.hosts:
-        return False
-    new_text = yaml.safe_dump(raw, sort_keys=False)
+    _replace_keeping_mode(path, new_text)
+    return True
+
+
+def _string(value: str) -> str:
+    """``value`` as a YAML scalar that reads back as that string: plain where it can be."""
+    if _PLAIN.match(value) and yaml12.load(f"k: {value}") == {"k": value}:
+        return value
+    return json.dumps(value)
+
+
+def _float(value: float) -> str:
+    """``value`` as a YAML scalar that every YAML reader takes for a float (a dot in it)."""
+    mantissa, _, exponent = repr(value).partition("e")
+    if "." not in mantissa:
+        mantissa += ".0"
+    return mantissa + (f"e{exponent}" if exponent else "")
+
+
+def _replace_keeping_mode(path: Path, text: str) -> None:
+    """Replace the file atomically with ``text``, its mode kept (a new file would get the umask's)."""
     mode = path.stat().st_mode & 0o777
 
     def write_with_mode(tmp: Path) -> None:
-        tmp.write_text(new_text)
+        tmp.write_text(text)
         tmp.chmod(mode)
 
     atomic_write(path, write_with_mode)
-    return True
