@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_process import run_cli
 from in_process import meshtrain_here
 from speech_fixtures import SpeechAssets, speech_fixture  # noqa: F401 (the fixture)
 
@@ -47,8 +46,10 @@ def test_whisper_tiny_lora_profile_says_what_the_issue_asks() -> None:
     assert random.task_options["language"] is None and random.strategy_options["H"] == 7
 
 
-def test_profiles_command_lists_whisper_profiles_with_descriptions(tmp_path: Path) -> None:
-    proc = run_cli("profiles", cwd=tmp_path)  # a fresh interpreter: its table is 200 columns wide
+def test_profiles_command_lists_whisper_profiles_with_descriptions(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # a table 200 columns wide, as cli_process.run_cli gives it
+    proc = meshtrain_here("profiles", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     found = list_profiles()
     for name in WHISPER_PROFILES:
