@@ -65,8 +65,8 @@ ORDER = (("unshaped", "diloco"), ("100mbit", "diloco"), ("100mbit", "streaming")
 
 
 #: Loaded into every rank (sitecustomize, with THREAD_NAMER): at exit, the CPU seconds of each
-#: of its threads by kernel name, the main thread (which trains) as "main", into
-#: $MESHTRAIN_CPU_DIR/rank<R>.json.
+#: of its threads by kernel name, the main thread (which trains) as "main" (user) and "main
+#: system", into $MESHTRAIN_CPU_DIR/rank<R>.json.
 CPU_BY_THREAD = """
 import atexit, json, os
 if os.environ.get("MESHTRAIN_CPU_DIR") and os.environ.get("RANK"):
@@ -77,8 +77,11 @@ if os.environ.get("MESHTRAIN_CPU_DIR") and os.environ.get("RANK"):
                 text = open(f"/proc/self/task/{tid}/stat").read()
             except OSError:
                 continue
-            name = "main" if int(tid) == pid else text[text.index("(") + 1:text.rindex(")")]
             fields = text[text.rindex(")") + 2:].split()
+            if int(tid) == pid:  # user and system apart: the kernel's network work shows as system
+                by_name["main"], by_name["main system"] = int(fields[11]) / tick, int(fields[12]) / tick
+                continue
+            name = text[text.index("(") + 1:text.rindex(")")]
             by_name[name] = by_name.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
         path = os.path.join(os.environ["MESHTRAIN_CPU_DIR"], "rank%s.json" % os.environ["RANK"])
         with open(path, "w") as f:
@@ -96,9 +99,9 @@ class Row:
     compute: float  # of it: the run's measured compute per step (CPU time) times the timed steps
     waited: float  # rank 0's seconds inside collectives, whole run (overlapped ones: only the wait)
     load: float
-    #: rank 0's CPU seconds, whole run: the training thread, the side channel's worker, the rest
-    #: (gloo's and torch's own threads, the heartbeat)
-    cpu: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    #: rank 0's CPU seconds, whole run: the training thread (user, system), the side channel's
+    #: worker, the rest (gloo's and torch's own threads, the heartbeat)
+    cpu: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
 
 
 def python(folder: Path, nice: int) -> Path:
@@ -141,10 +144,10 @@ def launch(world: SshWorld, folder: Path, inv: Path, row: str, link: str, cluste
     projected = summary["projected"]
     threads = json.loads((folder / "cpu" / "rank0.json").read_text())
     side = threads.pop("beside-training", 0.0)
-    main = threads.pop("main")
+    main, system = threads.pop("main"), threads.pop("main system")
     return Row(link, row, span("seconds"), span("projected_seconds"),
                projected["step_seconds"] * (last - first), projected["measured_communication_seconds"],
-               load, (main, side, sum(threads.values())))
+               load, (main, system, side, sum(threads.values())))
 
 
 def main() -> None:
@@ -208,8 +211,9 @@ def measure(repeats: int, nice: int) -> None:
                         print(f"[{link}] {ROWS[row][0]} run {r + 1}: measured {result.measured:.2f} s, "
                               f"projected {result.projected:.2f} s (compute {result.compute:.2f} s), "
                               f"waited in collectives {result.waited:.2f} s, rank 0's CPU: training thread "
-                              f"{result.cpu[0]:.2f} s, side channel {result.cpu[1]:.2f} s, other threads "
-                              f"{result.cpu[2]:.2f} s (load {result.load:.2f})",
+                              f"{result.cpu[0]:.2f} s user + {result.cpu[1]:.2f} s system, side channel "
+                              f"{result.cpu[2]:.2f} s, other threads {result.cpu[3]:.2f} s "
+                              f"(load {result.load:.2f})",
                               flush=True)
             finally:
                 for server in world.servers:
@@ -223,7 +227,8 @@ def measure(repeats: int, nice: int) -> None:
 def print_table(results: list[Row], clusters: dict[str, str], nice: int) -> None:
     def med(link: str, row: str, key: str) -> float:
         def value(r: Row) -> float:
-            return r.cpu[1] if key == "side" else r.cpu[2] if key == "other" else float(getattr(r, key))
+            parts = {"system": r.cpu[1], "side": r.cpu[2], "other": r.cpu[3]}
+            return parts[key] if key in parts else float(getattr(r, key))
 
         return statistics.median(value(r) for r in results if (r.link, r.row) == (link, row))
 
@@ -239,7 +244,7 @@ def print_table(results: list[Row], clusters: dict[str, str], nice: int) -> None
     header = ("link", "run", "measured s", "projected s", "projected / measured", "vs unshaped DiLoCo",
               "vs same run unshaped", "compute (CPU) s", "waited in collectives s",
               "projected, compute as unshaped DiLoCo's wall / measured",
-              "rank 0 CPU s: side channel / gloo and other threads", "load")
+              "rank 0 CPU s: training thread's system / side channel / gloo and other threads", "load")
     print(" | ".join(header))
     print(" | ".join("---" for _ in header))
     for link, row in sorted(set(ORDER), key=lambda x: (x[0] != "unshaped", list(ROWS).index(x[1]))):
@@ -249,7 +254,7 @@ def print_table(results: list[Row], clusters: dict[str, str], nice: int) -> None
         print(f"{link} | {ROWS[row][0]} | {measured:.2f} | {projected:.2f} | {projected / measured:.2f} | "
               f"{measured / base:.2f}x | {measured / same:.2f}x | {compute:.2f} | "
               f"{med(link, row, 'waited'):.2f} | {(wall_compute + projected - compute) / measured:.2f} | "
-              f"{med(link, row, 'side'):.2f} / {med(link, row, 'other'):.2f} | "
+              f"{' / '.join(f'{med(link, row, k):.2f}' for k in ('system', 'side', 'other'))} | "
               f"{min(loads):.1f}-{max(loads):.1f}")
     shaped = med("100mbit", "diloco", "measured")
     projected = med("100mbit", "diloco", "projected")
