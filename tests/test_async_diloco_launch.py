@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 from cpu_limits import CpuGroup, cpu_cgroups
-from ssh_fixtures import PYTHON, free_port, meshtrain
+from in_process import meshtrain_here
+from ssh_fixtures import free_port, meshtrain
 
 pytestmark = pytest.mark.slow
 
@@ -55,10 +56,10 @@ def test_launched_with_given_speeds_matches_simulate_bit_for_bit(world, tmp_path
     ssh, _ = world
     options = ["--steps", "16", "--set", "H=6", "--set", "speeds=[1, 0.4]", "--batch-size", "16"]
     _launch(ssh, tmp_path, "given", *options)
-    simulated = subprocess.run(
-        [PYTHON, "-m", "meshtrain", "simulate", "--nodes", "2", "--runtime", "threads", "--device", "cpu",
-         "--out", str(tmp_path / "sim"), "--run-id", "sim", *TRAINING, *options],
-        cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    # In this process (threads runtime: bit-identical to processes, tests/test_runtimes.py).
+    simulated = meshtrain_here("simulate", "--nodes", "2", "--runtime", "threads", "--device", "cpu",
+                               "--out", str(tmp_path / "sim"), "--run-id", "sim", *TRAINING, *options,
+                               cwd=tmp_path, timeout=240)
     assert simulated.returncode == 0, simulated.stderr
     a = torch.load(tmp_path / "runs" / "given" / "model.pt", weights_only=True)
     b = torch.load(tmp_path / "sim" / "sim" / "model.pt", weights_only=True)
