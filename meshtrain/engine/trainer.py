@@ -142,6 +142,9 @@ class Trainer:
         config = replace(config, threads=resolve_threads(config.threads, config.runtime))
         config.validate()
         strategy.check_nodes(config.nodes)
+        if config.runtime != "launched":  # --straggler and a strategy's own speeds, before any node starts
+            stragglers = config.fault_plan().stragglers
+            strategy.check_speeds([1.0 / stragglers.get(r, 1.0) for r in range(config.nodes)])
         balance.check_strategy(strategy, config.balance)
         device = resolve_device(config.device)
         check_gpus_for_processes(config.runtime, config.nodes, device)

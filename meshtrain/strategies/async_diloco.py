@@ -421,6 +421,11 @@ class AsyncDiLoCo(Strategy):
             raise ValueError(f"momentum_activation must be in [0, 1/buffer_size] = [0, {1 / N:.4g}], "
                              f"got {self.momentum_activation}")
 
+    def check_speeds(self, simulated: Sequence[float]) -> None:
+        if self.speeds is not None and len(set(simulated)) > 1:
+            raise ValueError(f"strategy {self.name}: speeds={self.speeds} and --straggler both set the "
+                             "nodes' speeds: give the nodes' speeds once")
+
     def use_node_speeds(self, simulated: Sequence[float] | None) -> None:
         self.sync.use_speeds(simulated)
 

@@ -215,6 +215,10 @@ class Strategy:
         """Raise ``ValueError`` when this strategy's settings do not fit a run of ``nodes``
         nodes (called before anything trains)."""
 
+    def check_speeds(self, simulated: Sequence[float]) -> None:
+        """Raise ``ValueError`` when the simulated nodes' speeds (1 / each ``--straggler``
+        slowdown) do not fit this strategy's settings (called before anything trains)."""
+
     def use_node_speeds(self, simulated: Sequence[float] | None) -> None:
         """Called by the training loop after :meth:`setup`, before step 0: each node's speed
         relative to a normal node in a simulated run (1 / its ``--straggler`` slowdown), None
