@@ -21,6 +21,7 @@ shaped with a tc token bucket (``tbf``; this kernel has no ``netem``) to 100 Mbi
 
     sudo python benchmarks/shaped_link.py                 # 2 repeats of 7 launches, ~15 min
     sudo python benchmarks/shaped_link.py --repeats 1 --nice -10
+    sudo python benchmarks/shaped_link.py --collectives     # the collectives alone, ~1 min
 
 Needs root (namespaces, tc), sshd and iproute2; refuses in one line otherwise. The load
 average is printed with every run: the hosts' cores are shared with whatever else runs.
@@ -90,6 +91,64 @@ if os.environ.get("MESHTRAIN_CPU_DIR") and os.environ.get("RANK"):
 """
 
 
+#: ``--collectives``: run in each host namespace as rank argv[1] of 2 (no sshd, no launcher):
+#: rank 0 prints the median seconds of 4 of each collective, the payloads of the table's rows.
+COLLECTIVES = """
+import os, statistics, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+torch.set_num_threads(1)
+rank = int(sys.argv[1])
+os.environ["GLOO_SOCKET_IFNAME"] = "eth0"
+dist.init_process_group("gloo", init_method="tcp://%s:29555" % sys.argv[2], rank=rank, world_size=2,
+                        timeout=timedelta(seconds=120))
+from meshtrain.comm.torch_dist import TorchDistCommunicator
+comm = TorchDistCommunicator()
+
+def timed(work):
+    seconds = []
+    for _ in range(4):
+        dist.barrier()
+        started = time.perf_counter()
+        work()
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
+
+model = torch.randn(5_373_696)  # the gpt model's outer gradient, fp32: 21.5 MB
+same = torch.randn(1_385_406)  # fp32 of int8's payload bytes
+payload = torch.randint(0, 255, (5_541_624,), dtype=torch.uint8)  # int8 with its scales
+times = {
+    "all-reduce 21.5 MB (meshtrain)": timed(lambda: comm.all_reduce(model.clone(), record=False)),
+    "all-reduce 5.54 MB (meshtrain)": timed(lambda: comm.all_reduce(same.clone(), record=False)),
+    "all-gather 5.54 MB (meshtrain)": timed(lambda: comm.all_gather(payload, record=False)),
+    "all-gather 5.54 MB (gloo's dist.all_gather)": timed(
+        lambda: dist.all_gather([torch.empty_like(payload) for _ in range(2)], payload)),
+}
+if rank == 0:
+    for name, seconds in times.items():
+        print("%s | %.3f" % (name, seconds), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def collectives() -> None:
+    """``--collectives``: the table's collectives alone on the shaped link, rank by rank."""
+    cores = sorted(os.sched_getaffinity(0))
+    print(f"$ uptime: {uptime()}", flush=True)
+    ns = make_namespaces(2)
+    try:
+        shape(ns, "100mbit")
+        print("collective (2 hosts, 100 Mbit/s tbf) | median of 4, s")
+        print("--- | ---")
+        ranks = [subprocess.Popen(["ip", "netns", "exec", host, "taskset", "-c", str(cores[i % len(cores)]),
+                                   PYTHON, "-c", COLLECTIVES, str(i), ns.addresses[ns.hosts[0]]])
+                 for i, host in enumerate(ns.hosts)]
+        for rank in ranks:
+            rank.wait(timeout=600)
+    finally:
+        ns.delete()
+
+
 @dataclass
 class Row:
     link: str
@@ -156,11 +215,17 @@ def main() -> None:
     parser.add_argument("--nice", type=int, default=0,
                         help="nice value of each rank's scheduling group (-10: the hosts stand for "
                              "dedicated machines, other work on this machine takes less of their cores)")
+    parser.add_argument("--collectives", action="store_true",
+                        help="instead: the rows' collectives alone on the 100 Mbit/s link (all-reduce of "
+                             "the model, all-reduce and all-gather of int8's payload bytes)")
     args = parser.parse_args()
     if os.geteuid() != 0:
         sys.exit("benchmarks/shaped_link.py needs root: it creates network namespaces, sshd and tc qdiscs")
     try:
-        measure(args.repeats, args.nice)
+        if args.collectives:
+            collectives()
+        else:
+            measure(args.repeats, args.nice)
     except pytest.skip.Exception as exc:  # a tool the hosts need is missing (ip, sshd, ssh-keygen)
         sys.exit(f"cannot run here: {exc}")
 
