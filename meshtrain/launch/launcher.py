@@ -819,7 +819,7 @@ def _teardown(ranks: list[_Rank], options: LaunchOptions) -> dict[int, str]:
         if reachable:
             if not p.finished:
                 p.interrupt()  # Ctrl-C first: lets Python print where it was
-                _wait(lambda: p.finished, options.grace)
+                wait_briefly(lambda: p.finished, options.grace)
             try:
                 gone = p.stop_group(options.grace)  # the group may outlive its shell
             except Exception:  # noqa: BLE001 - the host went away meanwhile
@@ -862,16 +862,6 @@ def _kill_from_new_connection(r: _Rank, options: LaunchOptions) -> str | None:
     except Exception:  # noqa: BLE001 - reported to the user instead
         return (f"rank {r.host.rank} on {r.host.name} (process group {pgid}) is unreachable; it stops "
                 f"when its SSH session times out, or run `kill -KILL -{pgid}` there")
-
-
-def _wait(done: Callable[[], bool], seconds: float) -> bool:
-    """Poll ``done`` for up to ``seconds``; its last answer."""
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if done():
-            return True
-        time.sleep(0.05)
-    return done()
 
 
 # --------------------------------------------------------------------------- copy back
