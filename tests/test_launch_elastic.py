@@ -160,6 +160,9 @@ def test_a_rank_killed_rejoins_and_the_run_finishes(world: tuple[SshWorld, Names
         proc.kill()
     assert proc.returncode == 0, output
     assert "rank 1 on box1 lost 1x, rejoined 1x" in output, output
+    # Rank 0 says it, with the bytes the heal cost (also in log.txt).
+    assert "rank(s) 1 lost; members now 0 2" in output, output
+    assert "rank(s) 1 rejoined with a peer's state (" in output, output
     summary = _check_run(tmp_path, run_id)
     elastic = summary["elastic"]
     assert isinstance(elastic, dict)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from meshtrain import checkpoint
+from meshtrain import checkpoint, observers
 from meshtrain.comm.communicator import Communicator
 from meshtrain.data import SharedBatches
 from meshtrain.engine.callbacks import NodeRun
@@ -96,6 +96,8 @@ class ElasticNode:
         if isinstance(batches, SharedBatches):
             batches.members_lost(lost)
         if self.comm.rank == 0:
+            for e in events:
+                self._announce(e)
             self.members_by_step.append(list(self.comm.alive))
             for s in range(self._round_start, step):  # their work of this round is gone
                 row = self.members_by_step[s - self.run.first_step]
@@ -104,6 +106,21 @@ class ElasticNode:
             if isinstance(batches, SharedBatches):
                 batches.synced()
             self._round_start = step + 1
+
+
+    def _announce(self, event: dict[str, Any]) -> None:
+        """Rank 0 says who left or came back (the launcher's output, log.txt, the dashboard)."""
+        run = self.run
+        members, at = " ".join(map(str, event["members"])), f"step {event['step']}/{run.max_steps}"
+        if event["lost"]:
+            line = f"{at}  rank(s) {' '.join(map(str, event['lost']))} lost; members now {members}"
+        elif event["joined"]:
+            line = (f"{at}  rank(s) {' '.join(map(str, event['joined']))} rejoined with a peer's state "
+                    f"({event['heal_bytes']} bytes); members now {members}")
+        else:
+            return
+        run.progress.note(line)
+        observers.notify("event", "membership", line)
 
 
 def placeholder_report(steps: int) -> NodeReport:
