@@ -349,6 +349,28 @@ while True:
 
 
 @contextmanager
+def rate_limited(ns: Namespaces, rate: str, burst: str = "32kb", latency: str = "50ms") -> Iterator[None]:
+    """While inside, every host of ``ns`` sends at most ``rate`` through its eth0 (``tc tbf``);
+    the limits are removed afterwards. Skips the test where tc is missing or cannot shape."""
+    if shutil.which("tc") is None:
+        pytest.skip("tc (iproute2) is not installed")
+    limited: list[str] = []
+    try:
+        for host in ns.hosts:
+            done = subprocess.run(["tc", "-n", host, "qdisc", "add", "dev", "eth0", "root", "tbf",
+                                   "rate", rate, "burst", burst, "latency", latency],
+                                  capture_output=True, text=True, timeout=20)
+            if done.returncode != 0:
+                pytest.skip(f"cannot rate-limit a namespace link with tc tbf: {done.stderr.strip()}")
+            limited.append(host)
+        yield
+    finally:
+        for host in limited:
+            subprocess.run(["tc", "-n", host, "qdisc", "del", "dev", "eth0", "root"], check=True,
+                           capture_output=True, timeout=20)
+
+
+@contextmanager
 def rogue_announcing(netns: str, mode: str, count: int, addresses: list[str], source: str) -> Iterator[None]:
     """While inside, :data:`ROGUE`'s ``mode`` answers are sent from ``netns`` (its interface
     address ``source``): a rogue on the LAN."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 from in_process import meshtrain_here
-from ssh_fixtures import Namespaces, SshWorld, meshtrain
+from ssh_fixtures import Namespaces, SshWorld, meshtrain, rate_limited
 from typer.testing import CliRunner
 
 from meshtrain.cli.main import app
@@ -339,23 +338,8 @@ RATE_MBIT = 80  # tbf rate on every host's eth0: 10 MB/s leaves each host
 def limited_world(netns_hosts: tuple[SshWorld, Namespaces]) -> Iterator[tuple[SshWorld, Namespaces]]:
     """The session's two namespace hosts (conftest.py), each sending at most RATE_MBIT
     through its eth0 while this module runs (the limit is removed afterwards)."""
-    if shutil.which("tc") is None:
-        pytest.skip("tc (iproute2) is not installed")
-    world, ns = netns_hosts
-    limited: list[str] = []
-    try:
-        for host in ns.hosts:
-            done = subprocess.run(["tc", "-n", host, "qdisc", "add", "dev", "eth0", "root", "tbf",
-                                   "rate", f"{RATE_MBIT}mbit", "burst", "32kb", "latency", "50ms"],
-                                  capture_output=True, text=True, timeout=20)
-            if done.returncode != 0:
-                pytest.skip(f"cannot rate-limit a namespace link with tc tbf: {done.stderr.strip()}")
-            limited.append(host)
-        yield world, ns
-    finally:
-        for host in limited:
-            subprocess.run(["tc", "-n", host, "qdisc", "del", "dev", "eth0", "root"], check=True,
-                           capture_output=True, timeout=20)
+    with rate_limited(netns_hosts[1], f"{RATE_MBIT}mbit"):
+        yield netns_hosts
 
 
 @pytest.fixture(scope="module")

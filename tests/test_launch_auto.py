@@ -18,13 +18,11 @@ from __future__ import annotations
 import json
 import random
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
-from ssh_fixtures import Namespaces, SshWorld, meshtrain
+from ssh_fixtures import Namespaces, SshWorld, meshtrain, rate_limited
 
 from meshtrain.cluster import get_cluster, sync_wait_seconds
 from meshtrain.planning import COMM_BUDGET, DILOCO_H, ddp_all_reduce_seconds
@@ -112,23 +110,9 @@ def test_fast_link_gets_ddp(world, tmp_path: Path) -> None:
 
 def test_slow_link_gets_diloco_with_communication_under_budget(world, tmp_path: Path) -> None:
     ssh, ns = world
-    if shutil.which("tc") is None:
-        pytest.skip("tc (iproute2) is not installed")
-    shaped: list[str] = []
-    try:
-        for host in ns.hosts:
-            done = subprocess.run(["tc", "-n", host, "qdisc", "add", "dev", "eth0", "root", "tbf",
-                                   "rate", "50mbit", "burst", "32kb", "latency", "50ms"],
-                                  capture_output=True, text=True, timeout=20)
-            if done.returncode != 0:
-                pytest.skip(f"cannot rate-limit a namespace link with tc tbf: {done.stderr.strip()}")
-            shaped.append(host)
+    with rate_limited(ns, "50mbit"):
         # 2 MB is 30x the 64 KB all-reduce at 50 Mbit/s (8 MB is needed only where the link is fast).
         config = plan_and_launch(ssh, tmp_path, "slow", batch=SLOW_BATCH, max_size="2MB")
-    finally:
-        for host in shaped:
-            subprocess.run(["tc", "-n", host, "qdisc", "del", "dev", "eth0", "root"], check=True,
-                           capture_output=True, timeout=20)
     plan = config["plan"]
     assert plan["strategy"] == "diloco", plan
     h = plan["strategy_options"]["H"]

@@ -17,19 +17,16 @@ Skipped (with the reason) where namespaces, sshd or tc cannot be had.
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from ssh_fixtures import Namespaces, SshWorld, meshtrain
+from ssh_fixtures import Namespaces, SshWorld, meshtrain, rate_limited
 
 pytestmark = pytest.mark.slow
 
-RATE = ("rate", "4mbit", "burst", "32kbit", "latency", "200ms")
 STEPS = 20
 #: (strategy, --set items): both start an all-reduce at one step and use it steps later.
 RUNS = {
@@ -80,22 +77,9 @@ TRACER = textwrap.dedent("""
 def shaped(netns_hosts: tuple[SshWorld, Namespaces]) -> Iterator[SshWorld]:
     """The session's two namespace hosts (conftest.py), each sending at most 4 Mbit/s through
     its eth0 while this module runs (the limit is removed afterwards)."""
-    if shutil.which("tc") is None:
-        pytest.skip("tc (iproute2) is not installed")
     world, ns = netns_hosts
-    limited: list[str] = []
-    try:
-        for host in ns.hosts:
-            done = subprocess.run(["tc", "-n", host, "qdisc", "add", "dev", "eth0", "root", "tbf", *RATE],
-                                  capture_output=True, text=True, timeout=20)
-            if done.returncode != 0:
-                pytest.skip(f"cannot rate-limit a namespace link with tc tbf: {done.stderr.strip()}")
-            limited.append(host)
+    with rate_limited(ns, "4mbit", burst="32kbit", latency="200ms"):
         yield world
-    finally:
-        for host in limited:
-            subprocess.run(["tc", "-n", host, "qdisc", "del", "dev", "eth0", "root"], check=True,
-                           capture_output=True, timeout=20)
 
 
 @pytest.mark.parametrize("run", list(RUNS))
