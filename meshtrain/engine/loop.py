@@ -79,23 +79,11 @@ def train_node(job: NodeJob, comm: Communicator, *, rng_guard: RngGuard | None =
     ``join_timeout`` (an elastic run's node started again): wait this long to be admitted,
     then go on from a healthy peer's state (:mod:`meshtrain.engine.elastic`).
     """
-    joining = join_timeout is not None
-    run = _start_node(job, comm, rng_guard, verify_replicas and not joining)
-    elastic = ElasticNode(run) if isinstance(comm, ElasticCommunicator) else None
+    run = _start_node(job, comm, rng_guard, verify_replicas and join_timeout is None)
     validation = Validation(job, run.model, comm.rank, run.device, comm.check_abort)
-    if isinstance(comm, ElasticCommunicator) and elastic is not None:
-        comm.healer = elastic
-        if join_timeout is not None:
-            comm.join(join_timeout)
-    if joining:
-        pass  # the state came from a peer
-    elif job.resume is not None:
-        _resume(run)
-    else:  # step 0: the global model before training, so every run shows before and after
-        run.initial = validation.evaluate_untrained(run.strategy, shown=job.config.progress)
+    elastic = _begin(run, validation, join_timeout)
     callbacks = _callbacks(run, validation)
     guard = NonFiniteGuard()
-    strategy = run.strategy
     # Snapshots exist only in an elastic run (a fixed group never asks for one).
     snapshot = elastic.snapshot if elastic is not None else dict
     restore = elastic.restore if elastic is not None else (lambda saved: None)
@@ -108,40 +96,70 @@ def train_node(job: NodeJob, comm: Communicator, *, rng_guard: RngGuard | None =
                 return FitResult(model=run.model, history=[], run_dir=None, summary={})
             if elastic is not None:
                 elastic.before_step()
-            if strategy.trains_at(step):
-                loss, update = _train_step(run, step, guard, overlap=elastic is None)
-                run.losses.append(loss)
-            else:  # async-diloco: a slower node's step spans several loop steps
-                guard.skips(run, step, 0.0)  # it still votes where the nodes agree on skipping
-                update = functools.partial(strategy.idle_step, step)
-                # Shown where a loss is shown (progress, live view): its last one; the
-                # history leaves the step out of its mean (idle_steps).
-                run.losses.append(run.losses[-1] if run.losses else math.nan)
-                run.idle_steps.append(step)
-
-            def communicate(step: int = step, update: Callable[[], object] = update) -> None:
-                update()  # the strategy's update, and this step's communication
-                if step == run.first_step:
-                    run.clock.first_step_done()
-                run.seconds.append(run.seconds_before + time.time() - job.started)
-                for c in callbacks:
-                    c.step_end(run, step)
-
-            # An elastic run undoes and redoes it without a peer lost in it (comm/elastic.py).
-            admit = elastic is not None and admits(strategy, step, run.max_steps)
-            comm.transaction(communicate, snapshot=snapshot, restore=restore, admit=admit, step=step)
+            update = _compute_step(run, step, guard, overlap=elastic is None)
+            # The update and everything after it that talks to the peers: an elastic run
+            # undoes and redoes it without a peer lost in it (comm/elastic.py).
+            admit = elastic is not None and admits(run.strategy, step, run.max_steps)
+            comm.transaction(functools.partial(_end_step, run, step, update, callbacks), snapshot=snapshot,
+                             restore=restore, admit=admit, step=step)
             if elastic is not None:
                 elastic.after_step(step, admit)
-
-        def finish() -> None:
-            strategy.finish(run.max_steps - 1)
-            for c in callbacks:
-                c.train_end(run)
-
-        comm.transaction(finish, snapshot=snapshot, restore=restore, admit=False, step=run.max_steps - 1)
+        comm.transaction(functools.partial(_end_training, run, callbacks), snapshot=snapshot,
+                         restore=restore, admit=False, step=run.max_steps - 1)
     # After finish every node holds the global model: node val loss equals the global one.
-    final = validation.evaluate_global(strategy)
+    final = validation.evaluate_global(run.strategy)
     return _report(run, final, elastic)
+
+
+def _begin(run: NodeRun, validation: Validation, join_timeout: float | None) -> ElasticNode | None:
+    """Where the node starts from: a healthy peer's state (an elastic run's joiner), a
+    checkpoint, or step 0 (evaluated first, so every run shows before and after). Returns
+    the node's elastic side in an elastic run."""
+    comm = run.comm
+    elastic = ElasticNode(run) if isinstance(comm, ElasticCommunicator) else None
+    if isinstance(comm, ElasticCommunicator) and elastic is not None:
+        comm.healer = elastic
+        if join_timeout is not None:
+            comm.join(join_timeout)
+            return elastic
+    if run.job.resume is not None:
+        _resume(run)
+    else:
+        run.initial = validation.evaluate_untrained(run.strategy, shown=run.job.config.progress)
+    return elastic
+
+
+def _compute_step(run: NodeRun, step: int, guard: NonFiniteGuard, *, overlap: bool) -> Callable[[], object]:
+    """A step's work before its update (its loss recorded); the update to run next."""
+    strategy = run.strategy
+    if strategy.trains_at(step):
+        loss, update = _train_step(run, step, guard, overlap=overlap)
+        run.losses.append(loss)
+        return update
+    # async-diloco: a slower node's step spans several loop steps
+    guard.skips(run, step, 0.0)  # it still votes where the nodes agree on skipping
+    # Shown where a loss is shown (progress, live view): its last one; the history leaves
+    # the step out of its mean (idle_steps).
+    run.losses.append(run.losses[-1] if run.losses else math.nan)
+    run.idle_steps.append(step)
+    return functools.partial(strategy.idle_step, step)
+
+
+def _end_step(run: NodeRun, step: int, update: Callable[[], object], callbacks: list[Callback]) -> None:
+    """The strategy's update (and this step's communication), then the callbacks."""
+    update()
+    if step == run.first_step:
+        run.clock.first_step_done()
+    run.seconds.append(run.seconds_before + time.time() - run.job.started)
+    for c in callbacks:
+        c.step_end(run, step)
+
+
+def _end_training(run: NodeRun, callbacks: list[Callback]) -> None:
+    """The strategy's final sync, then the callbacks' last word."""
+    run.strategy.finish(run.max_steps - 1)
+    for c in callbacks:
+        c.train_end(run)
 
 
 def _train_step(run: NodeRun, step: int, guard: NonFiniteGuard, *,
