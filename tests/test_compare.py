@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from in_process import meshtrain_here
+from cli_process import run_cli
 from typer.testing import CliRunner
 
 from meshtrain.cli.main import app
@@ -26,16 +26,11 @@ STRATEGIES = ["ddp", "diloco", "sparta", "fedavg"]
 
 @pytest.fixture(scope="module")
 def compared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """One small comparison through the command line: 40 steps, validated every 10."""
+    """One small comparison through the real entry point: 40 steps, validated every 10."""
     cwd = tmp_path_factory.mktemp("compare")
-    with pytest.MonkeyPatch.context() as env:  # as cli_process.run_cli runs it, in this process
-        env.setenv("COLUMNS", "200")
-        for name in ("RANK", "WORLD_SIZE"):
-            env.delenv(name, raising=False)
-        proc = meshtrain_here("compare", "--strategies", ",".join(STRATEGIES), "--steps", "40",
-                              "--cluster", "wifi", "--set", "val_interval=10", "--set", "diloco.H=10",
-                              "--set", "fedavg.H=5", "--set", "sparta.p=0.01", "--no-progress", cwd=cwd,
-                              timeout=300)
+    proc = run_cli("compare", "--strategies", ",".join(STRATEGIES), "--steps", "40", "--cluster", "wifi",
+                   "--set", "val_interval=10", "--set", "diloco.H=10", "--set", "fedavg.H=5",
+                   "--set", "sparta.p=0.01", "--no-progress", cwd=cwd)
     assert proc.returncode == 0, proc.stderr
     (folder,) = (cwd / "runs").iterdir()
     return folder, proc.stdout
