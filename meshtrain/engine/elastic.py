@@ -114,9 +114,11 @@ class ElasticNode:
         members, at = " ".join(map(str, event["members"])), f"step {event['step']}/{run.max_steps}"
         if event["lost"]:
             line = f"{at}  rank(s) {' '.join(map(str, event['lost']))} lost; members now {members}"
-        elif event["joined"]:
+        elif event["joined"] and event["heal_bytes"]:
             line = (f"{at}  rank(s) {' '.join(map(str, event['joined']))} rejoined with a peer's state "
                     f"({event['heal_bytes']} bytes); members now {members}")
+        elif event["joined"]:  # the heal broke off (a member lost meanwhile): the next event says who
+            line = f"{at}  rank(s) {' '.join(map(str, event['joined']))} admitted, but the heal broke off"
         else:
             return
         run.progress.note(line)
