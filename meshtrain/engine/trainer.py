@@ -155,15 +155,7 @@ class Trainer:
         memory.check_precision(config.precision, device)
         if config.gradient_checkpointing:
             memory.require_checkpointing(self.model)
-        if isinstance(self.train_data, Dataset):
-            size = len(self.train_data)  # type: ignore[arg-type]
-            shard = size // config.nodes
-            if config.batch_size > shard:
-                held = f"{shard} sample{'' if shard == 1 else 's'} of {size} over {config.nodes} nodes"
-                fix = (f"use a batch size of at most {shard}, fewer nodes or more data" if shard
-                       else f"use at most {size} nodes or more data")
-                raise ValueError(f"batch size {config.batch_size} is larger than the shard of each node "
-                                 f"({held}); {fix}")
+        _check_batch_fits_a_shard(self.train_data, config)
         resume = _checkpoint_to_resume(config, strategy)
         if resume is not None:
             checkpoint.check_base(resume, self.model)
@@ -184,6 +176,20 @@ class Trainer:
                        collate_fn=self.collate_fn, strategy=strategy, config=config, run_id=run_id,
                        started=time.time(), began=began, run_dir=run_dir,
                        checkpoints=_checkpoint_folder(config, run_id, resume, writes), resume=resume)
+
+
+def _check_batch_fits_a_shard(train_data: Any, config: TrainConfig) -> None:
+    """A batch must fit in each node's shard of a sized dataset (one line naming the fix)."""
+    if not isinstance(train_data, Dataset):
+        return
+    size = len(train_data)  # type: ignore[arg-type]
+    shard = size // config.nodes
+    if config.batch_size > shard:
+        held = f"{shard} sample{'' if shard == 1 else 's'} of {size} over {config.nodes} nodes"
+        fix = (f"use a batch size of at most {shard}, fewer nodes or more data" if shard
+               else f"use at most {size} nodes or more data")
+        raise ValueError(f"batch size {config.batch_size} is larger than the shard of each node "
+                         f"({held}); {fix}")
 
 
 def _checkpoint_to_resume(config: TrainConfig, strategy: Strategy) -> checkpoint.Found | None:
