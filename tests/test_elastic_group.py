@@ -46,6 +46,19 @@ def test_a_malformed_decision_is_refused(text: bytes) -> None:
         Decision.from_json(text)
 
 
+def test_a_member_that_pulses_but_never_reports_is_dropped_at_the_wait_timeout() -> None:
+    """The coordinator waits for a pulsing member's report at most ``wait_timeout``: a member
+    that never comes cannot hold the run forever."""
+    store = dist.HashStore()
+    table = Table(store, 0, 2, pulse_timeout=600.0, wait_timeout=0.5)  # slot 1 never counts as silent
+    decided: list[Decision] = []
+    meeting = threading.Thread(target=lambda: decided.append(table.meet(0, 0, (0, 1), True, admit=False,
+                                                                         step=3)), daemon=True)
+    meeting.start()
+    meeting.join(30)
+    assert decided and (decided[0].members, decided[0].lost, decided[0].redo) == ((0,), (1,), True)
+
+
 # --------------------------------------------------------------------------- state transfer
 def test_an_optimizer_state_survives_the_skeleton_bit_for_bit() -> None:
     model = torch.nn.Linear(3, 2)
@@ -74,11 +87,11 @@ def test_a_malformed_state_is_refused(skeleton: Any) -> None:
 class _Node:
     """One slot on a thread: its communicator, a value it contributes, a pulse it can stop."""
 
-    def __init__(self, store: Any, slot: int, slots: int) -> None:
-        table = Table(store, slot, slots, pulse_timeout=1.0, wait_timeout=60.0)
+    def __init__(self, store: Any, slot: int, slots: int, *, joining: bool = False) -> None:
+        table = Table(store, slot, slots, pulse_timeout=1.0, wait_timeout=60.0, joining=joining)
         self.comm = ElasticCommunicator(table, timeout_s=3.0)
         self.stop = threading.Event()
-        start_pulse(store, slot, 1.0, self.stop)
+        start_pulse(store, table, self.stop)
         self.value = torch.full((5,), float(slot + 1))
         self.comm.healer = self
 
@@ -92,8 +105,11 @@ class _Node:
         def body() -> None:
             self.comm.all_reduce(self.value, op="mean")
 
-        self.comm.transaction(body, snapshot=lambda: self.value.clone(),
-                              restore=lambda saved: self.value.copy_(saved), admit=admit, step=step)
+        def restore(saved: torch.Tensor) -> None:
+            self.value.copy_(saved)
+
+        self.comm.transaction(body, snapshot=lambda: self.value.clone(), restore=restore, admit=admit,
+                              step=step)
 
 
 def _on_threads(*work: Any) -> None:
@@ -138,7 +154,7 @@ def test_a_member_lost_mid_collective_is_dropped_then_rejoins_with_a_peers_state
     assert nodes[0].comm.events[-1]["lost"] == [2]
 
     # Slot 2 starts again as a joiner; admitted at the next admission point with node 0's state.
-    joiner = _Node(store, 2, 3)
+    joiner = _Node(store, 2, 3, joining=True)
     joiner.value = torch.full((5,), -100.0)  # whatever it held is replaced
     survivors = nodes[:2]
     _on_threads(lambda: joiner.comm.join(60.0), *(lambda n=n: n.average(2, admit=True) for n in survivors))
@@ -151,6 +167,34 @@ def test_a_member_lost_mid_collective_is_dropped_then_rejoins_with_a_peers_state
     _on_threads(*(lambda n=n: n.average(3) for n in [*survivors, joiner]))
     for n in [*survivors, joiner]:
         assert torch.equal(n.value, torch.full((5,), 3.5))
+
+
+def test_a_joiner_of_a_lost_members_slot_does_not_keep_the_lost_member_alive(loopback: None) -> None:
+    """Slot 1 goes silent mid-round and its new process (the launcher's restart) is already
+    pulsing before the others notice. The new process's pulse must not count for the old
+    member: the survivors drop slot 1 after the pulse timeout (not after the joiner gives
+    up) and admit the new process at the next admission point."""
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=60))
+    nodes = [_Node(store, s, 3) for s in range(3)]
+    _on_threads(*(n.comm.start for n in nodes))
+    nodes[1].stop.set()
+    joiner = _Node(store, 1, 3, joining=True)
+    survivors = [nodes[0], nodes[2]]
+    done = threading.Event()
+
+    def survive() -> None:
+        _on_threads(*(lambda n=n: n.average(0) for n in survivors))
+        done.set()
+        _on_threads(*(lambda n=n: n.average(1, admit=True) for n in survivors))
+
+    # The joiner waits far longer than the pulse timeout: the survivors must not wait for it.
+    _on_threads(lambda: joiner.comm.join(20.0), survive)
+    assert done.is_set() and nodes[0].comm.events[1]["lost"] == [1]
+    assert joiner.comm.alive == [0, 1, 2] and torch.equal(joiner.value, nodes[0].value)
+    joiner.stop.set()
+    for n in survivors:
+        n.stop.set()
 
 
 # --------------------------------------------------------------------------- shared data

@@ -220,20 +220,18 @@ class ElasticCommunicator(TorchDistCommunicator):
             ok = self._attempt(body)
 
 
-def start_pulse(store: Any, slot: int, pulse_timeout: float,
-                stop: threading.Event | None = None) -> threading.Thread:
-    """Add to ``slot``'s pulse counter every ``pulse_timeout / 5`` seconds, from a daemon
-    thread on ``store`` (a connection of its own: the main one may wait long in a group's
-    formation), until ``stop`` is set. A stopped or cut-off process stops pulsing: the
-    coordinator drops it."""
-    interval = pulse_timeout / PULSES_PER_TIMEOUT
+def start_pulse(store: Any, table: Table, stop: threading.Event | None = None) -> threading.Thread:
+    """Add to ``table``'s pulse counter (:attr:`Table.beat_key`: the slot's, or a joiner's
+    own until it is admitted) every ``pulse_timeout / 5`` seconds, from a daemon thread on
+    ``store`` (a connection of its own: the main one may wait long in a group's formation),
+    until ``stop`` is set. A stopped or cut-off process stops pulsing: the coordinator drops it."""
+    interval = table.pulse_timeout / PULSES_PER_TIMEOUT
     stopped = stop or threading.Event()
 
     def beat() -> None:
-        key = Table.pulse_key(slot)
         while not stopped.is_set():
             try:
-                store.add(key, 1)
+                store.add(table.beat_key, 1)
             except Exception:  # noqa: BLE001 - rank 0 is gone: the main thread finds out itself
                 return
             stopped.wait(interval)
@@ -297,12 +295,13 @@ def _port(fd: int) -> int | None:
 
 
 def open_elastic_store(slot: int, slots: int, addr: str, port: int, timeout_s: float,
-                       heartbeat_s: float) -> ElasticStore:
+                       heartbeat_s: float, *, joining: bool = False) -> ElasticStore:
     """Reach the run's store as ``slot``. Rank 0 hosts it on 127.0.0.1 behind the HMAC gate
     on ``addr:port``, which stays open all run (a joiner must pass it: only a rank that
     proves the launch's secret gets in, from an inventory host's address). Every other rank
     opens two connections through the gate, each through a tunnel of its own: one for the
-    protocol and one for its pulse (started here)."""
+    protocol and one for its pulse (started here; ``joining``: this process was started to
+    rejoin, and pulses as a joiner until it is admitted)."""
     secret = rendezvous.take_secret()
     if secret is None:
         raise RunFailure("an elastic run needs the launch secret: start it with meshtrain launch --elastic")
@@ -320,5 +319,6 @@ def open_elastic_store(slot: int, slots: int, addr: str, port: int, timeout_s: f
         stores.append(dist.TCPStore("127.0.0.1", tunnel.port, is_master=False, timeout=timeout))
         held += [tunnel, stores[-1]]
     main, pulse = stores
-    start_pulse(pulse, slot, heartbeat_s)
-    return ElasticStore(Table(main, slot, slots, heartbeat_s, wait_timeout=timeout_s), set(), held)
+    table = Table(main, slot, slots, heartbeat_s, wait_timeout=timeout_s, joining=joining)
+    start_pulse(pulse, table)
+    return ElasticStore(table, set(), held)

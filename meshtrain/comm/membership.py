@@ -12,7 +12,8 @@ a member writes whether its part since the last meeting succeeded (``ok``) or fa
 peer was lost in a collective), then waits for the decision. The coordinator waits until
 every member has reported, or has sent no pulse for ``pulse_timeout`` seconds (killed,
 stopped, cut off: each rank but 0 adds to its pulse counter from a thread on a store
-connection of its own), and decides:
+connection of its own), or has not reported within ``wait_timeout`` (a member that pulses
+but never comes must not hold the run forever), and decides:
 
 * members: those who reported (the silent ones are *lost*), plus the *joiners* (slots
   asking to join, see below) when the meeting may admit and nothing failed;
@@ -27,7 +28,11 @@ back) leaves the run (:class:`Dropped`); the launcher starts it again as a joine
 Joining. A rank started as a joiner writes a fresh nonce under its slot and waits; the
 coordinator admits it at the next meeting that may admit (an outer sync, see
 :mod:`meshtrain.engine.elastic`) by writing the decision under the nonce too, with the
-meeting's number, so the joiner attends the meetings that follow with everyone.
+meeting's number, so the joiner attends the meetings that follow with everyone. Until it
+is admitted a joiner pulses under its nonce, not its slot: the slot's pulse speaks for the
+member process of that slot, and a new process of the slot pulsing there would keep its
+dead predecessor "alive" in the coordinator's eyes (the coordinator would wait for that
+member's report until the joiner gave up: the run stalled, the joiner was never admitted).
 
 Every value read from the store was written by a proven rank of this launch, yet it is
 still parsed strictly (JSON of known keys and types, never pickle).
@@ -140,10 +145,20 @@ class Table:
     slot: int
     slots: int  # the run's slots (the inventory's ranks)
     pulse_timeout: float
-    #: How long a rank waits for a decision before giving up (rank 0 gone quiet).
+    #: How long a rank waits for a decision before giving up (rank 0 gone quiet), and the
+    #: coordinator for a member's report.
     wait_timeout: float = 1800.0
     clock: Callable[[], float] = time.monotonic
-    _pulses: dict[int, _Pulse] = field(default_factory=dict)
+    #: This process was started to rejoin: it pulses under its nonce until admitted.
+    joining: bool = False
+    #: This process's own name for its request to join (fresh in every process).
+    nonce: str = field(default_factory=lambda: secrets.token_hex(8))
+    _pulses: dict[str, _Pulse] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        #: The counter this process's pulse adds to now (:func:`~meshtrain.comm.elastic.start_pulse`).
+        self.beat_key = (self.join_pulse_key(self.slot, self.nonce) if self.joining
+                         else self.pulse_key(self.slot))
 
     # ------------------------------------------------------------------ keys
     @staticmethod
@@ -157,6 +172,10 @@ class Table:
     @staticmethod
     def pulse_key(slot: int) -> str:
         return f"{PREFIX}pulse/{slot}"
+
+    @staticmethod
+    def join_pulse_key(slot: int, nonce: str) -> str:
+        return f"{PREFIX}pulse/{slot}/join/{nonce}"
 
     @staticmethod
     def _join_key(slot: int) -> str:
@@ -191,22 +210,24 @@ class Table:
     def _decide(self, meeting: int, epoch: int, members: tuple[int, ...], *, admit: bool,
                 step: int) -> Decision:
         reported: dict[int, bool] = {}
+        deadline = self.clock() + self.wait_timeout
         while True:
             for m in members:
                 key = self._report_key(meeting, m)
                 if m not in reported and self.store.check([key]):
                     reported[m] = self.store.get(key) == b"ok"
             waiting = [m for m in members if m not in reported and not self.silent(m)]
-            if not waiting:
+            if not waiting or self.clock() > deadline:  # past the deadline the silent-to-us are lost
                 break
             time.sleep(POLL_S)
-        joiners = self.joiners(members) if admit else []
+        joiners = self.joiners(members) if admit else {}
         decision = decide(meeting, epoch, members, reported, joiners, admit=admit, step=step)
         text = decision.to_json()
         for j in decision.joiners:  # first the joiner's own copy: it attends from this meeting on
-            nonce = self.store.get(self._join_key(j)).decode(errors="replace")
-            self.store.set(self._admit_key(j, nonce), text)
+            self.store.set(self._admit_key(j, joiners[j]), text)
             self.store.delete_key(self._join_key(j))
+            # Its pulse moves to the slot's counter now: counted afresh from here.
+            self._pulses.pop(self.pulse_key(j), None)
         self.store.set(self._decision_key(meeting), text)
         return decision
 
@@ -215,25 +236,35 @@ class Table:
         never is). A slot never heard counts from the first time it is asked about."""
         if slot == 0:
             return False
-        count = int(self.store.add(self.pulse_key(slot), 0))
+        return self._silent(self.pulse_key(slot))
+
+    def _silent(self, key: str) -> bool:
+        count = int(self.store.add(key, 0))
         now = self.clock()
-        known = self._pulses.get(slot)
+        known = self._pulses.get(key)
         if known is None or known.count != count:
-            self._pulses[slot] = _Pulse(count, now)
+            self._pulses[key] = _Pulse(count, now)
             return False
         return now - known.seen > self.pulse_timeout
 
-    def joiners(self, members: Iterable[int]) -> list[int]:
-        """Slots outside ``members`` asking to join now, whose pulse is alive."""
-        outside = [s for s in range(self.slots) if s not in set(members)]
-        return [s for s in outside if self.store.check([self._join_key(s)]) and not self.silent(s)]
+    def joiners(self, members: Iterable[int]) -> dict[int, str]:
+        """Slots outside ``members`` asking to join now whose joiner's pulse is alive, each
+        with the nonce it asked under."""
+        found = {}
+        for s in (s for s in range(self.slots) if s not in set(members)):
+            if not self.store.check([self._join_key(s)]):
+                continue
+            nonce = self.store.get(self._join_key(s)).decode(errors="replace")
+            if not self._silent(self.join_pulse_key(s, nonce)):
+                found[s] = nonce
+        return found
 
     # ------------------------------------------------------------------ a joiner
     def ask_to_join(self) -> str:
         """Ask to be admitted (a joiner): the nonce its admission will be written under."""
-        nonce = secrets.token_hex(8)
-        self.store.set(self._join_key(self.slot), nonce.encode())
-        return nonce
+        self.beat_key = self.join_pulse_key(self.slot, self.nonce)
+        self.store.set(self._join_key(self.slot), self.nonce.encode())
+        return self.nonce
 
     def await_admission(self, nonce: str, timeout: float) -> Decision:
         """The decision that admits this joiner (asked with ``nonce``)."""
@@ -246,4 +277,6 @@ class Table:
         decision = Decision.from_json(self.store.get(key))
         if self.slot not in decision.joiners:
             raise MembershipError(f"the admission of rank {self.slot} does not name it")
+        self.beat_key = self.pulse_key(self.slot)  # a member now: the slot's pulse is this process's
+        self.store.add(self.beat_key, 1)
         return decision

@@ -94,7 +94,7 @@ def train_elastic(job: NodeJob, slot: int, slots: int, addr: str, port: int, tim
     if job.config.threads:
         torch.set_num_threads(job.config.threads)
     torch.manual_seed(node_seed(job.config.seed, slot))
-    place = open_elastic_store(slot, slots, addr, port, timeout_s, heartbeat_s)
+    place = open_elastic_store(slot, slots, addr, port, timeout_s, heartbeat_s, joining=joining)
     comm = ElasticCommunicator(place.table, heartbeat_s, seal=place.seal)
     if joining:
         result = train_node(job, comm, join_timeout=timeout_s)
