@@ -20,6 +20,7 @@ meet) and the latency from the small ones.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import math
 import statistics
@@ -487,6 +488,9 @@ def run_rank(sizes: Sequence[int], repeats: int, out: Path, timeout_s: float,
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of one rank: ``python -m meshtrain.hosts.bench --sizes ... --out FILE``."""
+    # A native abort (SIGABRT from torch's C++ side) then prints every thread's Python stack
+    # to the rank's output, which the launcher shows: where the rank was, not only that it died.
+    faulthandler.enable(all_threads=True)
     parser = argparse.ArgumentParser(prog="python -m meshtrain.hosts.bench",
                                      description="One rank of `meshtrain hosts bench`.")
     parser.add_argument("--sizes", required=True, help="Buffer sizes in bytes, comma-separated.")
