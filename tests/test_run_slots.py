@@ -247,7 +247,9 @@ def test_nodes_that_seldom_meet_take_turns_so_a_failure_ends_the_run_early(tmp_p
             DiLoCo(H=1_000_000), nodes=3, max_steps=50_000, batch_size=4, runtime="threads",
             out_dir=tmp_path, progress=False, concurrent_nodes=1)
     assert failed.value.rank == 2
-    assert _BreaksOnNode2.steps[0] < 5_000, _BreaksOnNode2.steps  # a turn of 0.1 s: hundreds
+    # Which node takes the slot first is up to the threads (node 2 may break before node 0
+    # ever runs); none may run its whole run first: a turn of 0.1 s is hundreds of steps.
+    assert max(_BreaksOnNode2.steps.get(r, 0) for r in (0, 1)) < 5_000, _BreaksOnNode2.steps
 
 
 def test_a_node_waiting_its_turn_for_a_slot_meets_no_collective_timeout(tmp_path):
