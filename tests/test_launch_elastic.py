@@ -102,6 +102,14 @@ def _stop_leftovers(run_id: str) -> None:
             pass
 
 
+def _kill_rank_1_after_its_first_step(proc: subprocess.Popen[str], run_id: str, tmp_path: Path) -> str:
+    """SIGKILL rank 1 (box1) once the run has taken a step; the launcher's output so far."""
+    pid = _rank_pid(run_id, tmp_path / "box1")
+    seen = read_until(proc, [f"step 1/{STEPS}"], timeout=120)
+    os.kill(pid, signal.SIGKILL)
+    return seen
+
+
 def _finish(proc: subprocess.Popen[str], seen: str, timeout: float = 300) -> str:
     rest, _ = proc.communicate(timeout=timeout)
     return seen + rest
@@ -151,9 +159,7 @@ def test_a_rank_killed_rejoins_and_the_run_finishes(world: tuple[SshWorld, Names
     run_id = f"elastic-{uuid.uuid4().hex[:8]}"
     proc = _launch(ssh, tmp_path, run_id, hosts=3)
     try:
-        pid = _rank_pid(run_id, tmp_path / "box1")
-        seen = read_until(proc, [f"step 1/{STEPS}"], timeout=120)
-        os.kill(pid, signal.SIGKILL)
+        seen = _kill_rank_1_after_its_first_step(proc, run_id, tmp_path)
         seen += read_until(proc, ["rank 1 started to rejoin"], timeout=120)
         output = _finish(proc, seen)
     finally:
@@ -182,9 +188,7 @@ def test_two_hosts_lost_at_once_one_never_comes_back(world: tuple[SshWorld, Name
     run_id = f"elastic-{uuid.uuid4().hex[:8]}"
     proc = _launch(ssh, tmp_path, run_id, hosts=3)
     try:
-        pid = _rank_pid(run_id, tmp_path / "box1")
-        seen = read_until(proc, [f"step 1/{STEPS}"], timeout=120)
-        os.kill(pid, signal.SIGKILL)
+        seen = _kill_rank_1_after_its_first_step(proc, run_id, tmp_path)
         ns.set_link(ns.hosts[2], up=False)
         output = _finish(proc, seen)
     finally:
