@@ -368,6 +368,19 @@ def test_the_probe_repeats_and_says_when_it_is_noisy() -> None:
     assert f"spread {busy.spread:.0%}" in warning and "--step-seconds" in warning
 
 
+def test_a_probe_is_noisy_exactly_when_its_shown_spread_is_over_the_limit() -> None:
+    """The warning is decided on the whole percent it prints: a spread of 25.2% reads "25%"
+    and is not noisy (a full suite once printed "spread 25%, more than 25%"); 25.6% reads
+    "26%" and is."""
+    from meshtrain.planning import ComputeProbe
+
+    at_limit = ComputeProbe(seconds=1.0, round_seconds=(0.9, 1.0, 1.152), threads=1)
+    over = ComputeProbe(seconds=1.0, round_seconds=(0.9, 1.0, 1.156), threads=1)
+    assert f"{at_limit.spread:.0%}" == "25%" and at_limit.spread > NOISY_SPREAD
+    assert not at_limit.noisy and at_limit.warning() is None
+    assert over.noisy and "spread 26%, more than 25%" in (over.warning() or "")
+
+
 def test_plan_says_how_it_timed_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
     """``plan`` times the model as a host's rank will train (its threads: MESHTRAIN_THREADS
     here) and prints the probe's rounds and spread (a warning line when noisy)."""
