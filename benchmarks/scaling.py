@@ -159,6 +159,17 @@ def shape(ns: Namespaces, link: str) -> None:
                            check=True, capture_output=True, timeout=20)
 
 
+def start_pinned_sshds(world: SshWorld, ns: Namespaces, cores: list[int]) -> None:
+    """An sshd in every namespace host, host i pinned to core i (mod the cores): its ranks
+    inherit the affinity, so each host computes on a core of its own."""
+    for i, host in enumerate(ns.hosts):
+        server = start_sshd(world.folder / f"sshd-{i}", world.user_key.with_suffix(".pub"),
+                            address=ns.addresses[host], port=22, netns=host,
+                            wrap=("taskset", "-c", str(cores[i % len(cores)])))
+        world.servers.append(server)
+        world.trust(server)
+
+
 def inventory(world: SshWorld, folder: Path, hosts: int, name: str, *, name_threads: bool = False) -> Path:
     entries = [{"name": f"box{i}", "host": s.address, "workdir": str(folder / f"box{i}")}
                for i, s in enumerate(world.servers[:hosts])]
@@ -287,13 +298,7 @@ def measure(args: argparse.Namespace, links: list[str]) -> None:
             world = new_world(folder / "ssh")
             world.client_netns = ns.client
             try:
-                for i, host in enumerate(ns.hosts):  # host i on core i: its ranks inherit the affinity
-                    core = cores[i % len(cores)]
-                    server = start_sshd(world.folder / f"sshd-{i}", world.user_key.with_suffix(".pub"),
-                                        address=ns.addresses[host], port=22, netns=host,
-                                        wrap=("taskset", "-c", str(core)))
-                    world.servers.append(server)
-                    world.trust(server)
+                start_pinned_sshds(world, ns, cores)
                 data = folder / "text.txt"
                 write_text_data(data)
                 if args.profile_cpu:

@@ -43,12 +43,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_sampler import THREAD_NAMER  # noqa: E402
-from scaling import meshtrain, shape, write_text_data  # noqa: E402  (the namespace-host benchmark's helpers)
+from scaling import meshtrain, shape, start_pinned_sshds, write_text_data  # noqa: E402  (the namespace-host benchmark's helpers)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import pytest  # noqa: E402  (ssh_fixtures skips through pytest where it cannot run)
 import yaml  # noqa: E402
-from ssh_fixtures import PYTHON, SshWorld, make_namespaces, new_world, start_sshd  # noqa: E402
+from ssh_fixtures import PYTHON, SshWorld, make_namespaces, new_world  # noqa: E402
 
 H = 15
 ROUNDS = 6  # steps = ROUNDS * H; rounds 2 .. ROUNDS - 1 are timed
@@ -242,12 +242,7 @@ def measure(repeats: int, nice: int) -> None:
             world = new_world(folder / "ssh")
             world.client_netns = ns.client
             try:
-                for i, host in enumerate(ns.hosts):  # host i on core i: its ranks inherit the affinity
-                    wrap = ("taskset", "-c", str(cores[i % len(cores)]))
-                    server = start_sshd(world.folder / f"sshd-{i}", world.user_key.with_suffix(".pub"),
-                                        address=ns.addresses[host], port=22, netns=host, wrap=wrap)
-                    world.servers.append(server)
-                    world.trust(server)
+                start_pinned_sshds(world, ns, cores)
                 data = folder / "text.txt"
                 write_text_data(data)
                 hosts = [{"name": f"box{i}", "host": s.address, "workdir": str(folder / f"box{i}")}
