@@ -4,6 +4,7 @@ redoes the work among the survivors, and takes the member back with a peer's sta
 
 from __future__ import annotations
 
+import copy
 import threading
 from datetime import timedelta
 from typing import Any
@@ -244,3 +245,188 @@ def json_state(state: dict[str, Any]) -> str:
     import json
 
     return json.dumps(state, sort_keys=True, default=str)
+
+
+# --------------------------------------------------------------------------- real strategies
+class _Lost(Exception):
+    """A slot's process gone (the test's stand-in for SIGKILL)."""
+
+
+class _Slot(ElasticCommunicator):
+    """One slot of a real training run on a thread: it can die before the transaction of
+    step ``dies_at`` (its pulse stops, its group is closed), and it records the state
+    around the transactions of ``watch`` and what it sent or took at a heal."""
+
+    def __init__(self, store: Any, slot: int, slots: int, *, joining: bool = False,
+                 dies_at: int | None = None, watch: tuple[int, ...] = ()) -> None:
+        table = Table(store, slot, slots, pulse_timeout=1.0, wait_timeout=60.0, joining=joining)
+        super().__init__(table, timeout_s=3.0)
+        self.stop = threading.Event()
+        start_pulse(store, table, self.stop)
+        self.dies_at, self.watch = dies_at, watch
+        self.around: dict[int, dict[str, Any]] = {}  # step -> {"params", "grads", "after"}
+        self.sent: list[Any] = []  # the states this slot healed joiners with
+        self.taken: Any = None  # a joiner: its whole state right after the heal
+
+    def _params(self) -> list[torch.Tensor]:
+        assert self.healer is not None
+        return list(self.healer.run.strategy.params)  # type: ignore[attr-defined]
+
+    def transaction(self, body: Any, *, snapshot: Any, restore: Any, admit: bool, step: int) -> None:
+        if step == self.dies_at:  # as SIGKILL: no more pulse, its connections closed
+            self.stop.set()
+            self.pg.abort()
+            raise _Lost
+        if step in self.watch:
+            self.around[step] = {"params": [p.detach().clone() for p in self._params()],
+                                 "grads": [p.grad.clone() for p in self._params()]}  # type: ignore[union-attr]
+        super().transaction(body, snapshot=snapshot, restore=restore, admit=admit, step=step)
+        if step in self.watch:
+            self.around[step]["after"] = [p.detach().clone() for p in self._params()]
+
+    def _regroup(self, decision: Decision) -> None:
+        if decision.joiners and self.rank == min(set(decision.members) - set(decision.joiners)):
+            assert self.healer is not None
+            self.sent.append(copy.deepcopy(self.healer.capture()))
+        super()._regroup(decision)
+
+    def join(self, timeout: float) -> Decision:
+        decision = super().join(timeout)
+        assert self.healer is not None
+        self.taken = copy.deepcopy(self.healer.capture())
+        return decision
+
+
+def _near(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.isclose(a, b, rtol=0, atol=1e-7)
+
+
+def _same(a: Any, b: Any, where: str = "state") -> None:
+    """``a`` and ``b`` hold the same structure and the same bits everywhere."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), where
+        for k in a:
+            _same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+def _elastic_run(strategy: Any, steps: int, dies_at: int,
+                 tmp_path: Any) -> tuple[list[_Slot], _Slot, list[Any]]:
+    """Three slots train ``strategy`` for ``steps`` steps on threads; slot 2 dies before
+    step ``dies_at``'s transaction and a new process of slot 2 joins at once. Returns the
+    first processes of the slots, the joiner, and every process's result (0, 1, joiner)."""
+    from helpers import MLP, regression_data
+
+    from meshtrain.config.settings import TrainConfig
+    from meshtrain.engine.job import NodeJob
+    from meshtrain.engine.loop import train_node
+
+    config = TrainConfig(nodes=3, steps=steps, batch_size=4, seed=3, progress=False, runtime="launched",
+                         out_dir=str(tmp_path), threads=1)
+    job = NodeJob(model=MLP(), train_data=regression_data(96), val_data=None, collate_fn=None,
+                  strategy=strategy, config=config, run_id="elastic", started=0.0)
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=60))
+    slots = [_Slot(store, s, 3, dies_at=dies_at if s == 2 else None, watch=(dies_at,)) for s in range(3)]
+    joiner = _Slot(store, 2, 3, joining=True)
+    results: dict[str, Any] = {}
+
+    def first(slot: _Slot) -> None:
+        slot.start()
+        try:
+            results[str(slot.rank)] = train_node(job, slot)
+        except _Lost:
+            results["lost"] = slot.rank
+            died.set()
+
+    def rejoin() -> None:
+        assert died.wait(120)
+        results["joiner"] = train_node(job, joiner, join_timeout=60.0)
+
+    died = threading.Event()
+    _on_threads(*(lambda s=s: first(s) for s in slots), rejoin)
+    for s in (*slots, joiner):
+        s.stop.set()
+    assert results["lost"] == 2
+    return slots, joiner, [results["0"], results["1"], results["joiner"]]
+
+
+def _check_heal_and_end(slots: list[_Slot], joiner: _Slot, results: list[Any]) -> None:
+    """The joiner took slot 0's whole state bit for bit (model, strategy, data position,
+    step), every process ends on one global model, and rank 0 recorded the loss and the heal."""
+    assert len(slots[0].sent) == 1 and joiner.taken is not None
+    _same(slots[0].sent[0], joiner.taken)
+    finals = [[p.detach() for p in r.model.parameters()] for r in results]
+    for other in finals[1:]:
+        _same(finals[0], other, "final model")
+    events = results[0].summary["elastic"]["events"]
+    assert [e["lost"] for e in events if e["lost"]] == [[2]]
+    assert [e["joined"] for e in events if e["joined"]] == [[2]]
+    assert results[0].summary["elastic"]["final_members"] == [0, 1, 2]
+
+
+def test_ddp_goes_on_without_a_lost_slot_from_the_same_step_and_takes_it_back(
+        loopback: None, tmp_path: Any) -> None:
+    """DDP, plain SGD: slot 2 dies before step 2's update. The survivors' step 2 is
+    p - lr * mean of THEIR gradients (plain torch), not a step lost or a mean over three."""
+    from meshtrain.strategies import DDP
+
+    lr, dies = 0.1, 2
+    slots, joiner, results = _elastic_run(DDP(optim="sgd", lr=lr), steps=6, dies_at=dies, tmp_path=tmp_path)
+    a, b = slots[0].around[dies], slots[1].around[dies]
+    for p, g0, g1, after0, after1 in zip(a["params"], a["grads"], b["grads"], a["after"], b["after"],
+                                         strict=True):
+        expected = p - lr * ((g0 + g1) / 2)
+        torch.testing.assert_close(after0, expected, rtol=1e-6, atol=1e-7)
+        assert torch.equal(after0, after1)
+    _check_heal_and_end(slots, joiner, results)
+
+
+def test_fedavg_averages_over_the_survivors_and_takes_the_lost_slot_back(loopback: None,
+                                                                        tmp_path: Any) -> None:
+    """FedAvg H=2, plain SGD: slot 2 dies before step 3's update (an average). The
+    survivors' step 3 is the mean over THEM of p_i - lr * g_i (plain torch)."""
+    from meshtrain.strategies import FedAvg
+
+    lr, dies = 0.1, 3
+    slots, joiner, results = _elastic_run(FedAvg(H=2, lr=lr), steps=8, dies_at=dies, tmp_path=tmp_path)
+    a, b = slots[0].around[dies], slots[1].around[dies]
+    for p0, p1, g0, g1, after0, after1 in zip(a["params"], b["params"], a["grads"], b["grads"], a["after"],
+                                              b["after"], strict=True):
+        expected = ((p0 - lr * g0) + (p1 - lr * g1)) / 2
+        torch.testing.assert_close(after0, expected, rtol=1e-6, atol=1e-7)
+        assert torch.equal(after0, after1)
+    _check_heal_and_end(slots, joiner, results)
+
+
+def test_sparta_diloco_exchanges_among_the_survivors_and_heals_with_the_outer_state(
+        loopback: None, tmp_path: Any) -> None:
+    """SPARTA+DiLoCo (inner SGD, p=0.25, H=4): slot 2 dies before step 1's update (a sparse
+    exchange, no outer sync). After it every survivor's element is either its own local step
+    p_i - lr * g_i or, on both alike, the mean of the two local steps: the exchange spans the
+    survivors alone, round(p * numel) elements of each tensor. The joiner takes the outer
+    parameters and the outer optimizer's momentum with the rest."""
+    from meshtrain.strategies import SPARTADiLoCo
+
+    lr, dies, p = 0.1, 1, 0.25
+    slots, joiner, results = _elastic_run(SPARTADiLoCo(p=p, H=4, optim="sgd", lr=lr), steps=10, dies_at=dies,
+                                          tmp_path=tmp_path)
+    a, b = slots[0].around[dies], slots[1].around[dies]
+    for p0, p1, g0, g1, after0, after1 in zip(a["params"], b["params"], a["grads"], b["grads"], a["after"],
+                                              b["after"], strict=True):
+        local0, local1 = p0 - lr * g0, p1 - lr * g1
+        mean = (local0 + local1) / 2
+        averaged = _near(after0, mean) & _near(after1, mean)
+        kept = _near(after0, local0) & _near(after1, local1)
+        assert bool((averaged | kept).all())
+        assert int((averaged & ~kept).sum()) == max(1, round(p * p0.numel()))
+    momentum = slots[0].sent[0]["strategy"]["modules"][1]["outer_optimizer"]["state"]
+    assert momentum and all(torch.count_nonzero(s["momentum_buffer"]) for s in momentum.values())
+    _check_heal_and_end(slots, joiner, results)

@@ -48,7 +48,10 @@ class ElasticNode:
     def snapshot(self) -> dict[str, Any]:
         """The node's state before a step's communicating work (copies, not views)."""
         run = self.run
+        # The gradients too: the local step zeroes them before a sync's collective, and a
+        # redo without them would skip the step (torch's optimizers pass over grad None).
         return {"model": {k: v.detach().clone() for k, v in run.model.state_dict().items()},
+                "grads": [None if p.grad is None else p.grad.clone() for p in run.strategy.params],
                 "strategy": copy.deepcopy(run.strategy.state_dict()),
                 "seconds": len(run.seconds), "val": dict(run.history_val)}
 
@@ -57,6 +60,8 @@ class ElasticNode:
         with torch.no_grad():
             for name, value in run.model.state_dict().items():
                 value.copy_(saved["model"][name])
+            for p, grad in zip(run.strategy.params, saved["grads"], strict=True):
+                p.grad = None if grad is None else grad.clone()  # a clone: the redo may change it
         run.strategy.load_state_dict(copy.deepcopy(saved["strategy"]))
         del run.seconds[saved["seconds"]:]
         run.history_val = dict(saved["val"])
