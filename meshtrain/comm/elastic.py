@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from meshtrain.comm import rendezvous, sealing
-from meshtrain.comm.membership import POLL_S, Decision, Dropped, Table
+from meshtrain.comm.membership import POLL_S, Decision, Dropped, Growth, Table, request_slot
 from meshtrain.comm.state_transfer import receive_state, send_state
 from meshtrain.comm.torch_dist import LEAVE_GRACE_S, TorchDistCommunicator, host_loopback_store
 from meshtrain.errors import RunFailure
@@ -310,7 +310,8 @@ def open_elastic_store(slot: int, slots: int, addr: str, port: int, timeout_s: f
         store, store_port = host_loopback_store(timeout_s)
         gate = rendezvous.Gate(addr, port, store_port, secret, admissions=None,
                                peers=rendezvous.peers_from_env())
-        table = Table(store, slot, slots, heartbeat_s, wait_timeout=timeout_s)
+        table = Table(store, slot, slots, heartbeat_s, wait_timeout=timeout_s,
+                      allow=lambda growth: gate.allow(growth.addresses))
         return ElasticStore(table, {store_port, gate.port}, [gate, store])
     held: list[Any] = []
     stores = []
@@ -322,3 +323,15 @@ def open_elastic_store(slot: int, slots: int, addr: str, port: int, timeout_s: f
     table = Table(main, slot, slots, heartbeat_s, wait_timeout=timeout_s, joining=joining)
     start_pulse(pulse, table)
     return ElasticStore(table, set(), held)
+
+
+def add_slot(addr: str, port: int, secret: bytes, growth: Growth, timeout_s: float) -> None:
+    """The launcher (``meshtrain hosts add``): pass the gate at ``addr:port`` with the launch's
+    ``secret``, as a rank does, and have rank 0 make ``growth`` the run's next slot."""
+    tunnel = rendezvous.Tunnel(addr, port, secret, timeout_s)
+    try:
+        store = dist.TCPStore("127.0.0.1", tunnel.port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        request_slot(store, growth, timeout_s)
+        del store
+    finally:
+        tunnel.close()

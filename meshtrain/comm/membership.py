@@ -34,6 +34,13 @@ member process of that slot, and a new process of the slot pulsing there would k
 dead predecessor "alive" in the coordinator's eyes (the coordinator would wait for that
 member's report until the joiner gave up: the run stalled, the joiner was never admitted).
 
+Growing. A host added to a running launch (``meshtrain hosts add``) becomes the next slot,
+N: the launcher, which holds the launch's secret, passes the gate itself and writes a
+:class:`Growth` under ``grow/N``. At its next meeting the coordinator lets the gate admit
+the host's addresses (nothing else is admitted: the gate's list grows only this way),
+counts N among the run's slots and answers under ``grown/N``; the launcher then starts
+the new rank as a joiner, and it joins like a rank that comes back.
+
 Every value read from the store was written by a proven rank of this launch, yet it is
 still parsed strictly (JSON of known keys and types, never pickle).
 """
@@ -56,6 +63,8 @@ PREFIX = "elastic/"
 POLL_S = 0.02
 #: Most bytes of one decision (a few hundred for any real membership).
 MAX_DECISION_BYTES = 1 << 16
+#: Most bytes of one request to grow the run (a host's name and a few addresses).
+MAX_GROWTH_BYTES = 4096
 
 
 class Dropped(RunFailure):
@@ -113,6 +122,38 @@ class Decision:
                    slots("lost"), number("step"))
 
 
+@dataclass(frozen=True)
+class Growth:
+    """The launcher's request that ``slot`` (the run's next) be the host ``name``, reached
+    from ``addresses`` (its inventory names and addresses, resolved by the gate)."""
+
+    slot: int
+    name: str
+    addresses: tuple[str, ...]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: bytes | str) -> Growth:
+        """A request from the store, checked field by field."""
+        if len(text) > MAX_GROWTH_BYTES:
+            raise MembershipError("a request to add a host in the store is too large")
+        try:
+            raw = json.loads(text)
+        except (ValueError, UnicodeDecodeError):
+            raise MembershipError("a request to add a host in the store is not JSON") from None
+        if not isinstance(raw, dict) or set(raw) != {"slot", "name", "addresses"}:
+            raise MembershipError("a request to add a host in the store has unknown fields")
+        slot, name, addresses = raw["slot"], raw["name"], raw["addresses"]
+        if not isinstance(slot, int) or isinstance(slot, bool) or slot < 1:
+            raise MembershipError("a request to add a host names no rank")
+        if not isinstance(name, str) or not isinstance(addresses, list) or not addresses \
+                or not all(isinstance(a, str) and a for a in addresses):
+            raise MembershipError("a request to add a host has no name or no addresses")
+        return cls(slot, name, tuple(addresses))
+
+
 def decide(meeting: int, epoch: int, members: Iterable[int], reported: dict[int, bool],
            joiners: Iterable[int], *, admit: bool, step: int) -> Decision:
     """The coordinator's rule, apart from any store: ``reported`` holds the members that
@@ -153,6 +194,10 @@ class Table:
     joining: bool = False
     #: This process's own name for its request to join (fresh in every process).
     nonce: str = field(default_factory=lambda: secrets.token_hex(8))
+    #: The coordinator: lets the gate admit a host added to the run (:class:`Growth`).
+    allow: Callable[[Growth], None] | None = None
+    #: The coordinator: the hosts added to the run while it trained, in order.
+    added: list[Growth] = field(default_factory=list)
     _pulses: dict[str, _Pulse] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -185,6 +230,14 @@ class Table:
     def _admit_key(slot: int, nonce: str) -> str:
         return f"{PREFIX}admit/{slot}/{nonce}"
 
+    @staticmethod
+    def grow_key(slot: int) -> str:
+        return f"{PREFIX}grow/{slot}"
+
+    @staticmethod
+    def grown_key(slot: int) -> str:
+        return f"{PREFIX}grown/{slot}"
+
     # ------------------------------------------------------------------ every member
     def meet(self, meeting: int, epoch: int, members: tuple[int, ...], ok: bool, *, admit: bool,
              step: int) -> Decision:
@@ -209,6 +262,7 @@ class Table:
     # ------------------------------------------------------------------ the coordinator
     def _decide(self, meeting: int, epoch: int, members: tuple[int, ...], *, admit: bool,
                 step: int) -> Decision:
+        self.take_new_slots()
         reported: dict[int, bool] = {}
         deadline = self.clock() + self.wait_timeout
         while True:
@@ -230,6 +284,23 @@ class Table:
             self._pulses.pop(self.pulse_key(j), None)
         self.store.set(self._decision_key(meeting), text)
         return decision
+
+    def take_new_slots(self) -> list[Growth]:
+        """The coordinator: the hosts the launcher asked to add since the last look, each
+        now a slot of the run whose addresses the gate admits (:class:`Growth`)."""
+        taken = []
+        while self.store.check([self.grow_key(self.slots)]):
+            growth = Growth.from_json(self.store.get(self.grow_key(self.slots)))
+            if growth.slot != self.slots:
+                raise MembershipError(f"a request to add a host as rank {growth.slot} was found under "
+                                      f"rank {self.slots}")
+            if self.allow is not None:
+                self.allow(growth)
+            self.slots += 1
+            self.added.append(growth)
+            taken.append(growth)
+            self.store.set(self.grown_key(growth.slot), b"1")
+        return taken
 
     def silent(self, slot: int) -> bool:
         """Whether ``slot`` has sent no pulse for ``pulse_timeout`` seconds (the coordinator
@@ -280,3 +351,16 @@ class Table:
         self.beat_key = self.pulse_key(self.slot)  # a member now: the slot's pulse is this process's
         self.store.add(self.beat_key, 1)
         return decision
+
+
+def request_slot(store: Any, growth: Growth, timeout: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+    """The launcher: ask the coordinator over ``store`` to make ``growth.slot`` a slot of the
+    run, and wait until it has (it looks at every meeting: within one outer round)."""
+    store.set(Table.grow_key(growth.slot), growth.to_json().encode())
+    deadline = clock() + timeout
+    while not store.check([Table.grown_key(growth.slot)]):
+        if clock() > deadline:
+            raise RunFailure(f"rank 0 did not take host {growth.name} as rank {growth.slot} within "
+                             f"{timeout:g} s")
+        time.sleep(POLL_S)

@@ -17,7 +17,10 @@ which rank 0 resolves): a connection from any other address is closed as soon as
 accepted, before any handshake, so machines outside the run cannot hold the gate's
 slots. Each address may run only as many handshakes at once as ranks come from it (plus
 one, for a retry), and each handshake has a short deadline, so every expected rank keeps
-a slot even while an inventory host misbehaves.
+a slot even while an inventory host misbehaves. In a ``launch --elastic`` run the list
+also holds the launcher's own address, and grows only when the launcher, having passed
+the gate with the secret, asks rank 0 to add a host (:meth:`Gate.allow`,
+:mod:`meshtrain.comm.membership`).
 
 The other ranks reach the gate through a local tunnel (127.0.0.1 -> gate) that runs the
 rank's side of the handshake, so torch's store client is unchanged. The tunnel accepts
@@ -282,6 +285,15 @@ class Gate(_Listener):
                 return False  # a real rank connects once and retries if refused
             self._pending[address] += 1
             return True
+
+    def allow(self, names: Iterable[str]) -> None:
+        """Admit connections from one more host (a host added to a running elastic run):
+        ``names`` are its inventory names and addresses, resolved here as the inventory's are."""
+        found = peer_addresses([list(names)])
+        with self._lock:
+            if self.peers is not None:
+                self.peers.update(found)
+            self._strangers -= set(found)
 
     def serve(self, conn: socket.socket, peer: tuple[Any, ...]) -> None:
         address = _canonical(peer[0])
