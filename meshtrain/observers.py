@@ -99,6 +99,9 @@ class RunObserver(Protocol):
     def node_started(self, node: int) -> None:
         """The node started (again, after a restart)."""
 
+    def node_added(self, name: str) -> None:
+        """A host joined the running launch (``meshtrain hosts add``): the next node."""
+
     def node_update(self, update: NodeUpdate) -> None:
         """The node reports where it is."""
 
@@ -201,6 +204,9 @@ class QueueForwarder:
 
     def node_started(self, node: int) -> None:
         self._put("node_started", node)
+
+    def node_added(self, name: str) -> None:
+        self._put("node_added", name)
 
     def node_update(self, update: NodeUpdate) -> None:
         self._put("node_update", update)

@@ -95,3 +95,11 @@ def netns_hosts(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - Ite
     from ssh_fixtures import netns_world
 
     yield from netns_world(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def netns_three_hosts(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201 - Iterator[(SshWorld, Namespaces)]
+    """Three namespace hosts (the elastic launch tests: a host lost, a host added)."""
+    from ssh_fixtures import netns_world
+
+    yield from netns_world(tmp_path_factory, n_hosts=3)

@@ -1,7 +1,7 @@
 """``launch --elastic`` on namespace hosts with real sshd: a lost host is dropped by the
 others at their next sync, retried over SSH, and rejoins with a peer's state.
 
-One world of three namespace hosts serves every test (module fixture). Each launch trains
+One world of three namespace hosts serves every test (conftest's netns_three_hosts). Each launch trains
 DiLoCo (H=20) on the digits task for 2400 steps (about 30 s: long enough for a rank to be
 lost and come back on a loaded machine, where starting it again takes up to ~15 s) with a
 heartbeat of 4 s. The issue's 60 s outages take the same path (a rank silent past the
@@ -26,7 +26,6 @@ from ssh_fixtures import (
     PYTHON,
     Namespaces,
     SshWorld,
-    netns_world,
     processes_with,
     read_until,
     start_meshtrain,
@@ -46,8 +45,8 @@ TOLERANCE = 1.25
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SshWorld, Namespaces]]:
-    yield from netns_world(tmp_path_factory, n_hosts=3)
+def world(netns_three_hosts: tuple[SshWorld, Namespaces]) -> Iterator[tuple[SshWorld, Namespaces]]:
+    yield netns_three_hosts  # shared with test_launch_add_host.py (conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -36,6 +36,7 @@ from meshtrain.hosts import discovery as d
 from meshtrain.hosts.bench import model_seconds
 from meshtrain.hosts.checks import CHECKS, check_hosts
 from meshtrain.hosts.inventory import Inventory, InventoryError, load_inventory, parse_inventory
+from meshtrain.launch.adding import RunControl, entry_from_words
 from meshtrain.launch.benchmark import BenchmarkFailed, benchmark_hosts, probe_note
 from meshtrain.launch.launcher import (
     FINISHED_WITHOUT,
@@ -372,6 +373,22 @@ class _LaunchCommand(TyperCommand):
         return super().parse_args(ctx, args)
 
 
+def hosts_add(
+    run_dir: Path = typer.Argument(..., metavar="RUN_DIR",
+                                   help="<out>/<run-id> of a running `meshtrain launch --elastic`."),
+    entry: list[str] = typer.Argument(..., metavar="KEY=VALUE...",
+                                      help="The new host in the inventory's keys, e.g. name=studio-3 "
+                                           "host=192.168.1.103 threads=8 (the inventory's defaults apply)."),
+) -> None:
+    """Add a host to a running `launch --elastic`: checked over SSH as at launch, it joins at a sync."""
+    try:
+        host = RunControl.of_running(run_dir).request(entry_from_words(entry))
+    except InputError as exc:
+        raise fail_on(exc) from None
+    console.print(f"asked the launch to add {host.name} ({host.label}) as rank {host.rank}; the launch's "
+                  "output says when it has joined", highlight=False)
+
+
 def register(app: typer.Typer) -> None:
     """Add ``hosts check``, ``hosts bench`` and ``launch`` to the ``meshtrain`` app."""
     hosts_app = typer.Typer(help="Find, set up, check and measure the machines of an inventory.",
@@ -380,6 +397,7 @@ def register(app: typer.Typer) -> None:
     hosts_app.command("bench")(hosts_bench)
     hosts_app.command("setup")(hosts_setup)
     hosts_app.command("discover")(hosts_discover)
+    hosts_app.command("add")(hosts_add)
     app.add_typer(hosts_app, name="hosts")
 
     @app.command("launch", cls=_LaunchCommand)

@@ -76,6 +76,11 @@ class RunState:
         self.status = "running" if kind != "finished" else "finished"
 
     # ------------------------------------------------------------ RunObserver
+    def node_added(self, name: str) -> None:
+        self.nodes.append(NodeRow(name, len(self.nodes)))
+        self.node_series.append(Series(name))
+        self._changed()
+
     def node_started(self, node: int) -> None:
         row = self.nodes[node]
         if row.state != STARTING or row.step is not None:  # a restart: the row begins afresh
@@ -279,6 +284,10 @@ class LiveRun:
     def node_started(self, node: int) -> None:
         with self._lock:
             self.run.node_started(node)
+
+    def node_added(self, name: str) -> None:
+        with self._lock:
+            self.run.node_added(name)
 
     def node_update(self, update: NodeUpdate) -> None:
         with self._lock:

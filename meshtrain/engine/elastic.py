@@ -19,6 +19,7 @@ import torch
 
 from meshtrain import checkpoint, observers
 from meshtrain.comm.communicator import Communicator
+from meshtrain.comm.elastic import ElasticCommunicator
 from meshtrain.data import SharedBatches
 from meshtrain.engine.callbacks import NodeRun
 from meshtrain.engine.report import NodeReport
@@ -43,6 +44,7 @@ class ElasticNode:
         self.members_by_step: list[list[int]] = []
         self._events_seen = 0
         self._round_start = run.first_step  # the first step of the round not yet synced
+        self._ever_in: set[int] = set(run.comm.alive)  # rank 0: slots that were members once
 
     # ----------------------------------------------------------------- transactions
     def snapshot(self) -> dict[str, Any]:
@@ -103,7 +105,9 @@ class ElasticNode:
         if self.comm.rank == 0:
             for e in events:
                 self._announce(e)
-            self.members_by_step.append(list(self.comm.alive))
+            # Joiners admitted after this step's work did none of it: their first row is the next.
+            joined = {slot for e in events for slot in e["joined"]}
+            self.members_by_step.append([m for m in self.comm.alive if m not in joined])
             for s in range(self._round_start, step):  # their work of this round is gone
                 row = self.members_by_step[s - self.run.first_step]
                 row[:] = [m for m in row if m not in lost]
@@ -120,7 +124,7 @@ class ElasticNode:
         if event["lost"]:
             line = f"{at}  rank(s) {' '.join(map(str, event['lost']))} lost; members now {members}"
         elif event["joined"] and event["heal_bytes"]:
-            line = (f"{at}  rank(s) {' '.join(map(str, event['joined']))} rejoined with a peer's state "
+            line = (f"{at}  {self._who_joined(event['joined'])} with a peer's state "
                     f"({event['heal_bytes']} bytes); members now {members}")
         elif event["joined"]:  # the heal broke off (a member lost meanwhile): the next event says who
             line = f"{at}  rank(s) {' '.join(map(str, event['joined']))} admitted, but the heal broke off"
@@ -128,6 +132,17 @@ class ElasticNode:
             return
         run.progress.note(line)
         observers.notify("event", "membership", line)
+        self._ever_in.update(event["members"])
+
+    def _who_joined(self, joined: list[int]) -> str:
+        """"rank(s) 1 rejoined", and a host added to the run (``meshtrain hosts add``) by name
+        the first time it comes in: "new host box3 joined as rank 3"."""
+        added = {g.slot: g.name for g in self.comm.table.added} \
+            if isinstance(self.comm, ElasticCommunicator) else {}
+        back = [s for s in joined if s in self._ever_in or s not in added]
+        new = [f"new host {added[s]} joined as rank {s}" for s in joined if s not in back]
+        parts = ([f"rank(s) {' '.join(map(str, back))} rejoined"] if back else []) + new
+        return ", ".join(parts)
 
 
 def placeholder_report(steps: int) -> NodeReport:

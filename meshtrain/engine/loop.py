@@ -322,7 +322,9 @@ def _report(run: NodeRun, final: dict[str, float], elastic: ElasticNode | None =
     assert gathered is not None
     by_rank = {**run.departed, **{r: NodeReport(**g) for r, g in zip(comm.alive, gathered, strict=True)}}
     # An elastic run's slot whose process is gone at the end has no report: no loss of its own.
-    reports = [by_rank.get(r) or placeholder_report(run.max_steps) for r in range(run.job.config.nodes)]
+    # Hosts added to an elastic run while it trained are slots past the launch's nodes.
+    slots = max(run.job.config.nodes, comm.table.slots if isinstance(comm, ElasticCommunicator) else 0)
+    reports = [by_rank.get(r) or placeholder_report(run.max_steps) for r in range(slots)]
     return finish_run(run.job, run.strategy, run.model, comm.log.records, reports,
                       history_val=run.history_val, initial=run.initial, final=final,
                       skipped=run.skipped, steps=run.max_steps, plan=run.plan, live=run.live,
@@ -337,7 +339,8 @@ def _elastic_record(comm: Communicator, elastic: ElasticNode | None) -> dict[str
     if elastic is None or not isinstance(comm, ElasticCommunicator):
         return None
     return {"members_by_step": elastic.members_by_step, "events": comm.events, "heal_bytes": comm.heal_bytes,
-            "final_members": list(comm.alive)}
+            "final_members": list(comm.alive), "slots": comm.table.slots,
+            "added": [{"rank": g.slot, "host": g.name} for g in comm.table.added]}
 
 
 def _agreed_epoch_steps(epochs: float, batches_per_epoch: int, comm: Communicator) -> int:

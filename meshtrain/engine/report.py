@@ -78,7 +78,7 @@ def finish_run(job: NodeJob, strategy: Strategy, model: nn.Module, records: list
         summary["balance"] = {**balance, "collective_share_per_node": [
             _rounded(r.balanced_collective_share) for r in reports]}
     if elastic is not None:
-        summary["elastic"] = elastic_summary(elastic, cfg.nodes)
+        summary["elastic"] = elastic_summary(elastic, elastic.get("slots", cfg.nodes))
     summary["initial"] = initial
     summary["skipped_steps"] = len(skipped)
     if cfg.skip_nonfinite:
@@ -171,10 +171,11 @@ def history_rows(
 
 def elastic_summary(elastic: dict[str, Any], slots: int) -> dict[str, Any]:
     """summary.json's ``elastic``: every change of membership, the bytes healing cost, the
-    slots in at the end and those lost for good."""
+    slots in at the end, those lost for good, and the hosts added while it trained
+    (``meshtrain hosts add``: their ranks are slots past the launch's)."""
     final = list(elastic["final_members"])
     return {"events": elastic["events"], "heal_bytes": elastic["heal_bytes"], "final_members": final,
-            "lost_for_good": [s for s in range(slots) if s not in final]}
+            "lost_for_good": [s for s in range(slots) if s not in final], "added": elastic.get("added", [])}
 
 
 def peak_bytes_per_sync(history: list[dict[str, Any]]) -> float:

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import paramiko
 
+from meshtrain.comm.elastic import add_slot
+from meshtrain.comm.membership import Growth
 from meshtrain.comm.rendezvous import PEERS_ENV, SECRET_FILE_ENV, SECRET_FOLDER_PREFIX, new_secret
 from meshtrain.comm.sealing import ADVERTISE_ENV, GLOO_HINT, interface_environment
 from meshtrain.config.environment import ELASTIC_ENV, HOST_NAMES_ENV, JOINING_ENV
@@ -65,6 +67,14 @@ from meshtrain.hosts.transfer import (
     put_files,
     remote_dir_exists,
     sftp_path,
+)
+from meshtrain.launch.adding import (
+    HostAdder,
+    RunControl,
+    drop_if_only_control,
+    keep_control,
+    launcher_address,
+    only_control,
 )
 from meshtrain.launch.output import STOPPED, RankOutput
 from meshtrain.launch.rejoin import RankHistory, Rejoiner, restart_as_joiner, wait_briefly
@@ -256,8 +266,11 @@ def rank_env(inventory: Inventory, host: Host, run_id: str, *, elastic: bool = F
         HOST_NAMES_ENV: ",".join(h.name for h in sorted(inventory.hosts, key=lambda h: h.rank)),
     })
     if host.rank == 0:  # the rendezvous gate admits connections from these hosts only
-        env[PEERS_ENV] = ",".join(" ".join(dict.fromkeys((h.advertise, h.hostname)))
-                                  for h in inventory.hosts if h.rank != 0)
+        peers = [" ".join(dict.fromkeys((h.advertise, h.hostname))) for h in inventory.hosts if h.rank != 0]
+        if elastic:  # and from the launcher, which passes it (with the secret) to add a host
+            me = launcher_address(inventory.master.advertise, inventory.rendezvous.port)
+            peers += [me] if me else []
+        env[PEERS_ENV] = ",".join(peers)
     if host.iface:  # an NCCL_SOCKET_IFNAME in the host's env wins (a prefix for several, say)
         for key, value in interface_environment(host.iface).items():
             env.setdefault(key, value)
@@ -430,8 +443,17 @@ def launch(inventory: Inventory, argv: list[str], options: LaunchOptions, *, tra
     """
     started = time.monotonic()
     output = output or RankOutput([h.name for h in inventory.hosts])
-    with _stop_on_signals() as stop:  # from the first connection to the last byte copied back
-        result, restarts = _attempts(inventory, argv, options, output, stop, training=training)
+    # --elastic: the local run directory holds the control folder `hosts add` writes into.
+    control = RunControl.claim(options.out_dir / options.run_id, options.run_id, inventory) \
+        if options.elastic and training else None
+    try:
+        with _stop_on_signals() as stop:  # from the first connection to the last byte copied back
+            result, restarts = _attempts(inventory, argv, options, output, stop, training=training,
+                                         control=control)
+    finally:
+        if control is not None:
+            control.finished(options.run_id)
+            drop_if_only_control(options.out_dir / options.run_id)  # no run came back: no run directory
     result.restarts = restarts
     if restarts and result.run_dir is not None:
         _record_restarts(result.run_dir, restarts)
@@ -440,7 +462,8 @@ def launch(inventory: Inventory, argv: list[str], options: LaunchOptions, *, tra
 
 
 def _attempts(inventory: Inventory, argv: list[str], options: LaunchOptions, output: RankOutput,
-              stop: _Signal, *, training: bool) -> tuple[LaunchResult, list[dict[str, object]]]:
+              stop: _Signal, *, training: bool,
+              control: RunControl | None = None) -> tuple[LaunchResult, list[dict[str, object]]]:
     """The first attempt and the restarts after it: the last one's result, and every restart."""
     restarts: list[dict[str, object]] = []
     resume = options.resume
@@ -448,7 +471,7 @@ def _attempts(inventory: Inventory, argv: list[str], options: LaunchOptions, out
         may_restart = training and len(restarts) < options.max_restarts
         try:
             result = _launch_once(inventory, argv, options, output, stop, training=training, resume=resume,
-                                  restarting=bool(restarts), may_restart=may_restart)
+                                  restarting=bool(restarts), may_restart=may_restart, control=control)
         except Interrupted as exc:  # before this attempt's ranks started (they run in _run_ranks)
             output.note(f"{signal.Signals(exc.signum).name} received while preparing the hosts; no rank "
                         "is running", style="bold yellow")
@@ -500,7 +523,7 @@ def _shrunk(inventory: Inventory, lost: list[int], options: LaunchOptions,
 
 def _launch_once(inventory: Inventory, argv: list[str], options: LaunchOptions, output: RankOutput,
                  stop: _Signal, *, training: bool, resume: bool, restarting: bool,
-                 may_restart: bool) -> LaunchResult:
+                 may_restart: bool, control: RunControl | None = None) -> LaunchResult:
     """One attempt: preflight every host, start the ranks, wait for them. A signal before
     the ranks start raises :class:`Interrupted` at the next poll."""
     stop.check()
@@ -536,7 +559,7 @@ def _launch_once(inventory: Inventory, argv: list[str], options: LaunchOptions, 
             deliver_secret(r.client, r.host, options.run_id, secret, options.connect_timeout)
         stop.check()
         result = _run_ranks(inventory, ranks, argv, options, output, stop, training=training,
-                            may_restart=may_restart, secret=secret)
+                            may_restart=may_restart, secret=secret, control=control)
         result.resumed_at = step
         return result
     finally:
@@ -665,10 +688,14 @@ def _record_restarts(run_dir: Path, restarts: list[dict[str, object]]) -> None:
 
 def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], options: LaunchOptions,
                output: RankOutput, stop: _Signal, *, training: bool,
-               may_restart: bool = False, secret: str = "") -> LaunchResult:
+               may_restart: bool = False, secret: str = "",
+               control: RunControl | None = None) -> LaunchResult:
     failures: list[RankFailure] = []
     elastic = options.elastic and training
-    rejoiner = _rejoiner(inventory, argv, options, output, secret) if elastic else None
+    current = [inventory]  # --elastic: grows with every host added (`hosts add`)
+    rejoiner = _rejoiner(lambda: current[0], argv, options, output, secret) if elastic else None
+    adder = _adder(current, ranks, argv, options, output, secret, rejoiner, control) \
+        if rejoiner is not None and control is not None else None
     try:
         for r in ranks:
             command = rank_command(inventory, r.host, options.run_id, argv, training=training,
@@ -693,7 +720,11 @@ def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], option
                         rejoiner.lost(r, r.outcome)  # the others go on; it is tried again
                         continue
                     failures.append(RankFailure(r.host.rank, r.host, r.outcome, tail))
+        if adder is not None:
+            adder.poll()
         if rejoiner is not None and ranks[0].outcome == "ok":
+            if adder is not None:
+                adder.stop()
             return _finish_elastic(ranks, rejoiner, options, output, stop)
         if all(r.outcome == "ok" for r in ranks):
             _teardown(ranks, options)  # anything the ranks left running in the background
@@ -703,6 +734,8 @@ def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], option
 
     if rejoiner is not None:
         rejoiner.stop()
+    if adder is not None:
+        adder.stop()
     why = failures[0] if failures else None
     if why is not None:
         output.note(f"rank {why.rank} on {why.host.name} {why.reason}; stopping the other ranks",
@@ -725,22 +758,69 @@ def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], option
                         lost=sorted(unconfirmed))
 
 
-def _rejoiner(inventory: Inventory, argv: list[str], options: LaunchOptions, output: RankOutput,
-              secret: str) -> Rejoiner:
-    """``--elastic``: what tries a lost rank's host again and starts it as a joiner."""
+def _rejoiner(inventory: Callable[[], Inventory], argv: list[str], options: LaunchOptions,
+              output: RankOutput, secret: str) -> Rejoiner:
+    """``--elastic``: what tries a lost rank's host again and starts it as a joiner
+    (``inventory``: the run's now, hosts added included)."""
     def connect_host(host: Host) -> paramiko.SSHClient:
         return connect(host, accept_new_host_keys=options.accept_new_host_keys,
                        timeout=min(3.0, options.connect_timeout))
 
     def start_rank(r: _Rank, client: paramiko.SSHClient) -> None:
         deliver_secret(client, r.host, options.run_id, secret, options.connect_timeout)
-        command = rank_command(inventory, r.host, options.run_id, argv, training=True, elastic=True,
+        command = rank_command(inventory(), r.host, options.run_id, argv, training=True, elastic=True,
                                joining=True)
         restart_as_joiner(r, client, command, functools.partial(output.line, r.row),
                           lambda process: output.watch(r.row, process))
 
     return Rejoiner(connect_host, start_rank, lambda line: output.note(line, style="bold yellow"),
                     options.rejoin_backoff)
+
+
+def _adder(current: list[Inventory], ranks: list[_Rank], argv: list[str], options: LaunchOptions,
+           output: RankOutput, secret: str, rejoiner: Rejoiner, control: RunControl) -> HostAdder:
+    """``--elastic``: what brings in the hosts ``meshtrain hosts add`` asks for, each checked
+    and readied over SSH as at launch, its rank started as a joiner (``current[0]``, the
+    run's inventory, grows by it)."""
+    def prepare(host: Host) -> paramiko.SSHClient:
+        # The launch's own checks, on this host alone (preflight numbers its hosts from 0).
+        client = preflight(replace(current[0], hosts=(replace(host, rank=0),)), options)[0]
+        try:
+            if options.shipments:
+                ship_to_hosts([(host, client)], options.shipments, output.note)
+            upload(client, host, options.uploads)
+            deliver_secret(client, host, options.run_id, secret, options.connect_timeout)
+        except ShipError as exc:
+            client.close()
+            raise PreflightError(exc.problems) from None
+        except BaseException:
+            client.close()
+            raise
+        return client
+
+    def tell(host: Host) -> None:
+        inventory = current[0]
+        growth = Growth(host.rank, host.name, tuple(dict.fromkeys((host.advertise, host.hostname))))
+        add_slot(inventory.master.advertise, inventory.rendezvous.port, secret.encode(), growth,
+                 inventory.rendezvous.timeout)
+
+    def start(host: Host, client: paramiko.SSHClient) -> None:
+        current[0] = replace(current[0], hosts=(*current[0].hosts, host))
+        r = _Rank(host, client, output.add_row(host.name))
+        command = rank_command(current[0], host, options.run_id, argv, training=True, elastic=True,
+                               joining=True)
+        try:
+            r.process = RemoteProcess(client, command, functools.partial(output.line, r.row))
+            r.heartbeat = Heartbeat(client)
+            output.watch(r.row, r.process)
+        except Exception as exc:  # noqa: BLE001 - it is a slot of the run now: tried again as a lost one
+            r.outcome = f"could not start: {exc}"
+            ranks.append(r)
+            rejoiner.lost(r, r.outcome)
+            return
+        ranks.append(r)  # the launch loop watches it from its next round
+
+    return HostAdder(control, prepare, tell, start, lambda line: output.note(line, style="bold yellow"))
 
 
 def _finish_elastic(ranks: list[_Rank], rejoiner: Rejoiner, options: LaunchOptions, output: RankOutput,
@@ -897,7 +977,8 @@ def _copy_back(rank0: _Rank, options: LaunchOptions, output: RankOutput, stop: _
         stop.check()
         if not remote_dir_exists(rank0.client, remote):
             return LaunchResult(0, [], None, 0.0)  # a script that wrote no run directory
-        if final.exists():
+        ours = only_control(final)  # --elastic: the launcher's control folder is all it holds
+        if final.exists() and not ours:
             output.note(f"{final} already exists; not overwriting it with {host.name}:{remote}",
                         style="bold yellow")
             return LaunchResult(0, [], final, 0.0)
@@ -907,8 +988,11 @@ def _copy_back(rank0: _Rank, options: LaunchOptions, output: RankOutput, stop: _
         stop.check()
         output.note(f"copying {host.name}:{sftp_path(remote)} to {final}")
         options.out_dir.mkdir(parents=True, exist_ok=True)
-        fetch_tree(rank0.client, remote, final, use_sftp=use_sftp, limits=options.copy_limits,
+        into = options.out_dir / f".{options.run_id}.copying" if ours else final
+        fetch_tree(rank0.client, remote, into, use_sftp=use_sftp, limits=options.copy_limits,
                    check_stop=stop.check)
+        if ours:
+            keep_control(final, into)
     except Interrupted as exc:
         output.note(f"{signal.Signals(exc.signum).name} received during the copy-back; "
                     + _still_there(host, remote, options.out_dir, use_sftp), style="bold yellow")

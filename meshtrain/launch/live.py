@@ -213,6 +213,9 @@ class LiveOutput(RankOutput):
     def _ended(self, rank: int, outcome: str) -> None:
         self.view.ended(rank, outcome, self.clock())
 
+    def _added(self, rank: int, name: str) -> None:
+        self.view.rows.append(NodeRow(name, rank))
+
 
 def rank_output(names: list[str], *, plain: bool, log_dir: Path | None = None,
                 title: str | None = None) -> RankOutput:

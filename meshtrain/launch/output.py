@@ -115,6 +115,20 @@ class RankOutput:
                 self.stream.write(f"meshtrain: {text}\n")
                 self.stream.flush()
 
+    def add_row(self, name: str) -> int:
+        """A host added to the run while it trains (``meshtrain hosts add``): its row, the next."""
+        with self._lock:
+            row = len(self.names)
+            self.names.append(name)
+            self.prefixes.append(f"{name} r{row}".ljust(len(self.prefixes[0]) if self.prefixes else 0))
+            self.tails.append(deque(maxlen=TAIL_LINES))
+            if self.log_dir is not None:
+                self.log_paths.append(self.log_dir / f"{name}-r{row}.log")
+            self._pending.append("")
+            self._added(row, name)
+        observers.notify("node_added", name)
+        return row
+
     def tail(self, rank: int) -> list[str]:
         """The last lines ``rank`` printed."""
         with self._lock:
@@ -166,6 +180,9 @@ class RankOutput:
 
     def _ended(self, rank: int, outcome: str) -> None:
         """``rank`` stopped (the lock is held)."""
+
+    def _added(self, rank: int, name: str) -> None:
+        """A row for a host added mid-run (the lock is held)."""
 
     def _emit(self, rank: int, text: str) -> None:
         text = visible(text)  # a host's escape sequences never reach the terminal or the logs
