@@ -272,7 +272,8 @@ class _Slot(ElasticCommunicator):
         assert self.healer is not None
         return list(self.healer.run.strategy.params)  # type: ignore[attr-defined]
 
-    def transaction(self, body: Any, *, snapshot: Any, restore: Any, admit: bool, step: int) -> None:
+    def transaction(self, body: Any, *, snapshot: Any, restore: Any, admit: bool, step: int,
+                    meet: bool = False) -> None:
         if step == self.dies_at:  # as SIGKILL: no more pulse, its connections closed
             self.stop.set()
             self.pg.abort()
@@ -280,7 +281,7 @@ class _Slot(ElasticCommunicator):
         if step in self.watch:
             self.around[step] = {"params": [p.detach().clone() for p in self._params()],
                                  "grads": [p.grad.clone() for p in self._params()]}  # type: ignore[union-attr]
-        super().transaction(body, snapshot=snapshot, restore=restore, admit=admit, step=step)
+        super().transaction(body, snapshot=snapshot, restore=restore, admit=admit, step=step, meet=meet)
         if step in self.watch:
             self.around[step]["after"] = [p.detach().clone() for p in self._params()]
 
@@ -430,3 +431,41 @@ def test_sparta_diloco_exchanges_among_the_survivors_and_heals_with_the_outer_st
     momentum = slots[0].sent[0]["strategy"]["modules"][1]["outer_optimizer"]["state"]
     assert momentum and all(torch.count_nonzero(s["momentum_buffer"]) for s in momentum.values())
     _check_heal_and_end(slots, joiner, results)
+
+
+def test_fedavg_islands_go_on_without_the_lost_slot_and_take_it_back(loopback: None, tmp_path: Any) -> None:
+    """FedAvg with islands of 2 among 3 slots (H=2, plain SGD): slot 2 dies before step 3's
+    update (round 1's island averages). Each survivor's step 3 is the mean of p_j - lr * g_j
+    over its seeded island of round 1 without slot 2 (the split is the input, as in
+    test_reference_math; the average is plain torch)."""
+    from meshtrain.comm import ThreadCommunicator, ThreadHub
+    from meshtrain.strategies import FedAvg
+
+    lr, dies = 0.1, 3
+    split = FedAvg(H=2, island_size=2)
+    split.setup(torch.nn.Linear(1, 1), ThreadCommunicator(ThreadHub(3), 0), seed=3, max_steps=8)
+    islands = split.modules[0].islands(dies // 2)  # type: ignore[attr-defined]
+    slots, joiner, results = _elastic_run(FedAvg(H=2, island_size=2, lr=lr), steps=8, dies_at=dies,
+                                          tmp_path=tmp_path)
+    around = [slots[0].around[dies], slots[1].around[dies]]
+    local = [[p - lr * g for p, g in zip(a["params"], a["grads"], strict=True)] for a in around]
+    for rank in (0, 1):
+        group = [m for m in next(i for i in islands if rank in i) if m != 2]
+        for j, after in enumerate(around[rank]["after"]):
+            expected = sum(local[m][j] for m in group) / len(group)
+            torch.testing.assert_close(after, expected, rtol=1e-6, atol=1e-7)
+    assert any(2 in i and len(i) == 2 for i in islands)  # the round's split put slot 2 with a survivor
+    _check_heal_and_end(slots, joiner, results)
+
+
+def test_which_strategies_an_elastic_run_serves() -> None:
+    """``launch --elastic`` serves the strategies whose nodes hold one global state at an
+    admission point; FedAvg's islands included, DiLoCo's delay=1 not (each node's
+    parameters carry its own progress past the round end)."""
+    from meshtrain.strategies import STRATEGIES, DiLoCo, FedAvg
+
+    assert sorted(n for n, cls in STRATEGIES.items() if cls.elastic) == [
+        "ddp", "diloco", "fedavg", "sparseloco", "sparta-diloco"]
+    assert FedAvg(H=2, island_size=2).elastic_problem() is None
+    assert "delay=1" in (DiLoCo(delay=1).elastic_problem() or "")
+    assert "never hold one global state" in (STRATEGIES["sparta"]().elastic_problem() or "")

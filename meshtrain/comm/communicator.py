@@ -409,11 +409,14 @@ class Communicator(ABC):
         (self.log,) = logs
 
     def transaction(self, body: Callable[[], object], *, snapshot: Callable[[], Any],
-                    restore: Callable[[Any], None], admit: bool, step: int) -> None:
+                    restore: Callable[[Any], None], admit: bool, step: int, meet: bool = False) -> None:
         """Run ``body``, one step's communicating work. An elastic run's communicator
         (:mod:`meshtrain.comm.elastic`) undoes it with ``restore(snapshot())`` and does it
         again when a peer is lost in it, and admits rejoining nodes after it where
-        ``admit``; a fixed group just runs it."""
+        ``admit``; a fixed group just runs it. ``meet`` (the same on every node): the
+        members agree on the outcome even where this node sent nothing, as at a sync where
+        some nodes average in islands and one alone says nothing (elastic runs skip the
+        agreement otherwise when a node sent nothing)."""
         body()
 
     def open_side_channel(self) -> Communicator | None:

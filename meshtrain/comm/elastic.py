@@ -198,14 +198,15 @@ class ElasticCommunicator(TorchDistCommunicator):
 
     # ----------------------------------------------------------------- transactions
     def transaction(self, body: Callable[[], object], *, snapshot: Callable[[], Any],
-                    restore: Callable[[Any], None], admit: bool, step: int) -> None:
+                    restore: Callable[[Any], None], admit: bool, step: int, meet: bool = False) -> None:
         """Run ``body`` (this step's communicating work) so that a peer lost in it costs a
-        redo among the survivors; at an admission point, take joiners in afterwards."""
+        redo among the survivors; at an admission point, take joiners in afterwards.
+        ``meet``: hold the meeting even if this node said nothing (see the base class)."""
         saved = snapshot()
         calls = self._calls
         ok = self._attempt(body)
-        if ok and not admit and self._calls == calls:
-            return  # nothing was said to anyone: nothing to agree on
+        if ok and not admit and not meet and self._calls == calls:
+            return  # nothing was said to anyone, and every member knows none will ask: nothing to agree on
         while True:
             decision = self._meet(ok, admit=admit, step=step)
             if not decision.redo:  # the work stands

@@ -27,11 +27,10 @@ from meshtrain.strategies import Strategy
 
 
 def admits(strategy: Strategy, step: int, max_steps: int) -> bool:
-    """Whether joiners may come in after 0-based ``step``: at an outer sync (DiLoCo, FedAvg,
-    SPARTA-DiLoCo: every node holds the global state there), at every step where the
-    strategy has no such rhythm (DDP), never after the last step."""
-    interval = strategy.sync_interval() or 1
-    return (step + 1) % interval == 0 and step + 1 < max_steps
+    """Whether joiners may come in after 0-based ``step``: where the strategy says so (an
+    outer sync of DiLoCo, FedAvg, SPARTA-DiLoCo; every step of DDP; a step of Streaming
+    DiLoCo with no fragment in flight), never after the last step."""
+    return strategy.admits_joiners_after(step) and step + 1 < max_steps
 
 
 class ElasticNode:

@@ -100,8 +100,11 @@ def train_node(job: NodeJob, comm: Communicator, *, rng_guard: RngGuard | None =
             # The update and everything after it that talks to the peers: an elastic run
             # undoes and redoes it without a peer lost in it (comm/elastic.py).
             admit = elastic is not None and admits(run.strategy, step, run.max_steps)
+            # Every sync meets, the last one included: a node that sent nothing (alone in
+            # its island) must still hear how its peers' sync went.
             comm.transaction(functools.partial(_end_step, run, step, update, callbacks), snapshot=snapshot,
-                             restore=restore, admit=admit, step=step)
+                             restore=restore, admit=admit, step=step,
+                             meet=elastic is not None and run.strategy.admits_joiners_after(step))
             if elastic is not None:
                 elastic.after_step(step, admit)
         comm.transaction(functools.partial(_end_training, run, callbacks), snapshot=snapshot,

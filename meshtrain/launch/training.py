@@ -305,11 +305,11 @@ def _check_elastic(spec: RunSpec, how: LaunchSettings) -> None:
     if how.allow_shrink:
         raise InputError("--elastic goes on without a lost host by itself: drop --allow-shrink")
     strategy = build_strategy(spec)
-    problem = strategy.fewer_nodes_problem()
-    if problem or not strategy.continues_on_fewer_nodes:
-        able = ", ".join(sorted(name for name, cls in STRATEGIES.items() if cls.continues_on_fewer_nodes))
-        raise InputError(f"--elastic: strategy {strategy.name} cannot go on without a node"
-                         f"{': ' + problem if problem else ''} (it serves {able})")
+    problem = strategy.elastic_problem()
+    if problem:
+        able = ", ".join(sorted(name for name, cls in STRATEGIES.items() if cls.elastic))
+        raise InputError(f"--elastic: strategy {strategy.name} cannot go on without a node: {problem} "
+                         f"(it serves {able})")
     config = spec.train_config()
     refused = [("--balance", config.balance), ("--epochs (give --steps)", config.epochs is not None),
                ("--skip-nonfinite", config.skip_nonfinite), ("--precision fp16", config.precision == "fp16")]

@@ -138,6 +138,10 @@ class Strategy:
     #: True when every node holds the run's whole global state at a checkpoint, so a run
     #: can continue from it on fewer nodes (see :meth:`fewer_nodes_problem` for exceptions).
     continues_on_fewer_nodes: ClassVar[bool] = False
+    #: True when ``launch --elastic`` can lose a node and take it back: at each admission
+    #: point (:meth:`admits_joiners_after`) a healthy node's whole state is one a joiner can
+    #: take (see :meth:`elastic_problem` for exceptions).
+    elastic: ClassVar[bool] = False
     #: True when every node holds the same parameters after every step (DDP, DeMo).
     replicas_in_sync: ClassVar[bool] = False
     #: True where every average the strategy takes goes through :meth:`mean_over_nodes_`,
@@ -493,6 +497,18 @@ class Strategy:
         """Steps between the syncs after which every node holds the global state (DiLoCo's
         and FedAvg's H): checkpoints are rounded up to a multiple of it. None: no such rhythm."""
         return None
+
+    def admits_joiners_after(self, step: int) -> bool:
+        """Whether an elastic run may admit joiners after 0-based ``step`` (the same answer on
+        every node): after each sync that leaves every node with the global state (DiLoCo's
+        and FedAvg's H), after every step where there is no such rhythm (DDP)."""
+        return (step + 1) % (self.sync_interval() or 1) == 0
+
+    def elastic_problem(self) -> str | None:
+        """Why ``launch --elastic`` cannot run this instance, or None."""
+        if not self.elastic:
+            return "its nodes never hold one global state that a joiner could take"
+        return self.fewer_nodes_problem()
 
     def fewer_nodes_problem(self) -> str | None:
         """Why this instance's checkpoint cannot continue on fewer nodes although its class

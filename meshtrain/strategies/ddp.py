@@ -49,6 +49,7 @@ class DDP(Strategy):
     display_name = "DDP"
     listing_order = 10
     continues_on_fewer_nodes = True  # the nodes are exact replicas (parameters and optimizer)
+    elastic = True  # a joiner takes the replicas' state after any step
     replicas_in_sync = True
     balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)
     supports_vmap = True

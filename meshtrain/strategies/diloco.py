@@ -254,6 +254,7 @@ class DiLoCo(OuterSGDStrategy):
     # Checkpoints fall on outer syncs, where every node holds the outer parameters and the
     # same outer optimizer (the inner optimizer is each node's own).
     continues_on_fewer_nodes = True
+    elastic = True  # a joiner takes the global state at an outer sync (not with delay=1)
     balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)
     supports_vmap = True
 

@@ -167,6 +167,7 @@ class FedAvg(Strategy):
     listing_order = 50
     key_parameters = {"H": "H", "island_size": "islands"}
     continues_on_fewer_nodes = True  # after a full average every node holds the global model
+    elastic = True  # with islands too: see elastic_problem
     balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)
     supports_vmap = True  # without islands or weights: see vmap_problem
 
@@ -206,6 +207,12 @@ class FedAvg(Strategy):
             return None
         return (f"strategy fedavg with island_size={self.island_size}: between full "
                 "averages the nodes differ, so a lost node takes its part of the global model with it")
+
+    def elastic_problem(self) -> str | None:
+        # Islands too: a lost node's island goes on without it (the communicator's groups
+        # drop departed ranks), and a joiner takes a healthy node's state at a round's end,
+        # as every node of an island round holds its island's average.
+        return None
 
     def vmap_problem(self) -> str | None:
         # In the vmap runtime one call reduces over every node: islands (a different group

@@ -39,6 +39,7 @@ class SparseLoCo(Strategy):
     listing_order = 70
     key_parameters = {"H": "H", "topk": "k"}
     continues_on_fewer_nodes = True  # as DiLoCo: checkpoints fall on outer syncs
+    elastic = True  # as DiLoCo: joiners come in at outer syncs
     balances = True  # its average goes through mean_pseudo_gradients_ (sample-weighted)
     supports_vmap = True  # the codec encodes every node's row at once
 

@@ -26,6 +26,7 @@ class SPARTADiLoCo(OuterSGDStrategy):
     listing_order = 40
     key_parameters = {"p": "p", "H": "H"}
     continues_on_fewer_nodes = True  # as DiLoCo: checkpoints fall on outer syncs
+    elastic = True  # as DiLoCo: joiners come in at outer syncs
     balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)
     supports_vmap = True
 
