@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -264,6 +265,7 @@ class _Slot(ElasticCommunicator):
         self.stop = threading.Event()
         start_pulse(store, table, self.stop)
         self.dies_at, self.watch = dies_at, watch
+        self.hold_at: int | None = None
         self.around: dict[int, dict[str, Any]] = {}  # step -> {"params", "grads", "after"}
         self.sent: list[Any] = []  # the states this slot healed joiners with
         self.taken: Any = None  # a joiner: its whole state right after the heal
@@ -278,12 +280,18 @@ class _Slot(ElasticCommunicator):
             self.stop.set()
             self.pg.abort()
             raise _Lost
+        if step == self.hold_at:  # the coordinator waits for the joiner to ask, however slow it starts
+            deadline = time.monotonic() + 60
+            while 2 not in self.alive and not self.store.check(["elastic/join/2"]):
+                assert time.monotonic() < deadline, "the joiner never asked to join"
+                time.sleep(0.01)
         if step in self.watch:
             self.around[step] = {"params": [p.detach().clone() for p in self._params()],
                                  "grads": [p.grad.clone() for p in self._params()]}  # type: ignore[union-attr]
         super().transaction(body, snapshot=snapshot, restore=restore, admit=admit, step=step, meet=meet)
         if step in self.watch:
             self.around[step]["after"] = [p.detach().clone() for p in self._params()]
+            self.around[step]["strategy"] = copy.deepcopy(self.healer.run.strategy.state_dict())  # type: ignore[union-attr]
 
     def _regroup(self, decision: Decision) -> None:
         if decision.joiners and self.rank == min(set(decision.members) - set(decision.joiners)):
@@ -336,6 +344,7 @@ def _elastic_run(strategy: Any, steps: int, dies_at: int,
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=60))
     slots = [_Slot(store, s, 3, dies_at=dies_at if s == 2 else None, watch=(dies_at,)) for s in range(3)]
+    slots[0].hold_at = next(s for s in range(dies_at + 1, steps - 1) if strategy.admits_joiners_after(s))
     joiner = _Slot(store, 2, 3, joining=True)
     results: dict[str, Any] = {}
 
@@ -462,10 +471,41 @@ def test_which_strategies_an_elastic_run_serves() -> None:
     """``launch --elastic`` serves the strategies whose nodes hold one global state at an
     admission point; FedAvg's islands included, DiLoCo's delay=1 not (each node's
     parameters carry its own progress past the round end)."""
-    from meshtrain.strategies import STRATEGIES, DiLoCo, FedAvg
+    from meshtrain.strategies import STRATEGIES, DiLoCo, FedAvg, StreamingDiLoCo
 
     assert sorted(n for n, cls in STRATEGIES.items() if cls.elastic) == [
-        "ddp", "diloco", "fedavg", "sparseloco", "sparta-diloco"]
+        "ddp", "diloco", "fedavg", "sparseloco", "sparta-diloco", "streaming-diloco"]
     assert FedAvg(H=2, island_size=2).elastic_problem() is None
     assert "delay=1" in (DiLoCo(delay=1).elastic_problem() or "")
     assert "never hold one global state" in (STRATEGIES["sparta"]().elastic_problem() or "")
+    always = StreamingDiLoCo(fragments=4, H=4, tau=1).elastic_problem()
+    assert always is not None and "always on its way" in always
+
+
+def test_streaming_diloco_redoes_a_fragments_sync_among_the_survivors_and_admits_between_syncs(
+        loopback: None, tmp_path: Any) -> None:
+    """Streaming DiLoCo (2 fragments, H=4, tau=1: overlapped syncs, inner SGD): slot 2 dies
+    before step 5's transaction, where fragment 0's sync starts. The survivors redo it: the
+    outer gradient on its way is theta - mean of THEIR local fragments (plain torch). The
+    joiner comes in once a round where no sync is on its way (after step 8), with every
+    fragment's outer parameters and momentum."""
+    from meshtrain.strategies import StreamingDiLoCo
+
+    lr, dies = 0.1, 5
+    strategy = StreamingDiLoCo(fragments=2, H=4, tau=1, optim="sgd", lr=lr)
+    assert [s for s in range(12) if strategy.admits_joiners_after(s)] == [0, 4, 8]
+    slots, joiner, results = _elastic_run(strategy, steps=12, dies_at=dies, tmp_path=tmp_path)
+    a, b = slots[0].around[dies], slots[1].around[dies]
+    first = slots[0].healer.run.strategy.modules[0].fragments[0]  # type: ignore[union-attr]
+    sync = a["strategy"]["modules"][0]
+    assert list(sync["in_flight"]) == [0] and sync["in_flight"][0][0] == dies + 1  # merges after step 6
+    on_its_way = sync["in_flight"][0][1]
+    for k, i in enumerate(first):
+        mean_local = ((a["params"][i] - lr * a["grads"][i]) + (b["params"][i] - lr * b["grads"][i])) / 2
+        torch.testing.assert_close(on_its_way[k], sync["outer"][i] - mean_local, rtol=1e-6, atol=1e-7)
+    _same(sync, b["strategy"]["modules"][0], "the survivors' outer state")
+    assert [e["step"] for e in results[0].summary["elastic"]["events"] if e["joined"]] == [9]
+    healed = slots[0].sent[0]["strategy"]["modules"][0]
+    assert healed["in_flight"] == {} and all(
+        torch.count_nonzero(s["momentum_buffer"]) for s in healed["outer_optimizer"]["state"].values())
+    _check_heal_and_end(slots, joiner, results)

@@ -142,6 +142,8 @@ def test_bad_elastic_flags_are_refused_in_one_line(tmp_path: Path) -> None:
     for flags, message in (
             (["--strategy", "sparta"], "--elastic: strategy sparta cannot go on without a node"),
             (["--strategy", "diloco", "--set", "delay=1"], "--elastic: strategy diloco cannot go on without"),
+            (["--strategy", "streaming-diloco", "--set", "fragments=4", "--set", "H=4"],
+             "a fragment's sync is always on its way, so no step can admit a joiner"),
             (["--strategy", "diloco", "--balance"], "--elastic cannot be combined with --balance yet"),
             (["--strategy", "diloco", "--allow-shrink", "--max-restarts", "1", "--checkpoint-every", "10"],
              "--elastic goes on without a lost host by itself: drop --allow-shrink")):

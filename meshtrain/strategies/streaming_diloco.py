@@ -111,6 +111,28 @@ class StreamingOuterSync(CommunicationModule):
         self.last_start = [-1] * self.count
         self.last_merge = -1
 
+    def in_flight_after(self, step: int) -> bool:
+        """Whether a fragment's sync is on its way after 0-based ``step`` (started, not yet
+        merged), by the schedule alone: the same answer on every node."""
+        for offset in self.offsets:
+            # The latest start at or before ``step``: it merges after start + tau.
+            if step + 1 >= offset:
+                start = step - (step + 1 - offset) % self.H
+                if step < start + self.tau:
+                    return True
+        return False
+
+    def admission_phase(self) -> int | None:
+        """Where in every round of H steps an elastic run admits joiners: (step + 1) % H of
+        the first step from the last fragment's merge on with no sync on its way (None:
+        some sync is always on its way)."""
+        for shift in range(self.H):
+            phase = (self.tau + shift) % self.H
+            # A step of the steady state (every fragment has started once) with this phase.
+            if not self.in_flight_after(2 * self.H + phase - 1):
+                return phase
+        return None
+
     def fragment_bytes(self) -> list[int]:
         """Bytes of each fragment's outer gradient (per node)."""
         nodes = self.strategy.stacked_nodes or 1
@@ -239,6 +261,7 @@ class StreamingDiLoCo(OuterSGDStrategy):
     key_parameters = {"fragments": "F", "H": "H", "tau": "tau"}
     balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)
     supports_vmap = True
+    elastic = True  # joiners come in once a round, where no fragment's sync is on its way
 
     def __init__(
         self,
@@ -253,6 +276,23 @@ class StreamingDiLoCo(OuterSGDStrategy):
         self.tau = tau
         self.alpha = alpha
         super().__init__(**shared)
+
+    def admits_joiners_after(self, step: int) -> bool:
+        # Once a round, after the last fragment's merge, where no sync is on its way: a
+        # joiner takes every fragment's outer state and no average is half applied.
+        sync = self.modules[0]
+        assert isinstance(sync, StreamingOuterSync)
+        phase = sync.admission_phase()
+        return phase is not None and (step + 1) % self.H == phase and not sync.in_flight_after(step)
+
+    def elastic_problem(self) -> str | None:
+        sync = self.modules[0]
+        assert isinstance(sync, StreamingOuterSync)
+        if sync.admission_phase() is None:
+            return (f"with fragments={self.fragments}, H={self.H} and tau={self.tau} a fragment's "
+                    "sync is always on its way, so no step can admit a joiner: give a smaller tau "
+                    "or fewer fragments")
+        return None
 
     def outer_modules(self) -> list[CommunicationModule]:
         compressions = [self.new_compression() for _ in range(max(self.fragments, 0))]
