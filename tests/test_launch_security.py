@@ -34,8 +34,33 @@ from meshtrain.comm.rendezvous import gate_handshake, rank_handshake
 
 pytestmark = pytest.mark.slow
 PORT = 29517
-#: Steps of the shared run: long enough to outlast its formation and the floods after it.
-STEPS = "6000"
+#: Steps of the shared run after the floods: four outer syncs (H=50) over the flooded ranks'
+#: connections. The ranks are held right after the group formed (HOLD_SITE) until the test
+#: has flooded them and counted their descriptors, so the run outlasts the floods whatever
+#: the machine's load, without thousands of steps to spare (6,000 steps, ~30 s of CPU, did).
+STEPS = "200"
+
+#: Loaded into each rank of the shared run (PYTHONPATH, set by its interpreter's wrapper):
+#: once the group has formed and the rank has sealed its listening sockets, it waits (its
+#: heartbeat thread beating on) until the file HOLD_UNTIL exists, then trains on.
+HOLD_SITE = textwrap.dedent("""
+    import os, time
+
+    import meshtrain.comm.sealing as sealing
+
+    _seal = sealing.seal_listening_sockets
+
+
+    def seal_then_hold(fds=None):
+        sealed = _seal(fds)
+        deadline = time.monotonic() + 300  # never forever: a test that died releases no one
+        while not os.path.exists(os.environ["HOLD_UNTIL"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return sealed
+
+
+    sealing.seal_listening_sockets = seal_then_hold
+""")
 
 
 def test_handshake_needs_the_same_secret_on_both_sides() -> None:
@@ -351,14 +376,21 @@ def formed_run(lan, tmp_path_factory: pytest.TempPathFactory) -> FormedRun:
     on the LAN for the gate to open and tries to join (a guessed secret, then torch's own
     store client); rank 1 reaches rank 0 only once the rogue is done. Once the group has
     formed, h2 floods each rank's gloo port (both at once) with 3,000 connections, and each
-    rank's open descriptors are counted before and right after. Then the run goes on to
-    its end."""
+    rank's open descriptors are counted before and right after. Then the ranks, held since
+    they sealed their sockets (HOLD_SITE), are released and the run goes on to its end."""
     import time
 
     world, ns = lan
     work = tmp_path_factory.mktemp("formed")
+    site, released = work / "hold-site", work / "released"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(HOLD_SITE)
     limited = work / "python-1024"  # this machine's limit is high; a small one shows the failure
-    limited.write_text(f"#!/bin/sh\nulimit -n 1024\nulimit -Sn 256\nexec {PYTHON} \"$@\"\n")
+    # The ranks (python -m meshtrain ...) start with the hold loaded; the preflight's checks do not.
+    limited.write_text(f"#!/bin/sh\nulimit -n 1024\nulimit -Sn 256\n"
+                       f"if [ \"$1\" = -m ] && [ \"$2\" = meshtrain ]; then\n"
+                       f"  export PYTHONPATH={site}${{PYTHONPATH:+:$PYTHONPATH}} HOLD_UNTIL={released}\nfi\n"
+                       f"exec {PYTHON} \"$@\"\n")
     limited.chmod(0o755)
     hosts = [{"name": f"box{i}", "host": s.address, "workdir": str(work / f"box{i}"), "python": str(limited)}
              for i, s in enumerate(world.servers)]
@@ -395,7 +427,7 @@ def formed_run(lan, tmp_path_factory: pytest.TempPathFactory) -> FormedRun:
             try:
                 return len(list(Path(f"/proc/{pid}/fd").iterdir()))
             except FileNotFoundError:
-                raise AssertionError("a rank ended before its flood was measured: lengthen the run") from None
+                raise AssertionError("a rank ended before its flood was measured (held?)") from None
 
         fds_before = {pid: open_files(pid) for pid in listeners.values()}
         for where in listeners:  # each rank's gloo port, both at once
@@ -405,10 +437,12 @@ def formed_run(lan, tmp_path_factory: pytest.TempPathFactory) -> FormedRun:
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)))
         printed = {where: flood.communicate(timeout=120)[0] for where, flood in floods}
         fds_after = {pid: open_files(pid) for pid in listeners.values()}  # right after the floods
+        released.touch()  # the ranks train on, through the connections the floods knocked beside
         assert launch.stdout is not None
         out = launch.stdout.read()
         launch.wait(timeout=180)
     finally:
+        released.touch()
         if not unblocked:
             subprocess.run([w.replace("%s", "del") for w in blocked], timeout=20)
         for proc in (rogue, launch, *(flood for _, flood in floods)):
