@@ -232,9 +232,35 @@ def test_hosts_add_checks_the_entry_as_the_inventory_does_and_leaves_one_request
     taken = control.take_requests()
     assert [e for _, e in taken] == [{"name": "c", "host": "10.255.0.3", "threads": 2}]
     assert control.take_requests() == []
+    # While the launcher brings it in, it still counts: the next host is rank 3.
+    with pytest.raises(InventoryError, match="duplicate name 'c'"):
+        running.request(entry_from_words(["name=c", "host=10.255.0.9"]))
+    assert running.request(entry_from_words(["name=d", "host=10.255.0.4"])).rank == 3
     control.append(taken[0][1])
-    assert control.host_for({"name": "d", "host": "10.255.0.4"}).rank == 3
+    control.done(taken[0][0])
+    assert running.request(entry_from_words(["name=e", "host=10.255.0.5"])).rank == 4
+    assert control.host_for({"name": "f", "host": "10.255.0.6"}).rank == 3  # the record: a, b, c
     control.finished("r1")
     with pytest.raises(AddHostError, match="its launch has ended"):
         RunControl.of_running(run_dir)
     assert os.path.isdir(run_dir / "launch")
+
+
+# --------------------------------------------------------------------------- what the user sees
+def test_an_added_host_gets_a_row_in_the_output_the_live_panel_and_the_dashboard(tmp_path: Path) -> None:
+    import io
+
+    from meshtrain import observers
+    from meshtrain.dashboard.state import RunState
+    from meshtrain.launch.live import LiveOutput
+
+    board = RunState("r1", ["box0", "box1"], kind="launch", clock=lambda: 0.0, changed=lambda: None)
+    live = LiveOutput(["box0", "box1"], stream=io.StringIO(), log_dir=tmp_path / "ranks")
+    with observers.watching(board):
+        row = live.add_row("box2")
+        live.line(row, "hello from the new host")
+        live.ended(row, "ok")
+    assert row == 2 and [r.name for r in live.view.rows] == ["box0", "box1", "box2"]
+    assert live.tail(2) == ["hello from the new host"]
+    assert (tmp_path / "ranks" / "box2-r2.log").read_text() == "hello from the new host\n"
+    assert [n.name for n in board.nodes] == ["box0", "box1", "box2"] and board.nodes[2].state == "done"

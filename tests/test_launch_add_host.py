@@ -61,6 +61,7 @@ def test_a_host_added_mid_run_joins_at_an_outer_sync_and_trains(
     finally:
         proc.kill()
     assert proc.returncode == 0, output
+    assert "all 3 ranks finished in" in output and "(box2 added as rank 2)" in output, output
     summary = json.loads((run_dir / "summary.json").read_text())
     elastic = summary["elastic"]
     assert elastic["added"] == [{"rank": 2, "host": "box2"}]

@@ -346,8 +346,11 @@ def launch_hosts(inventory: Path, command: list[str] | None, dashboard: bool,
 
 
 def elastic_line(result: LaunchResult) -> str:
-    """``--elastic``: which ranks were lost and how often they came back, for the last line."""
-    parts = [f"rank {h.rank} on {h.host} lost {len(h.lost)}x, rejoined {h.rejoined}x" for h in result.history]
+    """``--elastic``: hosts added, and which ranks were lost and how often they came back, for
+    the last line."""
+    parts = [f"{h.name} added as rank {h.rank}" for h in result.added]
+    parts += [f"rank {h.rank} on {h.host} lost {len(h.lost)}x, rejoined {h.rejoined}x"
+              for h in result.history]
     return f" ({'; '.join(parts)})" if parts else ""
 
 

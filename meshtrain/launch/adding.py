@@ -44,6 +44,7 @@ CONTROL = "launch"
 LAUNCHER_FILE = "launcher.json"
 RECORD_FILE = "hosts.yaml"
 REQUESTS = "requests"
+TAKEN = "taken"  # under requests/: the requests the launcher is bringing in
 #: A request file larger than this is not a host entry (refused unread).
 MAX_REQUEST_BYTES = 64 << 10
 #: How often the launcher looks for requests.
@@ -106,23 +107,28 @@ class RunControl:
     def finished(self, run_id: str) -> None:
         """The launch is over: no more hosts may be asked for (requests left are removed)."""
         self._write_state(running=False, run_id=run_id)
-        for left in self.requests.glob("*.yaml"):
+        for left in [*self.requests.glob("*.yaml"), *self.requests.glob(f"{TAKEN}/*.yaml")]:
             left.unlink(missing_ok=True)
 
     def take_requests(self) -> list[tuple[str, dict[str, Any]]]:
-        """The requests written since the last look, oldest first, each removed: (file
-        name, host entry). A file that is not an entry is taken as ``{}`` (refused later
-        with its reason)."""
+        """The requests written since the last look, oldest first, each moved to
+        ``requests/taken/`` until :meth:`done`: (file name, host entry). A file that is not
+        an entry is taken as ``{}`` (refused later with its reason)."""
         taken = []
+        (self.requests / TAKEN).mkdir(exist_ok=True)
         for path in sorted(self.requests.glob("*.yaml")):
             try:
                 text = path.read_text() if path.stat().st_size <= MAX_REQUEST_BYTES else ""
                 entry = yaml12.load(text)
             except (OSError, yaml.YAMLError, UnicodeDecodeError):
                 entry = {}
-            path.unlink(missing_ok=True)
+            os.replace(path, self.requests / TAKEN / path.name)
             taken.append((path.name, entry if isinstance(entry, dict) else {}))
         return taken
+
+    def done(self, name: str) -> None:
+        """The request ``name`` is settled: its host is in the record, or was refused."""
+        (self.requests / TAKEN / name).unlink(missing_ok=True)
 
     def host_for(self, entry: dict[str, Any]) -> Host:
         """``entry`` as the next host of the record (its rank the next slot), checked by the
@@ -170,7 +176,10 @@ class RunControl:
         """Check ``entry`` against the record and the requests not yet taken, and leave a
         request for the launcher (written atomically). Returns the host as it will run."""
         raw = self._record_raw()
-        pending = [e for _, e in _peek(self.requests)]
+        # Asked for before, and not in the record yet: they come first.
+        known = {e.get("name") for e in raw["hosts"] if isinstance(e, dict)}
+        pending = [e for _, e in _peek(self.requests / TAKEN) + _peek(self.requests)
+                   if e.get("name") not in known]
         raw["hosts"] = [*raw["hosts"], *pending]
         host = _checked(raw, entry, self.record)
         name = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}.yaml"
@@ -311,7 +320,12 @@ class HostAdder:
 
     def _work(self) -> None:
         while (request := self._queue.get()) is not None:
-            self._add(*request)
+            try:
+                self._add(*request)
+            except Exception as exc:  # noqa: BLE001 - this thread must go on taking requests
+                self.note(f"cannot add the host of {REQUESTS}/{request[0]}: {type(exc).__name__}: {exc}")
+            finally:
+                self.control.done(request[0])
 
     def _add(self, name: str, entry: dict[str, Any]) -> None:
         try:

@@ -143,6 +143,7 @@ class LaunchResult:
     started: bool = True  # False: stopped before any rank of this launch started
     history: list[RankHistory] = field(default_factory=list)  # --elastic: ranks lost (and rejoined)
     left_out: list[str] = field(default_factory=list)  # --elastic: hosts not in the run at its end
+    added: list[Host] = field(default_factory=list)  # --elastic: hosts `hosts add` brought in
 
 
 class PreflightError(InputError, RuntimeError):
@@ -495,7 +496,7 @@ def _attempts(inventory: Inventory, argv: list[str], options: LaunchOptions, out
         output.note(f"restart {len(restarts)} of {options.max_restarts}: starting every rank again "
                     "from the last checkpoint", style="bold yellow")
         resume = True
-    result.world_size = inventory.world_size
+    result.world_size = result.world_size or inventory.world_size  # --elastic: hosts added count too
     return result, restarts
 
 
@@ -725,7 +726,9 @@ def _run_ranks(inventory: Inventory, ranks: list[_Rank], argv: list[str], option
         if rejoiner is not None and ranks[0].outcome == "ok":
             if adder is not None:
                 adder.stop()
-            return _finish_elastic(ranks, rejoiner, options, output, stop)
+            result = _finish_elastic(ranks, rejoiner, options, output, stop)
+            result.added = list(adder.added) if adder is not None else []
+            return result
         if all(r.outcome == "ok" for r in ranks):
             _teardown(ranks, options)  # anything the ranks left running in the background
             return _copy_back(ranks[0], options, output, stop)
@@ -841,6 +844,7 @@ def _finish_elastic(ranks: list[_Rank], rejoiner: Rejoiner, options: LaunchOptio
     result = _copy_back(ranks[0], options, output, stop)
     result.history = list(rejoiner.history.values())
     result.left_out = [r.host.name for r in missing]
+    result.world_size = len(ranks)
     if result.exit_code == 0 and missing:
         result.exit_code = FINISHED_WITHOUT
     return result
