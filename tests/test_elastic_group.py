@@ -358,6 +358,7 @@ def _elastic_run(strategy: Any, steps: int, dies_at: int,
 
     def rejoin() -> None:
         assert died.wait(120)
+        store.add(Table.reachable_key(2), 1)  # the launcher's word: slot 2's host answers again
         results["joiner"] = train_node(job, joiner, join_timeout=60.0)
 
     died = threading.Event()
@@ -368,9 +369,10 @@ def _elastic_run(strategy: Any, steps: int, dies_at: int,
     return slots, joiner, [results["0"], results["1"], results["joiner"]]
 
 
-def _check_heal_and_end(slots: list[_Slot], joiner: _Slot, results: list[Any]) -> None:
+def _check_heal_and_end(slots: list[_Slot], joiner: _Slot, results: list[Any], round_steps: int) -> None:
     """The joiner took slot 0's whole state bit for bit (model, strategy, data position,
-    step), every process ends on one global model, and rank 0 recorded the loss and the heal."""
+    step), every process ends on one global model, and rank 0 recorded the loss, the heal and
+    the rejoin's timeline (admitted within ``round_steps`` of asking)."""
     assert len(slots[0].sent) == 1 and joiner.taken is not None
     _same(slots[0].sent[0], joiner.taken)
     finals = [[p.detach() for p in r.model.parameters()] for r in results]
@@ -380,6 +382,13 @@ def _check_heal_and_end(slots: list[_Slot], joiner: _Slot, results: list[Any]) -
     assert [e["lost"] for e in events if e["lost"]] == [[2]]
     assert [e["joined"] for e in events if e["joined"]] == [[2]]
     assert results[0].summary["elastic"]["final_members"] == [0, 1, 2]
+    # Its timeline in steps done: reachable again, asked to join (after its start-up),
+    # admitted at the next admission point after it asked.
+    (rejoin,) = results[0].summary["elastic"]["rejoins"]
+    assert rejoin["rank"] == 2 and rejoin["start_up_s"] >= 0, rejoin
+    assert rejoin["reachable_step"] <= rejoin["asked_step"] <= rejoin["admitted_step"], rejoin
+    assert rejoin["admitted_step"] - rejoin["asked_step"] <= round_steps, rejoin
+    assert rejoin["admitted_step"] == [e["step"] for e in events if e["joined"]][0]
 
 
 def test_ddp_goes_on_without_a_lost_slot_from_the_same_step_and_takes_it_back(
@@ -396,7 +405,7 @@ def test_ddp_goes_on_without_a_lost_slot_from_the_same_step_and_takes_it_back(
         expected = p - lr * ((g0 + g1) / 2)
         torch.testing.assert_close(after0, expected, rtol=1e-6, atol=1e-7)
         assert torch.equal(after0, after1)
-    _check_heal_and_end(slots, joiner, results)
+    _check_heal_and_end(slots, joiner, results, round_steps=1)
 
 
 def test_fedavg_averages_over_the_survivors_and_takes_the_lost_slot_back(loopback: None,
@@ -413,7 +422,7 @@ def test_fedavg_averages_over_the_survivors_and_takes_the_lost_slot_back(loopbac
         expected = ((p0 - lr * g0) + (p1 - lr * g1)) / 2
         torch.testing.assert_close(after0, expected, rtol=1e-6, atol=1e-7)
         assert torch.equal(after0, after1)
-    _check_heal_and_end(slots, joiner, results)
+    _check_heal_and_end(slots, joiner, results, round_steps=2)
 
 
 def test_sparta_diloco_exchanges_among_the_survivors_and_heals_with_the_outer_state(
@@ -439,7 +448,7 @@ def test_sparta_diloco_exchanges_among_the_survivors_and_heals_with_the_outer_st
         assert int((averaged & ~kept).sum()) == max(1, round(p * p0.numel()))
     momentum = slots[0].sent[0]["strategy"]["modules"][1]["outer_optimizer"]["state"]
     assert momentum and all(torch.count_nonzero(s["momentum_buffer"]) for s in momentum.values())
-    _check_heal_and_end(slots, joiner, results)
+    _check_heal_and_end(slots, joiner, results, round_steps=4)
 
 
 def test_fedavg_islands_go_on_without_the_lost_slot_and_take_it_back(loopback: None, tmp_path: Any) -> None:
@@ -464,7 +473,7 @@ def test_fedavg_islands_go_on_without_the_lost_slot_and_take_it_back(loopback: N
             expected = sum(local[m][j] for m in group) / len(group)
             torch.testing.assert_close(after, expected, rtol=1e-6, atol=1e-7)
     assert any(2 in i and len(i) == 2 for i in islands)  # the round's split put slot 2 with a survivor
-    _check_heal_and_end(slots, joiner, results)
+    _check_heal_and_end(slots, joiner, results, round_steps=2)
 
 
 def test_which_strategies_an_elastic_run_serves() -> None:
@@ -508,4 +517,4 @@ def test_streaming_diloco_redoes_a_fragments_sync_among_the_survivors_and_admits
     healed = slots[0].sent[0]["strategy"]["modules"][0]
     assert healed["in_flight"] == {} and all(
         torch.count_nonzero(s["momentum_buffer"]) for s in healed["outer_optimizer"]["state"].values())
-    _check_heal_and_end(slots, joiner, results)
+    _check_heal_and_end(slots, joiner, results, round_steps=4)

@@ -326,6 +326,18 @@ def open_elastic_store(slot: int, slots: int, addr: str, port: int, timeout_s: f
     return ElasticStore(table, set(), held)
 
 
+def mark_reachable(addr: str, port: int, secret: bytes, slot: int, timeout_s: float) -> None:
+    """The launcher: pass the gate at ``addr:port`` as a rank does and tell rank 0 that lost
+    ``slot``'s host answers SSH again (rank 0 records the step: summary.json's rejoins)."""
+    tunnel = rendezvous.Tunnel(addr, port, secret, timeout_s)
+    try:
+        store = dist.TCPStore("127.0.0.1", tunnel.port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        store.add(Table.reachable_key(slot), 1)
+        del store
+    finally:
+        tunnel.close()
+
+
 def add_slot(addr: str, port: int, secret: bytes, growth: Growth, timeout_s: float) -> None:
     """The launcher (``meshtrain hosts add``): pass the gate at ``addr:port`` with the launch's
     ``secret``, as a rank does, and have rank 0 make ``growth`` the run's next slot."""

@@ -227,6 +227,18 @@ class Table:
         return f"{PREFIX}join/{slot}"
 
     @staticmethod
+    def reachable_key(slot: int) -> str:
+        """A counter the launcher adds to when a lost slot's host answers SSH again (a record
+        for the summary, never a vote: the joiner still asks and is admitted as any)."""
+        return f"{PREFIX}reachable/{slot}"
+
+    def returning(self, slot: int) -> tuple[int, bool]:
+        """(times the launcher found ``slot``'s host reachable again, whether a joiner of the
+        slot asks to join now): rank 0 notes the step of each (one outage's timeline)."""
+        reachable = int(self.store.add(self.reachable_key(slot), 0))
+        return reachable, bool(self.store.check([self._join_key(slot)]))
+
+    @staticmethod
     def _admit_key(slot: int, nonce: str) -> str:
         return f"{PREFIX}admit/{slot}/{nonce}"
 

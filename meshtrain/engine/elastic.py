@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from typing import Any
 
 import torch
@@ -43,6 +44,11 @@ class ElasticNode:
         self.members_by_step: list[list[int]] = []
         self._events_seen = 0
         self._round_start = run.first_step  # the first step of the round not yet synced
+        #: Rank 0: each rejoin's timeline in steps done ({"rank", "reachable_step",
+        #: "asked_step", "admitted_step", "start_up_s"}), see :meth:`_watch_returning`.
+        self.rejoins: list[dict[str, Any]] = []
+        self._returning: dict[int, dict[str, Any]] = {}
+        self._reachable_seen: dict[int, int] = {}
         self._ever_in: set[int] = set(run.comm.alive)  # rank 0: slots that were members once
 
     # ----------------------------------------------------------------- transactions
@@ -102,6 +108,7 @@ class ElasticNode:
         if isinstance(batches, SharedBatches):
             batches.members_lost(lost)
         if self.comm.rank == 0:
+            self._watch_returning(step, events)
             for e in events:
                 self._announce(e)
             # Joiners admitted after this step's work did none of it: their first row is the next.
@@ -115,6 +122,36 @@ class ElasticNode:
                 batches.synced()
             self._round_start = step + 1
 
+
+    def _watch_returning(self, step: int, events: list[dict[str, Any]]) -> None:
+        """Rank 0, while a slot is out: the steps done when the launcher found its host
+        reachable again, when its joiner asked to join (after its start-up), and when it was
+        admitted (summary.json's ``elastic.rejoins``). One look at the store per step and
+        slot out, only while one is."""
+        table = getattr(self.comm, "table", None)
+        if table is None:
+            return
+        done = step + 1
+        changed = {slot for e in events for slot in (*e["lost"], *e["joined"])}
+        for slot in sorted(changed | {s for s in range(table.slots) if s not in self.comm.alive}):
+            reachable, asking = table.returning(slot)
+            if reachable > self._reachable_seen.get(slot, 0):  # a new outage's host answers again
+                self._reachable_seen[slot] = reachable
+                self._returning[slot] = {"rank": slot, "reachable_step": done, "asked_step": None,
+                                         "start_up_s": None, "seen_at": time.monotonic()}
+            record = self._returning.get(slot)
+            if record is not None and asking and record["asked_step"] is None:
+                record["asked_step"] = done
+                record["start_up_s"] = round(time.monotonic() - record["seen_at"], 2)
+        for e in events:
+            for slot in e["joined"]:
+                record = self._returning.pop(slot, None)
+                if record is not None:
+                    seen_at = record.pop("seen_at")
+                    if record["asked_step"] is None:  # it asked during the admitting step itself
+                        record["asked_step"] = e["step"]
+                        record["start_up_s"] = round(time.monotonic() - seen_at, 2)
+                    self.rejoins.append({**record, "admitted_step": e["step"]})
 
     def _announce(self, event: dict[str, Any]) -> None:
         """Rank 0 says who left or came back (the launcher's output, log.txt, the dashboard)."""

@@ -342,6 +342,7 @@ def _elastic_record(comm: Communicator, elastic: ElasticNode | None) -> dict[str
     if elastic is None or not isinstance(comm, ElasticCommunicator):
         return None
     return {"members_by_step": elastic.members_by_step, "events": comm.events, "heal_bytes": comm.heal_bytes,
+            "rejoins": elastic.rejoins,
             "final_members": list(comm.alive), "slots": comm.table.slots,
             "added": [{"rank": g.slot, "host": g.name} for g in comm.table.added]}
 

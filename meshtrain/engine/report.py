@@ -175,7 +175,8 @@ def elastic_summary(elastic: dict[str, Any], slots: int) -> dict[str, Any]:
     (``meshtrain hosts add``: their ranks are slots past the launch's)."""
     final = list(elastic["final_members"])
     return {"events": elastic["events"], "heal_bytes": elastic["heal_bytes"], "final_members": final,
-            "lost_for_good": [s for s in range(slots) if s not in final], "added": elastic.get("added", [])}
+            "lost_for_good": [s for s in range(slots) if s not in final], "added": elastic.get("added", []),
+            "rejoins": elastic.get("rejoins", [])}
 
 
 def peak_bytes_per_sync(history: list[dict[str, Any]]) -> float:

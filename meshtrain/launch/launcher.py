@@ -32,7 +32,7 @@ from pathlib import Path
 
 import paramiko
 
-from meshtrain.comm.elastic import add_slot
+from meshtrain.comm.elastic import add_slot, mark_reachable
 from meshtrain.comm.membership import Growth
 from meshtrain.comm.rendezvous import PEERS_ENV, SECRET_FILE_ENV, SECRET_FOLDER_PREFIX, new_secret
 from meshtrain.comm.sealing import ADVERTISE_ENV, GLOO_HINT, interface_environment
@@ -776,8 +776,13 @@ def _rejoiner(inventory: Callable[[], Inventory], argv: list[str], options: Laun
         restart_as_joiner(r, client, command, functools.partial(output.line, r.row),
                           lambda process: output.watch(r.row, process))
 
+    def reachable(host: Host) -> None:
+        now = inventory()
+        mark_reachable(now.master.advertise, now.rendezvous.port, secret.encode(), host.rank,
+                       min(5.0, now.rendezvous.timeout))
+
     return Rejoiner(connect_host, start_rank, lambda line: output.note(line, style="bold yellow"),
-                    options.rejoin_backoff)
+                    options.rejoin_backoff, reachable)
 
 
 def _adder(current: list[Inventory], ranks: list[_Rank], argv: list[str], options: LaunchOptions,

@@ -42,9 +42,12 @@ class Rejoiner:
     the command is built where every rank's is."""
 
     def __init__(self, connect_host: Callable[[Any], Any], start_rank: Callable[[Any, Any], None],
-                 note: Callable[[str], None], backoff: float) -> None:
+                 note: Callable[[str], None], backoff: float,
+                 reachable: Callable[[Any], None] = lambda host: None) -> None:
         self.connect_host = connect_host
         self.start_rank = start_rank
+        #: Tells rank 0 that a lost rank's host answers again (it records the step).
+        self.reachable = reachable
         self.note = note
         self.backoff = backoff
         self.stopping = threading.Event()
@@ -73,6 +76,10 @@ class Rejoiner:
             except Exception:  # noqa: BLE001 - not back yet: try again later
                 wait = min(self.backoff, wait * 2)
                 continue
+            try:
+                self.reachable(host)
+            except Exception:  # noqa: BLE001 - a record for the summary only: the rejoin goes on
+                pass
             try:
                 if old_pgid is not None:  # the rank's old process, if it survived the outage
                     run(client, sh(shell_line("kill", "-KILL", f"-{old_pgid}", Shell("2>/dev/null; true"))),
