@@ -4,7 +4,7 @@ newest checkpoint all hosts hold, and the run ends exactly where an uninterrupte
 Two namespace hosts with real sshd (see ssh_fixtures). Two ways to lose rank 1 mid-run,
 each after its first checkpoint: its process is killed (SIGKILL), or its host's network
 is cut for a while. Resuming is exact, so the restarted launch's final weights are
-bit-identical to ``simulate --runtime processes`` with the same settings.
+bit-identical to ``simulate`` (threads, which equal processes bit for bit) with the same settings.
 """
 
 from __future__ import annotations
@@ -41,10 +41,11 @@ def world(netns_hosts: tuple[SshWorld, Namespaces]) -> tuple[SshWorld, Namespace
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
-    """The same run on local processes, never interrupted (the command run in this process:
-    its node processes are real, the interpreter that would only start them is not needed)."""
+    """The same run simulated, never interrupted, in this process: the threads runtime, whose
+    result is bit-identical to the processes runtime's (tests/test_runtimes.py pins that; the
+    processes runtime's two node interpreters cost ~6 s of CPU here for the same weights)."""
     out = tmp_path_factory.mktemp("uninterrupted")
-    done = meshtrain_here("simulate", "--nodes", "2", "--runtime", "processes", "--device", "cpu",
+    done = meshtrain_here("simulate", "--nodes", "2", "--runtime", "threads", "--device", "cpu",
                           "--out", str(out), "--run-id", "sim", *TRAINING, cwd=out, timeout=300)
     assert done.returncode == 0, done.stderr
     return torch.load(out / "sim" / "model.pt", weights_only=True)

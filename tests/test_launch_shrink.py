@@ -6,8 +6,8 @@ outer parameters; strategies whose global state is spread over the nodes are ref
 Launched: three namespace hosts with real sshd; after the first checkpoint host 2's
 cable is pulled for good. The launcher gives up on it after --restart-wait, continues on
 hosts 0 and 1 from their newest common checkpoint, and ends with the weights that
-``simulate --runtime processes`` computes from that checkpoint on 2 nodes, and a final
-loss in the range of the same run on 3 nodes.
+``simulate`` computes from that checkpoint on 2 nodes (threads: bit-identical to processes,
+tests/test_runtimes.py), and a final loss in the range of the same run on 3 nodes.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def test_host_cut_off_for_good_the_run_continues_on_two(world, tmp_path: Path) -
 
     # Exactly what 2 local nodes compute from hosts 0 and 1's checkpoint.
     step = _both_hosts_checkpoint(tmp_path, run_id, event["at_step"])
-    local = _simulate("--resume", str(step), "--nodes", "2", "--runtime", "processes",
+    local = _simulate("--resume", str(step), "--nodes", "2", "--runtime", "threads",
                       "--out", str(tmp_path / "local"))
     assert local.returncode == 0, local.stderr
     launched = torch.load(run_dir / "model.pt", weights_only=True)
