@@ -5,6 +5,7 @@ is dealt to the new membership, and the control folder ``hosts add`` writes into
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -206,7 +207,10 @@ def _control(tmp_path: Path) -> RunControl:
     inventory = tmp_path / "hosts.yaml"
     inventory.write_text("defaults: {python: /usr/bin/python3, workdir: /tmp/mt, user: me}\n"
                          "hosts:\n  - {name: a, host: 10.255.0.1}\n  - {name: b, host: 10.255.0.2}\n")
-    control = RunControl.claim(tmp_path / "runs" / "r1", "r1", load_inventory(inventory))
+    launched = load_inventory(inventory)  # as `launch --threads 1` runs it
+    launched = dataclasses.replace(launched, hosts=tuple(dataclasses.replace(h, threads=1)
+                                                         for h in launched.hosts))
+    control = RunControl.claim(tmp_path / "runs" / "r1", "r1", launched)
     assert control is not None
     return control
 
@@ -217,6 +221,8 @@ def test_hosts_add_checks_the_entry_as_the_inventory_does_and_leaves_one_request
     running = RunControl.of_running(run_dir)  # this process is the "launcher": alive
     host = running.request(entry_from_words(["name=c", "host=10.255.0.3", "threads=2"]))
     assert (host.rank, host.python, host.threads, host.user) == (2, "/usr/bin/python3", 2, "me")
+    # Not given: the thread count every host of the launch runs with (its --threads).
+    assert control.host_for({"name": "z", "host": "10.255.0.99"}).threads == 1
     for words, message in (
             (["name=c", "host=10.255.0.9"], "duplicate name 'c'"),  # asked for already
             (["name=d", "host=10.255.0.2"], "already in the run as 'b'"),

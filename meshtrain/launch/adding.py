@@ -96,6 +96,15 @@ class RunControl:
             raw = {"hosts": [_entry_of(h) for h in inventory.hosts]}
         raw["rendezvous"] = {"port": inventory.rendezvous.port, "timeout": inventory.rendezvous.timeout,
                              "heartbeat_timeout": inventory.rendezvous.heartbeat_timeout}
+        # What every host of the launch runs with (launch's --device and --threads included) is
+        # an added host's default too: a host left on all its cores beside ranks held to one
+        # thread each would be the run's straggler.
+        defaults = dict(raw.get("defaults") or {})
+        for key in ("device", "threads"):
+            shared = {getattr(h, key) for h in inventory.hosts}
+            if len(shared) == 1 and None not in shared:
+                defaults[key] = shared.pop()
+        raw["defaults"] = defaults
         atomic_write_text(control.record, yaml.safe_dump(raw, sort_keys=False))
         control._write_state(running=True, run_id=run_id)
         return control
