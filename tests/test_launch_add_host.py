@@ -18,6 +18,8 @@ from ssh_fixtures import Namespaces, SshWorld, meshtrain, read_until, start_mesh
 from typer.testing import CliRunner
 
 from meshtrain.cli.main import app
+from meshtrain.hosts.inventory import load_inventory
+from meshtrain.launch.adding import RunControl
 
 STEPS = 2400
 TRAINING = ["--task", "digits", "--steps", str(STEPS), "--seed", "5", "--batch-size", "16",
@@ -103,3 +105,23 @@ def test_hosts_add_refuses_a_folder_that_is_not_a_running_elastic_launch(tmp_pat
     (ended / "launch" / "launcher.json").write_text(json.dumps({"pid": 1, "running": False}))
     done = runner.invoke(app, ["hosts", "add", str(ended), "name=b", "host=10.255.0.2"])
     assert done.exit_code == 2 and "its launch has ended" in done.stderr, done.stderr
+
+
+def test_hosts_add_refuses_a_host_already_in_the_run_in_one_line(tmp_path: Path) -> None:
+    inventory = tmp_path / "hosts.yaml"  # never contacted: `hosts add` only reads and writes files
+    inventory.write_text("defaults: {python: /usr/bin/python3, workdir: /tmp/mt}\n"
+                         "hosts:\n  - {name: a, host: 10.255.0.1}\n  - {name: b, host: 10.255.0.2}\n")
+    run_dir = tmp_path / "runs" / "r1"
+    # This process plays the running launcher (its pid is alive).
+    assert RunControl.claim(run_dir, "r1", load_inventory(inventory)) is not None
+    runner = CliRunner()
+    for words, message in ((["name=b", "host=10.255.0.3"], "duplicate name 'b'"),
+                           (["name=c", "host=10.255.0.1"], "is already in the run as 'a'"),
+                           (["name=c", "host=10.255.0.3", "port=0"], "bad port 0")):
+        done = runner.invoke(app, ["hosts", "add", str(run_dir), *words])
+        assert done.exit_code == 2, done.stdout + done.stderr
+        assert message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert list((run_dir / "launch" / "requests").glob("*.yaml")) == []  # nothing asked of the launcher
+    done = runner.invoke(app, ["hosts", "add", str(run_dir), "name=c", "host=10.255.0.3"])
+    assert done.exit_code == 0 and "as rank 2" in done.stdout, done.stdout + done.stderr
+    assert len(list((run_dir / "launch" / "requests").glob("*.yaml"))) == 1
