@@ -9,12 +9,13 @@ tests need no hosts.
 from __future__ import annotations
 
 import json
+import subprocess
 import uuid
 from pathlib import Path
 
 import pytest
 import yaml
-from ssh_fixtures import Namespaces, SshWorld, meshtrain, read_until, start_meshtrain
+from ssh_fixtures import PYTHON, Namespaces, SshWorld, meshtrain, read_until, start_meshtrain
 from typer.testing import CliRunner
 
 from meshtrain.cli.main import app
@@ -32,6 +33,26 @@ def _entries(ssh: SshWorld, tmp_path: Path) -> list[dict[str, str]]:
             for i, s in enumerate(ssh.servers)]
 
 
+#: Run in a host's namespace: does rank 0's gate send its challenge (32 bytes) to a
+#: connection from here, or close it unanswered? Prints True or False.
+GATE_PROBE = """
+import socket, sys
+with socket.create_connection((sys.argv[1], 29500), timeout=10) as s:
+    s.settimeout(10)
+    try:
+        print(len(s.recv(32)) > 0)
+    except ConnectionResetError:
+        print(False)
+"""
+
+
+def _gate_answers_from(netns: str, gate: str) -> bool:
+    done = subprocess.run(["ip", "netns", "exec", netns, PYTHON, "-c", GATE_PROBE, gate],
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip() == "True"
+
+
 def _words(entry: dict[str, str]) -> list[str]:
     return [f"{k}={v}" for k, v in entry.items()]
 
@@ -39,7 +60,7 @@ def _words(entry: dict[str, str]) -> list[str]:
 @pytest.mark.slow
 def test_a_host_added_mid_run_joins_at_an_outer_sync_and_trains(
         netns_three_hosts: tuple[SshWorld, Namespaces], tmp_path: Path) -> None:
-    ssh, _ = netns_three_hosts
+    ssh, ns = netns_three_hosts
     entries = _entries(ssh, tmp_path)
     inventory = ssh.inventory(tmp_path / "inv.yaml", entries[:2], iface="eth0",
                               rendezvous={"port": 29500, "timeout": 60})
@@ -50,6 +71,8 @@ def test_a_host_added_mid_run_joins_at_an_outer_sync_and_trains(
     try:
         seen = read_until(proc, [f"step 1/{STEPS}"], timeout=120)
         box2 = entries[2]
+        # Before it is added, the third host's connections to rank 0's gate are closed unanswered.
+        assert _gate_answers_from(ns.hosts[2], ssh.servers[0].address) is False
         # Already in the run: refused in one line, nothing asked of the launcher.
         again = {**entries[1], "name": "again"}
         twice = meshtrain(ssh, "hosts", "add", str(run_dir), *_words(again), cwd=tmp_path)
@@ -64,6 +87,7 @@ def test_a_host_added_mid_run_joins_at_an_outer_sync_and_trains(
         proc.kill()
     assert proc.returncode == 0, output
     assert "all 3 ranks finished in" in output and "(box2 added as rank 2)" in output, output
+    assert f"refused a rendezvous connection from {box2['host']}" in output, output  # the probe, by rank 0
     summary = json.loads((run_dir / "summary.json").read_text())
     elastic = summary["elastic"]
     assert elastic["added"] == [{"rank": 2, "host": "box2"}]
