@@ -91,8 +91,12 @@ class RunControl:
             return None
         control = cls(run_dir / CONTROL)
         control.requests.mkdir(parents=True)
-        raw = yaml12.read(inventory.path) if inventory.path.is_file() else None
-        if not isinstance(raw, dict):  # not from a file (a Python caller): the hosts as parsed
+        try:
+            raw = yaml12.read(inventory.path) if inventory.path.is_file() else None
+        except (OSError, yaml.YAMLError):
+            raw = None  # the file changed since it was read: the hosts as they run
+        if not isinstance(raw, dict) or not isinstance(raw.get("hosts"), list) \
+                or len(raw["hosts"]) != len(inventory.hosts):  # a Python caller's inventory, say
             raw = {"hosts": [_entry_of(h) for h in inventory.hosts]}
         raw["rendezvous"] = {"port": inventory.rendezvous.port, "timeout": inventory.rendezvous.timeout,
                              "heartbeat_timeout": inventory.rendezvous.heartbeat_timeout}
@@ -114,24 +118,31 @@ class RunControl:
             {"pid": os.getpid(), "run_id": run_id, "elastic": True, "running": running}) + "\n")
 
     def finished(self, run_id: str) -> None:
-        """The launch is over: no more hosts may be asked for (requests left are removed)."""
-        self._write_state(running=False, run_id=run_id)
-        for left in [*self.requests.glob("*.yaml"), *self.requests.glob(f"{TAKEN}/*.yaml")]:
-            left.unlink(missing_ok=True)
+        """The launch is over: no more hosts may be asked for (requests left are removed).
+        A control folder someone removed meanwhile is left removed."""
+        try:
+            self._write_state(running=False, run_id=run_id)
+            for left in [*self.requests.glob("*.yaml"), *self.requests.glob(f"{TAKEN}/*.yaml")]:
+                left.unlink(missing_ok=True)
+        except OSError:
+            pass
 
     def take_requests(self) -> list[tuple[str, dict[str, Any]]]:
         """The requests written since the last look, oldest first, each moved to
         ``requests/taken/`` until :meth:`done`: (file name, host entry). A file that is not
         an entry is taken as ``{}`` (refused later with its reason)."""
         taken = []
-        (self.requests / TAKEN).mkdir(exist_ok=True)
         for path in sorted(self.requests.glob("*.yaml")):
             try:
                 text = path.read_text() if path.stat().st_size <= MAX_REQUEST_BYTES else ""
                 entry = yaml12.load(text)
             except (OSError, yaml.YAMLError, UnicodeDecodeError):
                 entry = {}
-            os.replace(path, self.requests / TAKEN / path.name)
+            try:
+                (self.requests / TAKEN).mkdir(exist_ok=True)
+                os.replace(path, self.requests / TAKEN / path.name)
+            except OSError:  # removed meanwhile (the folder with it): nothing to take
+                continue
             taken.append((path.name, entry if isinstance(entry, dict) else {}))
         return taken
 
