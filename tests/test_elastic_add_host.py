@@ -159,6 +159,8 @@ def test_a_run_of_two_grows_to_three_and_the_new_slot_joins_with_a_peers_state(l
     newcomer.value = torch.full((5,), -100.0)  # whatever it held is replaced
     _on_threads(lambda: newcomer.comm.join(60.0), *(lambda n=n: n.average(1, admit=True) for n in nodes))
     assert newcomer.comm.alive == [0, 1, 2] and torch.equal(newcomer.value, nodes[0].value)
+    # Every member counts the new slot (the old ones were started with WORLD_SIZE=2).
+    assert [n.comm.world_size for n in [*nodes, newcomer]] == [3, 3, 3]
     event = nodes[0].comm.events[-1]
     assert event["joined"] == [2] and event["members"] == [0, 1, 2] and event["heal_bytes"] > 0
     newcomer.value += 3.0  # 1.5 + 3 beside 1.5, 1.5: the mean of three is 2.5

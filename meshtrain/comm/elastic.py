@@ -141,6 +141,9 @@ class ElasticCommunicator(TorchDistCommunicator):
         members = list(decision.members)
         self.pg = None
         self.alive = members
+        # A host added mid-run (`meshtrain hosts add`) is a slot past the launch's: every member
+        # counts it from the first group it is in (FedAvg draws its islands over all slots).
+        self.world_size = max(self.world_size, max(members) + 1)
         self._place = {slot: i for i, slot in enumerate(members)}
         self.epoch = decision.epoch
         store = dist.PrefixStore(f"elastic/pg/{decision.epoch}/", self.store)
