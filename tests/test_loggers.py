@@ -142,6 +142,12 @@ def wandb_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 def offline_run(folder: Path, name: str) -> list[Any]:
     """The records of the one offline W&B run called ``name``."""
+    import wandb
+
+    # W&B's service process writes the run file and may still hold its records when
+    # run.finish() has returned (seen: a file of its 7-byte header alone, 1 run in 6 here);
+    # teardown waits until the service has written everything and stopped.
+    wandb.teardown()
     found = []
     for run_file in folder.glob("wandb/offline-run-*/run-*.wandb"):
         records = wandb_records(run_file)
