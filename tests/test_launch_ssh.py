@@ -4,11 +4,13 @@ Trainer.fit, its run directory copied back)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 from ssh_fixtures import SshWorld, generate_key, meshtrain
 
 from meshtrain.hosts.inventory import load_inventory
@@ -194,6 +196,10 @@ def test_launch_script_with_trainer_fit(loopback_ssh: SshWorld, tmp_path: Path) 
     assert (remote / "model.pt").read_bytes() == (local / "model.pt").read_bytes()
     assert '"nodes": 2' in (local / "summary.json").read_text()
     assert not any(p.name.startswith(".") for p in (tmp_path / "runs").iterdir())  # no temp dir left
+    # Both ranks run on this machine (LOCAL_WORLD_SIZE=2): they share its cores, not each
+    # take all of them (oversubscribed, OpenMP's waiting threads spin against each other).
+    threads = yaml.safe_load((local / "config.yaml").read_text())["train"]["threads"]
+    assert threads == max(1, len(os.sched_getaffinity(0)) // 2)
 
 
 def test_the_same_script_runs_under_torchrun(tmp_path: Path) -> None:

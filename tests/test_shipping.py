@@ -6,6 +6,7 @@ relative ``--data`` exists only on the launching side, as on real machines.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -166,9 +167,29 @@ def test_launch_ships_data_and_model_that_exist_only_here_and_matches_simulate(
                                "--out", str(tmp_path / "sim"), "--run-id", "sim", *training,
                                cwd=local, timeout=240)
     assert simulated.returncode == 0, simulated.stderr
-    a = load_file(tmp_path / "runs" / "shipped" / "model" / "adapter_model.safetensors")
+    run = tmp_path / "runs" / "shipped"
+    a = load_file(run / "model" / "adapter_model.safetensors")
     b = load_file(tmp_path / "sim" / "sim" / "model" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    # The whisper LoRA profile launched on two hosts (this was tests/test_hf_launch.py's own
+    # launch of the same profile, on the same loopback hosts: ~30 s of CPU for the same path).
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["nodes"] == 2 and summary["runtime"] == "launched" and summary["steps"] == 6
+    assert 0 <= summary["final_wer"] < float("inf")
+    # Over real sockets too, a sync sends only the adapter, and start-up sends nothing:
+    # frozen weights are compared by hash (record=False), never transferred. Two outer syncs
+    # in 6 steps: at step 5 (the profile's H) and at the last step.
+    assert summary["bytes_sent_per_node"] == 2 * 4 * summary["trainable_parameters"]
+    assert summary["startup_bytes_sent_per_node"] == 0
+    # The model names the base this machine was given, not rank 0's shipped copy inside
+    # its workdir (a path only the host has): with the hosts' disks gone, it still loads.
+    adapter = json.loads((run / "model" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str((local / "tiny-whisper").resolve())
+    shutil.rmtree(tmp_path / "remote")
+    clip = sorted((local / "recordings" / "clips").glob("*.wav"))[0]
+    heard = meshtrain_here("transcribe", str(run / "model"), str(clip), cwd=tmp_path, timeout=120)
+    assert heard.returncode == 0 and heard.stdout.startswith(f"{clip}: "), heard.stdout + heard.stderr
 
 
 def test_data_that_is_nowhere_here_is_one_line(tmp_path: Path) -> None:
