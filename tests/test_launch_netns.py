@@ -2,8 +2,10 @@
 sshd and its own address (10.200.0.10, 10.200.0.11), the launcher in a third namespace.
 
 * Launching DiLoCo on the two hosts gives bit-identical weights to
-  ``meshtrain simulate --nodes 2 --runtime processes`` with the same options, the same
-  thread count included (floating-point sums are grouped differently at 1 and 2 threads).
+  ``meshtrain simulate --nodes 2`` with the same options, the same thread count included
+  (floating-point sums are grouped differently at 1 and 2 threads). Simulated on threads:
+  the processes runtime gives the same weights bit for bit (tests/test_runtimes.py) for
+  two more interpreters' start-up.
 * ``hosts check`` reaches rank 0's rendezvous port from both hosts.
 * An address where no host answers is a one-line error before anything starts.
 * A host whose network drops mid-run is noticed by its missing heartbeats, and the other
@@ -68,8 +70,8 @@ def test_launch_on_two_hosts_matches_simulate_bit_for_bit(world, tmp_path: Path)
     assert {"config.yaml", "metrics.csv", "summary.json", "model.pt"} <= {p.name for p in local.iterdir()}
     assert yaml.safe_load((local / "config.yaml").read_text())["train"]["threads"] == 1  # recorded
 
-    # In this process: its node processes are real, an interpreter to start them is not needed.
-    simulated = meshtrain_here("simulate", "--nodes", "2", "--runtime", "processes", "--device", "cpu",
+    # In this process, on threads (bit-identical to processes: tests/test_runtimes.py).
+    simulated = meshtrain_here("simulate", "--nodes", "2", "--runtime", "threads", "--device", "cpu",
                                "--out", str(tmp_path / "sim"), "--run-id", "sim", *TRAINING, cwd=tmp_path,
                                timeout=240)
     assert simulated.returncode == 0, simulated.stderr
