@@ -11,6 +11,7 @@ import re
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 import urllib.error
 import urllib.request
@@ -467,16 +468,27 @@ def test_dashboard_command_warns_when_listening_beyond_127_0_0_1(tmp_path: Path)
 
 
 def test_dashboard_without_its_extra_is_one_line_naming_it(tmp_path: Path) -> None:
-    def without_aiohttp(*args: str) -> subprocess.CompletedProcess[str]:
-        code = ("import sys; sys.modules['aiohttp'] = None; from meshtrain.cli.main import app; "
-                f"app({list(args)!r})")
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-
+    # Both commands in one interpreter without aiohttp (one start-up of torch, not two): each
+    # command's exit status and what it wrote to stderr, in turn.
+    code = textwrap.dedent("""
+        import json, sys
+        sys.modules["aiohttp"] = None
+        from meshtrain.cli.main import app
+        for args in json.loads(sys.argv[1]):
+            try:
+                app(args)
+            except SystemExit as exc:
+                sys.stderr.write(f"\\n<exit {exc.code}>\\n")
+    """)
+    commands = [["dashboard"], ["simulate", "--dashboard", "--steps", "2", "--out", str(tmp_path / "runs")]]
+    done = subprocess.run([sys.executable, "-c", code, json.dumps(commands)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    results = [(int(status), text.strip()) for text, status in
+               re.findall(r"(.*?)\n<exit (\d+)>\n", done.stderr, re.S)]
     hint = "the aiohttp package is not installed; pip install 'meshtrain[dashboard]'"
-    result = without_aiohttp("dashboard")
-    assert (result.returncode, result.stderr.strip()) == (2, f"error: meshtrain dashboard: {hint}")
-    result = without_aiohttp("simulate", "--dashboard", "--steps", "2", "--out", str(tmp_path / "runs"))
-    assert (result.returncode, result.stderr.strip()) == (2, f"error: --dashboard: {hint}")
+    assert results == [(2, f"error: meshtrain dashboard: {hint}"),
+                       (2, f"error: --dashboard: {hint}")], done.stderr
     assert not (tmp_path / "runs").exists()  # nothing was prepared
 
 
