@@ -385,7 +385,7 @@ def _check_heal_and_end(slots: list[_Slot], joiner: _Slot, results: list[Any], r
     # Its timeline in steps done: reachable again, asked to join (after its start-up),
     # admitted at the next admission point after it asked.
     (rejoin,) = results[0].summary["elastic"]["rejoins"]
-    assert rejoin["rank"] == 2 and rejoin["start_up_s"] >= 0, rejoin
+    assert rejoin["rank"] == 2 and rejoin["asked_after_s"] >= 0, rejoin
     assert rejoin["reachable_step"] <= rejoin["asked_step"] <= rejoin["admitted_step"], rejoin
     assert rejoin["admitted_step"] - rejoin["asked_step"] <= round_steps, rejoin
     assert rejoin["admitted_step"] == [e["step"] for e in events if e["joined"]][0]

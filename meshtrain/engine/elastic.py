@@ -45,7 +45,7 @@ class ElasticNode:
         self._events_seen = 0
         self._round_start = run.first_step  # the first step of the round not yet synced
         #: Rank 0: each rejoin's timeline in steps done ({"rank", "reachable_step",
-        #: "asked_step", "admitted_step", "start_up_s"}), see :meth:`_watch_returning`.
+        #: "asked_step", "admitted_step", "asked_after_s"}), see :meth:`_watch_returning`.
         self.rejoins: list[dict[str, Any]] = []
         self._returning: dict[int, dict[str, Any]] = {}
         self._reachable_seen: dict[int, int] = {}
@@ -124,8 +124,9 @@ class ElasticNode:
 
 
     def _watch_returning(self, step: int, events: list[dict[str, Any]]) -> None:
-        """Rank 0, while a slot is out: the steps done when the launcher found its host
-        reachable again, when its joiner asked to join (after its start-up), and when it was
+        """Rank 0, while a slot is out: the steps done when rank 0 knew the slot out and its
+        host reachable again (the launcher's word, the later of the two), when its joiner
+        asked to join (after its start-up), with the seconds between, and when it was
         admitted (summary.json's ``elastic.rejoins``). One look at the store per step and
         slot out, only while one is."""
         table = getattr(self.comm, "table", None)
@@ -138,11 +139,11 @@ class ElasticNode:
             if reachable > self._reachable_seen.get(slot, 0):  # a new outage's host answers again
                 self._reachable_seen[slot] = reachable
                 self._returning[slot] = {"rank": slot, "reachable_step": done, "asked_step": None,
-                                         "start_up_s": None, "seen_at": time.monotonic()}
+                                         "asked_after_s": None, "seen_at": time.monotonic()}
             record = self._returning.get(slot)
             if record is not None and asking and record["asked_step"] is None:
                 record["asked_step"] = done
-                record["start_up_s"] = round(time.monotonic() - record["seen_at"], 2)
+                record["asked_after_s"] = round(time.monotonic() - record["seen_at"], 2)
         for e in events:
             for slot in e["joined"]:
                 record = self._returning.pop(slot, None)
@@ -150,7 +151,7 @@ class ElasticNode:
                     seen_at = record.pop("seen_at")
                     if record["asked_step"] is None:  # it asked during the admitting step itself
                         record["asked_step"] = e["step"]
-                        record["start_up_s"] = round(time.monotonic() - seen_at, 2)
+                        record["asked_after_s"] = round(time.monotonic() - seen_at, 2)
                     self.rejoins.append({**record, "admitted_step": e["step"]})
 
     def _announce(self, event: dict[str, Any]) -> None:
