@@ -478,14 +478,14 @@ def test_fedavg_islands_go_on_without_the_lost_slot_and_take_it_back(loopback: N
 
 def test_which_strategies_an_elastic_run_serves() -> None:
     """``launch --elastic`` serves the strategies whose nodes hold one global state at an
-    admission point; FedAvg's islands included, DiLoCo's delay=1 not (each node's
-    parameters carry its own progress past the round end)."""
+    admission point; FedAvg's islands and DiLoCo's delay=1 included."""
     from meshtrain.strategies import STRATEGIES, DiLoCo, FedAvg, StreamingDiLoCo
 
     assert sorted(n for n, cls in STRATEGIES.items() if cls.elastic) == [
         "ddp", "diloco", "fedavg", "sparseloco", "sparta-diloco", "streaming-diloco"]
     assert FedAvg(H=2, island_size=2).elastic_problem() is None
-    assert "delay=1" in (DiLoCo(delay=1).elastic_problem() or "")
+    assert DiLoCo(delay=1).elastic_problem() is None  # unlike a checkpoint on fewer nodes
+    assert "delay=1" in (DiLoCo(delay=1).fewer_nodes_problem() or "")
     assert "never hold one global state" in (STRATEGIES["sparta"]().elastic_problem() or "")
     always = StreamingDiLoCo(fragments=4, H=4, tau=1).elastic_problem()
     assert always is not None and "always on its way" in always
@@ -518,3 +518,28 @@ def test_streaming_diloco_redoes_a_fragments_sync_among_the_survivors_and_admits
     assert healed["in_flight"] == {} and all(
         torch.count_nonzero(s["momentum_buffer"]) for s in healed["outer_optimizer"]["state"].values())
     _check_heal_and_end(slots, joiner, results, round_steps=4)
+
+
+def test_diloco_delay_1_starts_the_survivors_average_and_heals_with_the_average_on_its_way(
+        loopback: None, tmp_path: Any) -> None:
+    """DiLoCo with delay=1 (H=2, inner SGD): slot 2 dies before step 3's transaction (a round's
+    end). The survivors apply the last round's average, then start this round's among
+    THEMSELVES: the progress on its way is theta - mean of their new parameters (each node's
+    parameters are theta minus its own progress; plain torch). The joiner takes the anchor
+    and that average, to apply at the next round's end as everyone does."""
+    from meshtrain.strategies import DiLoCo
+
+    dies = 3
+    slots, joiner, results = _elastic_run(DiLoCo(H=2, delay=1, optim="sgd", lr=0.1), steps=10,
+                                          dies_at=dies, tmp_path=tmp_path)
+    a, b = slots[0].around[dies], slots[1].around[dies]
+    sync = a["strategy"]["modules"][0]
+    other = b["strategy"]["modules"][0]
+    for key in ("outer", "outer_optimizer", "in_flight"):  # the anchors are each node's own
+        _same(sync[key], other[key], f"the survivors' {key}")
+    averaged = sync["in_flight"][0]
+    for theta, on_its_way, after0, after1 in zip(sync["outer"], averaged, a["after"], b["after"],
+                                                 strict=True):
+        torch.testing.assert_close(on_its_way, theta - (after0 + after1) / 2, rtol=1e-6, atol=1e-7)
+    assert slots[0].sent[0]["strategy"]["modules"][0]["in_flight"] is not None
+    _check_heal_and_end(slots, joiner, results, round_steps=2)

@@ -254,7 +254,7 @@ class DiLoCo(OuterSGDStrategy):
     # Checkpoints fall on outer syncs, where every node holds the outer parameters and the
     # same outer optimizer (the inner optimizer is each node's own).
     continues_on_fewer_nodes = True
-    elastic = True  # a joiner takes the global state at an outer sync (not with delay=1)
+    elastic = True  # a joiner takes a healthy node's state at an outer sync (delay=1 too)
     balances = True  # its averages go through mean_over_nodes_ (engine/balance.py)
     supports_vmap = True
 
@@ -274,4 +274,10 @@ class DiLoCo(OuterSGDStrategy):
         if self.delay:
             return ("with delay=1 each node's parameters carry its own progress since the last "
                     "round end: a checkpoint cannot continue on fewer nodes")
+        return None
+
+    def elastic_problem(self) -> str | None:
+        # delay=1 too: a joiner takes a healthy node's whole state at a round's end (its
+        # anchor, its parameters with that node's progress in them, the average on its way,
+        # complete in an elastic run) and from then on sends its own progress.
         return None
