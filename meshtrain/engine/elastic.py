@@ -122,16 +122,15 @@ class ElasticNode:
                 batches.synced()
             self._round_start = step + 1
 
-
     def _watch_returning(self, step: int, events: list[dict[str, Any]]) -> None:
         """Rank 0, while a slot is out: the steps done when rank 0 knew the slot out and its
         host reachable again (the launcher's word, the later of the two), when its joiner
         asked to join (after its start-up), with the seconds between, and when it was
         admitted (summary.json's ``elastic.rejoins``). One look at the store per step and
         slot out, only while one is."""
-        table = getattr(self.comm, "table", None)
-        if table is None:
+        if not isinstance(self.comm, ElasticCommunicator):
             return
+        table = self.comm.table
         done = step + 1
         changed = {slot for e in events for slot in (*e["lost"], *e["joined"])}
         for slot in sorted(changed | {s for s in range(table.slots) if s not in self.comm.alive}):
