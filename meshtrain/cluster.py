@@ -28,13 +28,15 @@ import statistics
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from meshtrain import yaml12
-from meshtrain.comm import CommRecord
 from meshtrain.errors import InputError
+
+if TYPE_CHECKING:  # only named in annotations: the cluster tables load without torch
+    from meshtrain.comm import CommRecord
 
 
 @dataclass(frozen=True)

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from meshtrain.errors import SettingError
+
+if TYPE_CHECKING:  # DEVICES is read where torch is not loaded (an inventory's check)
+    import torch
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 
 
 def resolve_device(name: str) -> torch.device:
     """``auto`` picks cuda, then mps, then cpu; a named device must be available."""
+    import torch
+
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -32,6 +37,8 @@ def check_gpus_for_processes(runtime: str, nodes: int, device: torch.device) -> 
     ranks on one GPU ("Duplicate GPU detected"): each node process needs a GPU of its own."""
     if runtime != "processes" or device.type != "cuda":
         return
+    import torch
+
     if device.index is not None:
         raise SettingError(f"runtime processes puts node N on GPU N: give device cuda, not {device}")
     gpus = torch.cuda.device_count()

@@ -17,18 +17,19 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from meshtrain.build import AUTO, choose_strategy, resolve_run, task_suggestions
 from meshtrain.config.layers import merge, parse_set
 from meshtrain.config.profiles import load_profile
 from meshtrain.config.spec import ConfigError, RunSpec
 from meshtrain.hosts import discovery as d
 from meshtrain.hosts.inventory import Host
-from meshtrain.planning import Plan
 from meshtrain.tasks import Task, TaskOptions, check_options
+
+if TYPE_CHECKING:  # the build and the planner load torch: imported where a profile is built
+    from meshtrain.planning import Plan
 
 #: The key files ssh(1) tries when no identity file is given, in its order.
 DEFAULT_KEYS = ("id_ed25519", "id_ecdsa", "id_rsa")
@@ -112,6 +113,8 @@ def profile_settings(profile: str, *, data: str | None, overrides: list[str]) ->
 
     Raises ``ValueError`` (ConfigError, TaskError) naming the setting at fault.
     """
+    from meshtrain.build import AUTO, resolve_run
+
     base = merge(load_profile(profile), {"data": data} if data is not None else {})
     layer = parse_set(overrides, base.get("strategy") or RunSpec.strategy)
     if "strategy" in layer or "strategy_options" in layer:
@@ -129,6 +132,8 @@ def _without_strategy(settings: dict[str, Any]) -> dict[str, Any]:
 def _resolve_auto(given: dict[str, Any]) -> tuple[dict[str, Any], RunSpec, Task]:
     """(the settings but the strategy, and the spec and task) resolved as `simulate
     --strategy auto` resolves them: the planner fills in the strategy."""
+    from meshtrain.build import AUTO, resolve_run
+
     flags = _without_strategy(given)
     spec, task = resolve_run({**flags, "strategy": AUTO}, [], launched=False)
     return flags, spec, task
@@ -140,6 +145,8 @@ def plan_profile(given: dict[str, Any], *, cluster: str, hosts: int) -> ProfileP
     ``simulate --strategy auto`` does, and the chosen strategy keeps the options the profile
     gives it (a profile's DiLoCo ``outer_lr`` stays when DiLoCo is chosen) under the plan's.
     """
+    from meshtrain.build import choose_strategy, task_suggestions
+
     flags, spec, task = _resolve_auto(given)
     spec.cluster, spec.nodes = cluster, hosts
     bundle = task.build(TaskOptions(spec.data, spec.seed, check_options(task, spec.task_options)))

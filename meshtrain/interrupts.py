@@ -7,7 +7,8 @@ torch. ``import meshtrain`` runs :func:`quiet_ctrl_c_while_importing` before any
 
 - in the ``meshtrain`` command (its console script, or ``python -m meshtrain`` as launched
   ranks run it), Ctrl-C prints one line and exits 130 until the CLI's imports are done
-  (:func:`hand_back_ctrl_c`);
+  (:func:`hand_back_ctrl_c`), and again while a command that computes imports torch where
+  it runs (:func:`loading_quietly`: the CLI's own modules load without torch);
 - in the node server (multiprocessing's forkserver, which preloads meshtrain), Ctrl-C is
   ignored for good, as the server itself does once its preload is done; its node processes
   inherit that, and the run that started them stops them;
@@ -17,11 +18,13 @@ torch. ``import meshtrain`` runs :func:`quiet_ctrl_c_while_importing` before any
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
@@ -71,3 +74,15 @@ def hand_back_ctrl_c() -> None:
     """Ctrl-C raises KeyboardInterrupt again, for the command's own handlers to catch."""
     if signal.getsignal(signal.SIGINT) is _exit_while_starting:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@contextlib.contextmanager
+def loading_quietly() -> Iterator[None]:
+    """Around a command's own import of torch and the engine, which the ``meshtrain`` command
+    makes in the commands that compute, not at its start: Ctrl-C there is as quiet as while
+    the command starts (one line, exit 130; nothing is written yet), and the command's after."""
+    quiet_ctrl_c_while_importing()
+    try:
+        yield
+    finally:
+        hand_back_ctrl_c()

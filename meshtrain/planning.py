@@ -64,6 +64,7 @@ from meshtrain.comm.buckets import BUCKET_BYTES
 from meshtrain.comm.compression import Codec, SparseCodec
 from meshtrain.config.plan import COMM_BUDGET
 from meshtrain.data import Collate, DataFactory, fetch, resolve_dataset, to_device
+from meshtrain.engine.math_kernels import resolve_math_kernels
 from meshtrain.strategies.base import Optim
 
 #: Inner steps between DiLoCo syncs that the planner considers (the paper uses 500).
@@ -399,6 +400,7 @@ def measure_step_times(model: nn.Module, data: Dataset[Any] | DataFactory, batch
     """The seconds of each timed step of :func:`measure_step_seconds` (their spread is how
     much a host's step varies: what a sync waits for). On a GPU each step is timed to its
     kernels' end (the device is synchronised): they run after the Python call returns."""
+    resolve_math_kernels()  # the steps timed are the run's: with its kernels (engine/math_kernels.py)
     device = device or torch.device("cpu")
     dataset, _ = resolve_dataset(data, 0, 1, "train")
     size = len(dataset)  # type: ignore[arg-type]

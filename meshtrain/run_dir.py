@@ -19,10 +19,12 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import yaml
+
+if TYPE_CHECKING:  # only a run's end saves a model; the commands that read runs need no torch
+    import torch
 
 METRIC_COLUMNS = [
     "step",
@@ -183,6 +185,8 @@ class RunDirectory:
         if callable(save_pretrained):
             save_pretrained(str(self.partial / "model"))
         else:
+            import torch
+
             atomic_write(self.partial / "model.pt", lambda tmp: torch.save(model.state_dict(), tmp))
 
     def write_plot(self, history: list[dict[str, Any]], title: str,

@@ -319,16 +319,16 @@ def test_plot_takes_a_comparison_folder_for_all_its_runs(compared, tmp_path: Pat
     """`meshtrain plot runs/compare-...` had said "not a finished run": a folder of runs is
     all of them, a comparison folder or runs/ itself; an empty folder is one line."""
     folder, _ = compared
-    from meshtrain.cli import research
+    from meshtrain import plots  # the command imports plot_runs from here when it runs
 
     drawn: list[list[str]] = []
-    real = research.plot_runs
+    real = plots.plot_runs
 
     def recording(runs, out, target):  # noqa: ANN001, ANN202 - the real one's arguments
         drawn.append(sorted(run.path.name for run in runs))
         return real(runs, out, target)
 
-    monkeypatch.setattr(research, "plot_runs", recording)
+    monkeypatch.setattr(plots, "plot_runs", recording)
     result = runner.invoke(app, ["plot", str(folder), "--out", str(tmp_path / "plots")])
     assert result.exit_code == 0, result.output
     assert drawn == [sorted(STRATEGIES)] and (tmp_path / "plots" / "val_loss_vs_steps.png").is_file()

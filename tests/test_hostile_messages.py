@@ -91,13 +91,13 @@ def test_a_finished_run_whose_copy_back_failed_is_not_told_to_resume(
     copy-back's own line, test_launch_faults.py)."""
     from in_process import meshtrain_here
 
-    from meshtrain.cli import launch as launch_cli
+    from meshtrain.launch import launcher  # the command imports launch from here when it runs
     from meshtrain.launch.launcher import LaunchResult
 
     def finished_but_not_copied(*args: object, **kwargs: object) -> LaunchResult:
         return LaunchResult(1, [], None, 3.0, copy_failed=True, world_size=2)
 
-    monkeypatch.setattr(launch_cli, "launch", finished_but_not_copied)
+    monkeypatch.setattr(launcher, "launch", finished_but_not_copied)
     inv = tmp_path / "inv.yaml"
     inv.write_text("defaults: {user: nobody, python: /usr/bin/python3}\n"
                    "hosts: [{name: box0, host: 192.0.2.1}, {name: box1, host: 192.0.2.2}]\n")

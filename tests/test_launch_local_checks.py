@@ -193,7 +193,7 @@ def test_launch_resume_is_checked_here_before_any_host_is_contacted(
     def no_host(*args: Any, **kwargs: Any) -> None:
         raise AssertionError("a host was contacted")
 
-    monkeypatch.setattr("meshtrain.cli.launch.launch", no_host)
+    monkeypatch.setattr("meshtrain.launch.launcher.launch", no_host)
 
     def resume(run_id: str, *args: str) -> Any:
         return runner.invoke(app, ["launch", str(inv), "--out", str(runs), "--resume", run_id, *args])
@@ -225,7 +225,7 @@ def test_every_rank_gets_the_resolved_settings_file_and_no_training_flags(
         seen.update(argv=argv, uploads=[p.name for p in options.uploads])
         raise AssertionError("captured")
 
-    monkeypatch.setattr("meshtrain.cli.launch.launch", capture)
+    monkeypatch.setattr("meshtrain.launch.launcher.launch", capture)
     result = runner.invoke(app, ["launch", str(inv), "--out", str(tmp_path / "runs"), "--run-id", "r",
                                  "--strategy", "fedavg", "--set", "H=3", "--steps", "7", "--lr", "0.05"])
     assert "captured" in str(result.exception), result.output

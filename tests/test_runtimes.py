@@ -298,8 +298,8 @@ class _NeedsResolvedMathKernels(torch.nn.Module):
 
 def test_a_node_process_resolves_math_kernels_before_it_trains(tmp_path):
     """A fresh process's first ``tanh`` on two threads can be wrong on one thread's chunk
-    (oneMKL 2024.2, pytorch/pytorch#188792; benchmarks/vml_race.py). ``import meshtrain``
-    resolves the kernels, so a node process has them chosen before its first step."""
+    (oneMKL 2024.2, pytorch/pytorch#188792; benchmarks/vml_race.py). Importing
+    meshtrain's engine resolves the kernels, so a node process has them chosen before its first step."""
     data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32))
     Trainer(_NeedsResolvedMathKernels(), data).fit(
         DiLoCo(H=2, lr=0.01), nodes=2, max_steps=2, batch_size=4, runtime="processes",

@@ -23,6 +23,7 @@ from typer.core import TyperOption
 from typer.main import get_command
 from typer.testing import CliRunner
 
+import meshtrain.build
 import meshtrain.cli.main as cli_main
 from meshtrain.build import resolve_run
 from meshtrain.cli.flags import setting_flags
@@ -124,7 +125,7 @@ def test_a_setting_with_a_flag_is_in_its_commands_help_and_its_flag_sets_it(
         seen.append(resolve_run(flags, overrides, launched)[0])
         raise ConfigError("resolved")
 
-    monkeypatch.setattr(cli_main, "build_run", resolve_only)
+    monkeypatch.setattr(meshtrain.build, "build_run", resolve_only)  # simulate imports it when it runs
     result = runner.invoke(app, ["simulate", *flag_args(flag, value)])
     assert result.exit_code == 2 and "resolved" in result.output, result.output
     assert getattr(seen[0], name) == value

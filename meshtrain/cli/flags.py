@@ -25,7 +25,7 @@ from meshtrain.config.launching import LaunchSettings
 from meshtrain.config.settings import CLUSTER, WHAT, Flag, Options, TrainConfig, from_flags
 from meshtrain.config.spec import RunSpec
 from meshtrain.errors import SettingError
-from meshtrain.tasks import TASKS, get_task
+from meshtrain.tasks import TASKS
 
 Command = TypeVar("Command", bound=Callable[..., Any])
 
@@ -45,8 +45,8 @@ SET_OPTIONS["launch"] = SET_OPTIONS["simulate"]
 
 def _steps_help(setting_help: str) -> str:
     """--steps help naming each task's suggested step count (the default a run gets)."""
-    suggested = ", ".join(f"{entry.name} {get_task(entry.name).defaults['steps']}"
-                          for entry in TASKS.values() if "steps" in get_task(entry.name).defaults)
+    suggested = ", ".join(f"{entry.name} {entry.steps}" for entry in TASKS.values()
+                          if entry.steps is not None)
     return (f"Training steps; each node takes one batch a step (default: the task's suggestion, "
             f"{suggested}; 100 for a task without one; none when epochs is given).")
 

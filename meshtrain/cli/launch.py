@@ -10,7 +10,7 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.table import Table
@@ -33,22 +33,17 @@ from meshtrain.config.hosts import (
 )
 from meshtrain.errors import InputError
 from meshtrain.hosts import discovery as d
-from meshtrain.hosts.bench import model_seconds
-from meshtrain.hosts.checks import CHECKS, check_hosts
 from meshtrain.hosts.inventory import Inventory, InventoryError, load_inventory, parse_inventory
+from meshtrain.interrupts import loading_quietly
 from meshtrain.launch.adding import RunControl, entry_from_words
-from meshtrain.launch.benchmark import BenchmarkFailed, benchmark_hosts, probe_note
-from meshtrain.launch.launcher import (
-    FINISHED_WITHOUT,
-    LaunchResult,
-    PreflightError,
-    RankFailure,
-    launch,
-)
 from meshtrain.launch.live import rank_output
-from meshtrain.launch.training import abandon_launch, finish_launch, prepare_launch
-from meshtrain.planning import Plan
 from meshtrain.progress import human_bytes
+
+# These load torch: each command imports them where it runs (in loading_quietly), so the
+# commands build, and --help answers, without torch.
+if TYPE_CHECKING:
+    from meshtrain.launch.launcher import LaunchResult, RankFailure
+    from meshtrain.planning import Plan
 
 
 def resume_command(args: list[str], run_id: str) -> str:
@@ -81,6 +76,8 @@ def hosts_check(
     """Check every host: SSH, interpreter, versions, device, workdir, rendezvous port."""
     how = checked_options(HostsCheckSettings, options)
     inv = _inventory(inventory)
+    with loading_quietly():
+        from meshtrain.hosts.checks import CHECKS, check_hosts
     reports = check_hosts(inv, accept_new_host_keys=how.accept_new_host_keys, timeout=how.timeout)
     table = Table(title=f"{inventory} ({inv.world_size} hosts, rendezvous "
                         f"{inv.master.advertise}:{inv.rendezvous.port})")
@@ -131,6 +128,10 @@ def bench_hosts(inventory: Path, how: HostsBenchSettings) -> None:
     """Run ``hosts bench`` (:func:`~meshtrain.launch.benchmark.benchmark_hosts`) and print
     what it measured; ``meshtrain up`` runs its step 4 with it."""
     inv = _inventory(inventory)
+    with loading_quietly():
+        from meshtrain.hosts.bench import model_seconds
+        from meshtrain.launch.benchmark import BenchmarkFailed, benchmark_hosts, probe_note
+        from meshtrain.launch.launcher import PreflightError
     try:
         bench = benchmark_hosts(inventory, inv, how)
     except PreflightError as exc:
@@ -284,6 +285,9 @@ def launch_hosts(inventory: Path, command: list[str] | None, dashboard: bool,
     launcher, :func:`~meshtrain.launch.training.finish_launch`) and print how it went; exits
     with the launch's status. ``settings``: the command's options by setting name (a
     caller gives only what it sets). ``meshtrain up`` runs its step 6 with it."""
+    with loading_quietly():
+        from meshtrain.launch.launcher import FINISHED_WITHOUT, PreflightError, launch
+        from meshtrain.launch.training import abandon_launch, finish_launch, prepare_launch
     try:
         prepared = prepare_launch(inventory, command, settings, show_plan=_show_plan, note=_note)
     except InputError as exc:

@@ -18,8 +18,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from meshtrain import checkpoint, yaml12
-from meshtrain.build import build_run, resolve_run
+from meshtrain import yaml12
 from meshtrain.cli import dashboard as dashboard_cli
 from meshtrain.cli import launch, research
 from meshtrain.cli import plan as plan_cli
@@ -33,14 +32,11 @@ from meshtrain.config.environment import launched_rank
 from meshtrain.config.profiles import list_profiles, load_profile
 from meshtrain.config.resume import resume_conflict
 from meshtrain.config.spec import ConfigError, RunSpec
-from meshtrain.engine.job import NodeFailed
-from meshtrain.engine.trainer import Trainer, run_job
 from meshtrain.errors import MeshtrainError
 from meshtrain.heartbeat import start_heartbeat
-from meshtrain.interrupts import hand_back_ctrl_c
+from meshtrain.interrupts import hand_back_ctrl_c, loading_quietly
 from meshtrain.progress import human_bytes, human_seconds
 from meshtrain.run_dir import atomic_write_text
-from meshtrain.strategies import STRATEGIES, Strategy
 from meshtrain.tasks import TASKS, get_task
 from meshtrain.version import __version__
 
@@ -113,6 +109,12 @@ def simulate(
 
       meshtrain simulate --tensorboard --wandb demo   # also log there (extras)
     """
+    # torch and the engine: here, not at the command's start (meshtrain --help needs neither).
+    with loading_quietly():
+        from meshtrain import checkpoint
+        from meshtrain.build import build_run, resolve_run
+        from meshtrain.engine.job import NodeFailed
+        from meshtrain.engine.trainer import Trainer, run_job
     began = time.time()  # the progress bar's clock counts loading the model and data too
     launched = launched_rank() is not None
     set_: list[str] = list(settings.pop("set_"))
@@ -288,6 +290,8 @@ def print_summary(summary: dict[str, Any], run_dir: Path) -> None:
 @app.command("strategies")
 def list_strategies() -> None:
     """List the strategies with their parameters and defaults."""
+    with loading_quietly():
+        from meshtrain.strategies import STRATEGIES, Strategy
     shared = [n for n in Strategy.parameters() if n not in ("optim", "lr")]
     table = Table(
         title="strategies (set parameters with --set NAME=VALUE)",
@@ -354,7 +358,8 @@ def list_tasks() -> None:
     table.add_column("options")
     for entry in TASKS.values():
         try:
-            options = ", ".join(f"{k}={v}" for k, v in get_task(entry.name).options.items())
+            with loading_quietly():  # the task's module, and torch with it
+                options = ", ".join(f"{k}={v}" for k, v in get_task(entry.name).options.items())
         except ImportError as exc:  # an optional dependency is missing
             options = f"(unavailable: {exc})"
         table.add_row(entry.name, entry.description, options)

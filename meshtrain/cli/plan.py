@@ -6,7 +6,7 @@ parameters, and prints :func:`meshtrain.planning.recommend`'s table.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich import box
@@ -17,16 +17,12 @@ from meshtrain.cli.flags import checked_options, takes_options
 from meshtrain.cluster import ClusterFileError, get_cluster
 from meshtrain.config.environment import resolve_threads
 from meshtrain.config.plan import PLAN, PlanSettings
-from meshtrain.planning import (
-    SOURCES,
-    Plan,
-    Workload,
-    probe_compute,
-    recommend,
-    trainable_parameters,
-)
+from meshtrain.interrupts import loading_quietly
 from meshtrain.progress import human_bytes
 from meshtrain.tasks import TaskError, TaskOptions, check_options, get_task
+
+if TYPE_CHECKING:
+    from meshtrain.planning import Plan
 
 
 @takes_options(PlanSettings, PLAN)
@@ -43,6 +39,8 @@ def plan(**options: Any) -> None:
       meshtrain plan --hosts 3 --cluster clusters/lab.yaml   # from hosts bench
     """
     how = checked_options(PlanSettings, options)
+    with loading_quietly():  # torch: here, not at the command's start (meshtrain --help needs none)
+        from meshtrain.planning import SOURCES, Workload, probe_compute, recommend, trainable_parameters
     try:
         cluster = get_cluster(how.cluster)
         task = get_task(how.task)

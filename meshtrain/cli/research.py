@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich import box
@@ -16,14 +16,17 @@ from rich.table import Table
 
 from meshtrain.cli.console import console, fail, fail_on, print_table
 from meshtrain.cli.flags import checked_options, takes_options, takes_settings
-from meshtrain.compare import CompareSpec, plan, run_comparison
 from meshtrain.config.research import COMPARE, PLOT, CompareSettings, PlotSettings
 from meshtrain.config.settings import check_flag
 from meshtrain.config.spec import RunSpec
 from meshtrain.errors import SettingError
-from meshtrain.plots import plot_runs
+from meshtrain.interrupts import loading_quietly
 from meshtrain.progress import human_bytes
-from meshtrain.runs import FinishedRun, RunError, list_runs, load_runs
+
+# These load torch (the strategies, the engine): each command imports them where it runs,
+# so the commands build, and --help answers, without torch.
+if TYPE_CHECKING:
+    from meshtrain.runs import FinishedRun
 
 
 @takes_settings(COMPARE)
@@ -52,6 +55,8 @@ def compare(**given: Any) -> None:
             check_flag(RunSpec, key, value)
     except SettingError as exc:
         raise fail(str(exc)) from None
+    with loading_quietly():
+        from meshtrain.compare import CompareSpec, plan, run_comparison
     spec = CompareSpec(strategies=[s.strip() for s in how.strategies.split(",") if s.strip()],
                        settings=settings, overrides=overrides, target_loss=how.target_loss)
     try:
@@ -128,6 +133,9 @@ def plot(run_dirs: list[Path] = typer.Argument(..., metavar="RUN_DIR",
     """Plot finished runs: val loss against steps, bytes sent per node and projected time."""
     how = checked_options(PlotSettings, options)
     out = Path(how.out)
+    with loading_quietly():
+        from meshtrain.plots import plot_runs
+        from meshtrain.runs import RunError, load_runs
     try:
         runs = [run for d in run_dirs for run in load_runs(d)]
     except RunError as exc:
@@ -146,6 +154,8 @@ def runs(
     folder: Path = typer.Argument(Path("runs"), metavar="FOLDER", help="Folder of run directories."),
 ) -> None:
     """List the finished runs in a folder (comparison folders included)."""
+    with loading_quietly():
+        from meshtrain.runs import RunError, list_runs
     try:
         listing = list_runs(folder)
     except RunError as exc:

@@ -45,7 +45,7 @@ from meshtrain.guided import (
 )
 from meshtrain.hosts import discovery as d
 from meshtrain.hosts.inventory import Host, Inventory, InventoryError, parse_inventory
-from meshtrain.planning import SOURCES
+from meshtrain.interrupts import loading_quietly
 from meshtrain.run_dir import atomic_write_text
 
 STEPS = 6
@@ -64,6 +64,9 @@ def up(**options: Any) -> None:
       meshtrain up --yes --profile whisper-small-diloco --data recordings/
     """
     how = checked_options(UpSettings, options)
+    with loading_quietly():  # torch and the engine, which checking the profile and planning load
+        import meshtrain.build  # noqa: F401 - loaded here, where Ctrl-C is quiet, not mid-dialogue
+        from meshtrain.planning import SOURCES
     name, profile, yes = how.name, how.profile, how.yes
     inventory, cluster, profile_out = (Path("hosts") / f"{name}.yaml", Path("clusters") / f"{name}.yaml",
                                        Path("profiles") / f"{name}.yaml")

@@ -14,9 +14,7 @@ import yaml
 
 from meshtrain import yaml12
 from meshtrain.config.settings import check_settings
-from meshtrain.config.spec import ConfigError, RunSpec
-from meshtrain.config.strategy_options import strategy_class
-from meshtrain.strategies import STRATEGIES
+from meshtrain.config.spec import BUILT_IN_STRATEGIES, ConfigError, RunSpec
 
 
 def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -37,6 +35,8 @@ def parse_set(items: list[str], strategy_name: str) -> dict[str, Any]:
     or a bare parameter of the strategy (``H=50`` means ``strategy_options.H=50``).
     Values are read as YAML: ``1e-3`` is a float, ``true`` a bool, ``[a, b]`` a list.
     """
+    from meshtrain.config.strategy_options import strategy_class  # loads torch: see resolve_spec
+
     out: dict[str, Any] = {}
     strategy_params = set(strategy_class(strategy_name).parameters())
     for item in items:
@@ -52,7 +52,7 @@ def parse_set(items: list[str], strategy_name: str) -> dict[str, Any]:
             value = text
         path = key.split(".")
         if path[0] not in RunSpec.field_names():
-            if path[0] in STRATEGIES and len(path) > 1:
+            if path[0] in BUILT_IN_STRATEGIES and len(path) > 1:
                 raise ConfigError(
                     f"--set {key}: the STRATEGY.KEY form belongs to `meshtrain compare`; for this "
                     f"run give --strategy {path[0]} --set {'.'.join(path[1:])}={text.strip()}")
@@ -91,5 +91,9 @@ def resolve_spec(layers: list[tuple[str, dict[str, Any]]]) -> RunSpec:
         merged = merge(merged, given)
     spec = RunSpec(**merged)
     spec.validate()
+    # Here, not at the top: the strategies load torch, which the commands that only read
+    # settings (their --help, hosts, clusters) never need.
+    from meshtrain.config.strategy_options import strategy_class
+
     strategy_class(spec.strategy)
     return spec

@@ -18,7 +18,12 @@ import yaml
 from meshtrain import yaml12
 from meshtrain.config.settings import ALL, BOTH, KEEP, MAY_CHANGE, WHAT, Flag, TrainConfig
 from meshtrain.errors import SettingError
-from meshtrain.strategies import STRATEGIES
+
+#: The built-in strategies' names, as meshtrain.strategies.STRATEGIES lists them: named here
+#: so that the --strategy help, built with every command, needs no strategy (and no torch)
+#: loaded; tests/test_cli_imports.py checks the two agree.
+BUILT_IN_STRATEGIES = ("ddp", "diloco", "sparta", "sparta-diloco", "fedavg", "demo", "sparseloco",
+                       "streaming-diloco", "async-diloco")
 
 
 class ConfigError(SettingError):
@@ -43,7 +48,7 @@ class RunSpec(TrainConfig):
                                                       # a path: the file may have moved
                                                       "on_resume": MAY_CHANGE})
     strategy: str = field(default="diloco", metadata={
-        "help": "Strategy: " + ", ".join(STRATEGIES) + " (`meshtrain strategies`), or "
+        "help": "Strategy: " + ", ".join(BUILT_IN_STRATEGIES) + " (`meshtrain strategies`), or "
                 "package.module:Class for your own.",
         "flag": Flag(("--strategy", "-s"), WHAT, BOTH), "on_resume": KEEP})
     strategy_options: dict[str, Any] = field(default_factory=dict, metadata={

@@ -11,3 +11,12 @@
   a registry of name -> runner.
 * :mod:`~meshtrain.engine.loggers`: metrics loggers (CSV, TensorBoard, W&B).
 """
+
+from meshtrain.engine.math_kernels import resolve_math_kernels
+
+# Before this process's first exp or tanh on several threads, which oneMKL 2024.2 can get
+# wrong on one thread's chunk (engine/math_kernels.py). Here, not in ``import meshtrain``
+# (which stays free of torch for the commands that never compute): the Trainer, the node
+# loop and every runtime, a launched rank's included, live in this package, so models
+# built after ``from meshtrain import Trainer``, and every node, compute with the right kernels.
+resolve_math_kernels()

@@ -11,8 +11,10 @@ by up to 4e-4. Every later call is right, so a run only differs when a node's fi
 is its first such call; that was enough to break bit-identity between runtimes.
 
 :func:`resolve_math_kernels` calls each of those functions once, on one element, so on one
-thread; ``import meshtrain`` calls it, so every process that builds a model or runs a
-node after that import computes with the chosen kernels (0 wrong of 2,000 measured).
+thread; importing :mod:`meshtrain.engine` (the Trainer, the runtimes, a launched rank's
+loop) calls it, so every process that builds a model or runs a node after that import
+computes with the chosen kernels (0 wrong of 2,000 measured). ``import meshtrain`` alone
+does not: it loads no torch.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ _resolved = False
 
 
 def resolve_math_kernels() -> None:
-    """Call every VML function once per dtype, on one thread (``import meshtrain`` does)."""
+    """Call every VML function once per dtype, on one thread (``import meshtrain.engine`` does)."""
     global _resolved
     if torch.backends.mkl.is_available():  # elsewhere (Apple silicon) there is nothing to choose
         for dtype in (torch.float32, torch.float64):

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from meshtrain.engine.math_kernels import resolve_math_kernels
 from meshtrain.hf.audio import SAMPLE_RATE, SpeechDataError, read_audio
 from meshtrain.hf.decoding import resolve_decoding
 from meshtrain.hf.model import HFModel
@@ -23,6 +24,7 @@ from meshtrain.hf.tokenizer import load_tokenizer
 def load_for_transcription(model_dir: str, language: str | None = None, task: str | None = None,
                            max_new_tokens: int = 128) -> HFModel:
     """The model in ``model_dir`` with its tokenizer, feature extractor and decoding prefix."""
+    resolve_math_kernels()  # before the model's first exp or tanh on several threads (engine/math_kernels.py)
     model = HFModel.from_pretrained(model_dir)
     model.tokenizer = load_tokenizer(model_dir)
     model.feature_extractor = feature_extractor_for(model.config, model_dir)

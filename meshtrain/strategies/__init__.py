@@ -1,7 +1,9 @@
 """The strategy set. Each file holds one algorithm, written like its paper.
 
 A new built-in strategy is one file here: every :class:`Strategy` subclass with its own
-``name`` in a module of this package joins :data:`STRATEGIES` (in ``listing_order``).
+``name`` in a module of this package joins :data:`STRATEGIES` (in ``listing_order``). Its
+name also goes in :data:`meshtrain.config.spec.BUILT_IN_STRATEGIES`, which the --strategy
+help reads without importing this package (tests/test_cli_imports.py checks they agree).
 """
 
 import importlib

@@ -10,15 +10,17 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from torch import nn
-from torch.utils.data import Dataset
+from typing import TYPE_CHECKING, Any
 
 from meshtrain.config.settings import check_value
-from meshtrain.data import Collate, DataFactory
 from meshtrain.errors import InputError, SettingError
 from meshtrain.progress import Status
+
+if TYPE_CHECKING:  # the registry loads without torch (the commands' help names the tasks)
+    from torch import nn
+    from torch.utils.data import Dataset
+
+    from meshtrain.data import Collate, DataFactory
 
 
 class TaskError(InputError):
@@ -69,17 +71,20 @@ class TaskEntry:
     name: str
     description: str
     module: str
+    #: The task's suggested ``steps`` (its Task.defaults'), for the --steps help, which every
+    #: command builds without importing the task (tests/test_cli_imports.py checks they agree).
+    steps: int | None = None
 
 
 TASKS: dict[str, TaskEntry] = {
     e.name: e
     for e in (
         TaskEntry("digits", "scikit-learn's 8x8 handwritten digits (1797 images), MLP or CNN",
-                  "meshtrain.tasks.digits"),
+                  "meshtrain.tasks.digits", steps=300),
         TaskEntry("gpt", "character-level GPT on a text file given by --data",
-                  "meshtrain.tasks.gpt"),
+                  "meshtrain.tasks.gpt", steps=200),
         TaskEntry("whisper", "fine-tune a Hugging Face Whisper model on a folder of recordings",
-                  "meshtrain.tasks.whisper"),
+                  "meshtrain.tasks.whisper", steps=200),
     )
 }
 
