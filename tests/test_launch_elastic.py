@@ -3,9 +3,9 @@ others at their next sync, retried over SSH, and rejoins with a peer's state.
 
 One world of three namespace hosts serves every test (module fixture). Each launch trains on
 the digits task, long enough for a rank to be lost and come back on a loaded machine (see
-SHORT and LONG), with a heartbeat of 4 s and a strategy other than DiLoCo (which
+STEPS), with a heartbeat of 4 s and a strategy other than DiLoCo (which
 test_launch_add_host.py runs on hosts): FedAvg (H=20, 2,400 steps) where a rank is
-killed, Streaming DiLoCo (H=20, 4 fragments, overlapped syncs, 4,000 steps) where the others
+killed, Streaming DiLoCo (H=20, 4 fragments, overlapped syncs, 2,400 steps) where the others
 are all lost at once. The issue's 60 s outages take the same path (a rank
 silent past the heartbeat is lost, its host retried until it answers); the shortest
 heartbeat that a loaded 2-core machine keeps honest is used instead. Each test compares the
@@ -21,10 +21,12 @@ import subprocess
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cpu_limits import CpuGroup, cpu_cgroups
 from ssh_fixtures import (
     PYTHON,
     Namespaces,
@@ -40,17 +42,17 @@ from meshtrain.cli.main import app
 TRAINING = ["--task", "digits", "--seed", "5", "--batch-size", "16", "--threads", "1"]
 #: One outer round of every strategy below, in steps (where joiners are admitted).
 H = 20
-#: A killed rank is noticed at once and the two survivors go on together; its joiner (a new
-#: process importing torch: 6-16 s on a loaded 2-core machine) is ready well before the end.
-SHORT = 2400
-#: Where the others are all lost (a cut cable, a stopped rank: noticed after the heartbeat,
-#: 4 s to wait for the peer and 4 s of silence) rank 0 trains alone at up to 300 steps/s
-#: while the joiners start: 2,400 (and 1,600) steps ended before they were ready (measured).
-LONG = 4000
+#: Steps of every launch. While a host is out, rank 0 is held to HELD_CORES of a core (see
+#: _rank_0_held_back): the survivors then take at least ~40 s for these steps whatever the
+#: machine's load, and a joiner (a new process importing torch: 6-16 s on a loaded 2-core
+#: machine) is in before the end. Unheld, rank 0 alone trained at up to 300 steps/s and
+#: 2,400 steps (even 4,000, 4 runs in 8 on a loaded machine) ended before the joiners came.
+STEPS = 1200
+HELD_CORES = 0.1
 #: FedAvg, not SPARTA+DiLoCo: SPARTA's exchange of every step made this test take 246 s,
 #: its reference included (measured once, on a loaded machine).
-FEDAVG = (SHORT, "--strategy", "fedavg", "--set", f"H={H}")
-STREAMING = (LONG, "--strategy", "streaming-diloco", "--set", f"H={H}")
+FEDAVG = (STEPS, "--strategy", "fedavg", "--set", f"H={H}")
+STREAMING = (STEPS, "--strategy", "streaming-diloco", "--set", f"H={H}")
 #: (steps, then the strategy's flags).
 Run = tuple[Any, ...]
 Reference = Callable[[Run], float]  # a strategy's uninterrupted final validation loss
@@ -129,13 +131,23 @@ def _stop_leftovers(run_id: str) -> None:
             pass
 
 
-def _kill_rank_1_after_its_first_step(proc: subprocess.Popen[str], run_id: str, tmp_path: Path,
-                                      steps: int) -> str:
-    """SIGKILL rank 1 (box1) once the run has taken a step; the launcher's output so far."""
-    pid = _rank_pid(run_id, tmp_path / "box1")
-    seen = read_until(proc, [f"step 1/{steps}"], timeout=120)
-    os.kill(pid, signal.SIGKILL)
-    return seen
+@contextmanager
+def _first_step_then_rank_0_held_back(proc: subprocess.Popen[str], run_id: str,
+                                      tmp_path: Path) -> Iterator[str]:
+    """Waits for the run's first step (yields the launcher's output so far), then holds rank 0
+    (box0) to HELD_CORES of a core in a cgroup until the block ends: the survivors' pace is
+    bounded whatever the machine's load, so their run cannot end before a lost host's joiner,
+    slowed by that same load, has started. Leaving the block (once the joiners are admitted)
+    lifts the limit. Skips, naming why, where no cgroup cpu controller is writable."""
+    root, version = cpu_cgroups()
+    pid = _rank_pid(run_id, tmp_path / "box0")
+    seen = read_until(proc, [f"step 1/{STEPS}"], timeout=120)
+    group = CpuGroup(root, version, "elastic-rank0", HELD_CORES)
+    try:
+        group.add(pid)
+        yield seen
+    finally:
+        group.delete()
 
 
 def _finish(proc: subprocess.Popen[str], seen: str, timeout: float = 300) -> str:
@@ -201,8 +213,11 @@ def test_a_rank_killed_rejoins_and_the_run_finishes(world: tuple[SshWorld, Names
     run_id = f"elastic-{uuid.uuid4().hex[:8]}"
     proc = _launch(ssh, tmp_path, run_id, hosts=3, strategy=FEDAVG)
     try:
-        seen = _kill_rank_1_after_its_first_step(proc, run_id, tmp_path, SHORT)
-        seen += read_until(proc, ["rank 1 started to rejoin"], timeout=120)
+        killed = _rank_pid(run_id, tmp_path / "box1")
+        with _first_step_then_rank_0_held_back(proc, run_id, tmp_path) as seen:
+            os.kill(killed, signal.SIGKILL)
+            seen += read_until(proc, ["rank 1 started to rejoin", "rank(s) 1 rejoined with a peer's state"],
+                               timeout=120)
         output = _finish(proc, seen)
     finally:
         proc.kill()
@@ -211,7 +226,7 @@ def test_a_rank_killed_rejoins_and_the_run_finishes(world: tuple[SshWorld, Names
     # Rank 0 says it, with the bytes the heal cost (also in log.txt).
     assert "rank(s) 1 lost; members now 0 2" in output, output
     assert "rank(s) 1 rejoined with a peer's state (" in output, output
-    summary = _check_run(tmp_path, run_id, SHORT)
+    summary = _check_run(tmp_path, run_id, STEPS)
     elastic = summary["elastic"]
     assert isinstance(elastic, dict)
     assert [e["lost"] for e in elastic["events"] if e["lost"]] == [[1]]
@@ -231,8 +246,11 @@ def test_two_hosts_lost_at_once_one_never_comes_back(world: tuple[SshWorld, Name
     run_id = f"elastic-{uuid.uuid4().hex[:8]}"
     proc = _launch(ssh, tmp_path, run_id, hosts=3, strategy=STREAMING)
     try:
-        seen = _kill_rank_1_after_its_first_step(proc, run_id, tmp_path, LONG)
-        ns.set_link(ns.hosts[2], up=False)
+        killed = _rank_pid(run_id, tmp_path / "box1")
+        with _first_step_then_rank_0_held_back(proc, run_id, tmp_path) as seen:
+            os.kill(killed, signal.SIGKILL)
+            ns.set_link(ns.hosts[2], up=False)
+            seen += read_until(proc, ["rank(s) 1 rejoined with a peer's state"], timeout=120)
         output = _finish(proc, seen)
     finally:
         proc.kill()
@@ -241,7 +259,7 @@ def test_two_hosts_lost_at_once_one_never_comes_back(world: tuple[SshWorld, Name
     assert proc.returncode == 3, output
     assert "without box2 (lost, and not back in the run before its end)" in output, output
     assert "rank 1 on box1 lost 1x, rejoined 1x" in output, output
-    summary = _check_run(tmp_path, run_id, LONG)
+    summary = _check_run(tmp_path, run_id, STEPS)
     elastic = summary["elastic"]
     assert isinstance(elastic, dict)
     assert sorted(s for e in elastic["events"] for s in e["lost"]) == [1, 2]
@@ -266,13 +284,14 @@ def test_link_down_then_up_and_a_stopped_rank_both_rejoin(world: tuple[SshWorld,
     stopped = None
     try:
         stopped = _rank_pid(run_id, tmp_path / "box2")
-        seen = read_until(proc, [f"step 1/{LONG}"], timeout=120)
-        ns.set_link(ns.hosts[1], up=False)
-        os.kill(stopped, signal.SIGSTOP)
-        # Each is lost after the heartbeat (the launcher hears its process go silent first).
-        seen += read_until(proc, ["rank 1 on box1", "rank 2 on box2"], timeout=120)
-        ns.set_link(ns.hosts[1], up=True)
-        seen += read_until(proc, ["rank 1 started to rejoin", "rank 2 started to rejoin"], timeout=120)
+        with _first_step_then_rank_0_held_back(proc, run_id, tmp_path) as seen:
+            ns.set_link(ns.hosts[1], up=False)
+            os.kill(stopped, signal.SIGSTOP)
+            # Each is lost after the heartbeat (the launcher hears its process go silent first).
+            seen += read_until(proc, ["rank 1 on box1", "rank 2 on box2"], timeout=120)
+            ns.set_link(ns.hosts[1], up=True)
+            seen += read_until(proc, ["rank 1 started to rejoin", "rank 2 started to rejoin",
+                                      "members now 0 1 2"], timeout=120)
         output = _finish(proc, seen)
     finally:
         proc.kill()
@@ -285,7 +304,7 @@ def test_link_down_then_up_and_a_stopped_rank_both_rejoin(world: tuple[SshWorld,
         _stop_leftovers(run_id)
     assert proc.returncode == 0, output
     assert "rank 1 on box1 lost 1x, rejoined 1x" in output and "rank 2 on box2 lost 1x, rejoined 1x" in output
-    summary = _check_run(tmp_path, run_id, LONG)
+    summary = _check_run(tmp_path, run_id, STEPS)
     elastic = summary["elastic"]
     assert isinstance(elastic, dict)
     assert sorted(s for e in elastic["events"] for s in e["lost"]) == [1, 2]
