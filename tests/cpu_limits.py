@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -82,3 +84,16 @@ def cpu_cgroups() -> tuple[Path, int]:
             pytest.skip(f"cgroup v1: {v1} is not writable (not root, or mounted read-only)")
         return v1, 1
     pytest.skip(f"no cgroup cpu controller: {controllers} lacks cpu and {v1}/cpu.cfs_quota_us is absent")
+
+
+@contextmanager
+def held_back(pid: int, cores: float, name: str) -> Iterator[None]:
+    """Process ``pid`` held to ``cores`` CPUs' worth of time until the block ends (then it
+    runs free again). Skips, naming why, where no cgroup cpu controller is writable."""
+    root, version = cpu_cgroups()
+    group = CpuGroup(root, version, name, cores)
+    try:
+        group.add(pid)
+        yield
+    finally:
+        group.delete()

@@ -395,6 +395,23 @@ def processes_with(marker: str) -> list[str]:
             and "ps -ww" not in line]
 
 
+def rank_pid_in(run_id: str, workdir: Path, timeout: float = 60) -> int:
+    """The interpreter of run ``run_id``'s rank running in ``workdir`` (its shell's child)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in processes_with(run_id):
+            pid, args = int(line.split()[0]), line.split()[2:]
+            if args[:3] != [PYTHON, "-m", "meshtrain"]:
+                continue
+            try:
+                if os.readlink(f"/proc/{pid}/cwd") == str(workdir):
+                    return pid
+            except OSError:
+                continue
+        time.sleep(0.05)
+    raise AssertionError(f"no rank of {run_id} in {workdir}")
+
+
 def rank_processes(marker: str, script: str) -> list[str]:
     """The ranks' own interpreters running ``script`` (not their shells, not the launcher)."""
     return [line for line in processes_with(marker)

@@ -15,14 +15,19 @@ from pathlib import Path
 
 import pytest
 import yaml
-from ssh_fixtures import PYTHON, Namespaces, SshWorld, meshtrain, read_until, start_meshtrain
+from cpu_limits import held_back
+from ssh_fixtures import PYTHON, Namespaces, SshWorld, meshtrain, rank_pid_in, read_until, start_meshtrain
 from typer.testing import CliRunner
 
 from meshtrain.cli.main import app
 from meshtrain.hosts.inventory import load_inventory
 from meshtrain.launch.adding import RunControl
 
-STEPS = 2400
+#: Steps of the launch. From its first step until the added host is in, rank 0 is held to
+#: HELD_CORES of a core (a cgroup quota): the run's pace is bounded whatever the machine's
+#: load, while the new host's checks and its rank's start-up grow with it.
+STEPS = 1200
+HELD_CORES = 0.1
 TRAINING = ["--task", "digits", "--steps", str(STEPS), "--seed", "5", "--batch-size", "16",
             "--threads", "1", "--strategy", "diloco", "--set", "H=20"]
 ELASTIC = ["--elastic", "--heartbeat-timeout", "4", "--rejoin-backoff", "1"]
@@ -69,18 +74,20 @@ def test_a_host_added_mid_run_joins_at_an_outer_sync_and_trains(
     proc = start_meshtrain(ssh, "launch", str(inventory), "--out", str(tmp_path / "runs"), "--run-id", run_id,
                            *ELASTIC, *TRAINING, cwd=tmp_path)
     try:
+        rank_0 = rank_pid_in(run_id, tmp_path / "box0")
         seen = read_until(proc, [f"step 1/{STEPS}"], timeout=120)
-        box2 = entries[2]
-        # Before it is added, the third host's connections to rank 0's gate are closed unanswered.
-        assert _gate_answers_from(ns.hosts[2], ssh.servers[0].address) is False
-        # Already in the run: refused in one line, nothing asked of the launcher.
-        again = {**entries[1], "name": "again"}
-        twice = meshtrain(ssh, "hosts", "add", str(run_dir), *_words(again), cwd=tmp_path)
-        assert twice.returncode == 2 and "is already in the run as 'box1'" in twice.stderr, twice.stderr
-        added = meshtrain(ssh, "hosts", "add", str(run_dir), *_words(box2), cwd=tmp_path)
-        assert added.returncode == 0, added.stderr
-        assert "as rank 2" in added.stdout, added.stdout
-        seen += read_until(proc, ["host box2 is rank 2", "new host box2 joined as rank 2"], timeout=120)
+        with held_back(rank_0, HELD_CORES, "add-host-rank0"):
+            box2 = entries[2]
+            # Before it is added, the third host's connections to rank 0's gate are closed unanswered.
+            assert _gate_answers_from(ns.hosts[2], ssh.servers[0].address) is False
+            # Already in the run: refused in one line, nothing asked of the launcher.
+            again = {**entries[1], "name": "again"}
+            twice = meshtrain(ssh, "hosts", "add", str(run_dir), *_words(again), cwd=tmp_path)
+            assert twice.returncode == 2 and "is already in the run as 'box1'" in twice.stderr, twice.stderr
+            added = meshtrain(ssh, "hosts", "add", str(run_dir), *_words(box2), cwd=tmp_path)
+            assert added.returncode == 0, added.stderr
+            assert "as rank 2" in added.stdout, added.stdout
+            seen += read_until(proc, ["host box2 is rank 2", "new host box2 joined as rank 2"], timeout=120)
         rest, _ = proc.communicate(timeout=300)
         output = seen + rest
     finally:

@@ -18,7 +18,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,12 +25,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cpu_limits import CpuGroup, cpu_cgroups
+from cpu_limits import held_back
 from ssh_fixtures import (
     PYTHON,
     Namespaces,
     SshWorld,
     processes_with,
+    rank_pid_in,
     read_until,
     start_meshtrain,
 )
@@ -95,23 +95,6 @@ def _inventory(ssh: SshWorld, tmp_path: Path, hosts: int) -> Path:
                          rendezvous={"port": 29500, "timeout": 60})
 
 
-def _rank_pid(run_id: str, workdir: Path, timeout: float = 60) -> int:
-    """The interpreter of the rank running in ``workdir`` (its shell's child)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in processes_with(run_id):
-            pid, args = int(line.split()[0]), line.split()[2:]
-            if args[:3] != [PYTHON, "-m", "meshtrain"]:
-                continue
-            try:
-                if os.readlink(f"/proc/{pid}/cwd") == str(workdir):
-                    return pid
-            except OSError:
-                continue
-        time.sleep(0.05)
-    raise AssertionError(f"no rank of {run_id} in {workdir}")
-
-
 def _training(strategy: Run) -> list[str]:
     return [*TRAINING, "--steps", str(strategy[0]), *strategy[1:]]
 
@@ -135,19 +118,14 @@ def _stop_leftovers(run_id: str) -> None:
 def _first_step_then_rank_0_held_back(proc: subprocess.Popen[str], run_id: str,
                                       tmp_path: Path) -> Iterator[str]:
     """Waits for the run's first step (yields the launcher's output so far), then holds rank 0
-    (box0) to HELD_CORES of a core in a cgroup until the block ends: the survivors' pace is
-    bounded whatever the machine's load, so their run cannot end before a lost host's joiner,
-    slowed by that same load, has started. Leaving the block (once the joiners are admitted)
-    lifts the limit. Skips, naming why, where no cgroup cpu controller is writable."""
-    root, version = cpu_cgroups()
-    pid = _rank_pid(run_id, tmp_path / "box0")
+    (box0) to HELD_CORES of a core until the block ends: the survivors' pace is bounded
+    whatever the machine's load, so their run cannot end before a lost host's joiner, slowed
+    by that same load, has started. Leaving the block (once the joiners are admitted) lifts
+    the limit."""
+    pid = rank_pid_in(run_id, tmp_path / "box0")
     seen = read_until(proc, [f"step 1/{STEPS}"], timeout=120)
-    group = CpuGroup(root, version, "elastic-rank0", HELD_CORES)
-    try:
-        group.add(pid)
+    with held_back(pid, HELD_CORES, "elastic-rank0"):
         yield seen
-    finally:
-        group.delete()
 
 
 def _finish(proc: subprocess.Popen[str], seen: str, timeout: float = 300) -> str:
@@ -213,7 +191,7 @@ def test_a_rank_killed_rejoins_and_the_run_finishes(world: tuple[SshWorld, Names
     run_id = f"elastic-{uuid.uuid4().hex[:8]}"
     proc = _launch(ssh, tmp_path, run_id, hosts=3, strategy=FEDAVG)
     try:
-        killed = _rank_pid(run_id, tmp_path / "box1")
+        killed = rank_pid_in(run_id, tmp_path / "box1")
         with _first_step_then_rank_0_held_back(proc, run_id, tmp_path) as seen:
             os.kill(killed, signal.SIGKILL)
             seen += read_until(proc, ["rank 1 started to rejoin", "rank(s) 1 rejoined with a peer's state"],
@@ -246,7 +224,7 @@ def test_two_hosts_lost_at_once_one_never_comes_back(world: tuple[SshWorld, Name
     run_id = f"elastic-{uuid.uuid4().hex[:8]}"
     proc = _launch(ssh, tmp_path, run_id, hosts=3, strategy=STREAMING)
     try:
-        killed = _rank_pid(run_id, tmp_path / "box1")
+        killed = rank_pid_in(run_id, tmp_path / "box1")
         with _first_step_then_rank_0_held_back(proc, run_id, tmp_path) as seen:
             os.kill(killed, signal.SIGKILL)
             ns.set_link(ns.hosts[2], up=False)
@@ -283,7 +261,7 @@ def test_link_down_then_up_and_a_stopped_rank_both_rejoin(world: tuple[SshWorld,
     proc = _launch(ssh, tmp_path, run_id, hosts=3, strategy=STREAMING)
     stopped = None
     try:
-        stopped = _rank_pid(run_id, tmp_path / "box2")
+        stopped = rank_pid_in(run_id, tmp_path / "box2")
         with _first_step_then_rank_0_held_back(proc, run_id, tmp_path) as seen:
             ns.set_link(ns.hosts[1], up=False)
             os.kill(stopped, signal.SIGSTOP)
