@@ -14,7 +14,9 @@ At the highest weight it is owed more than its quota, and the quota is what bind
 
 from __future__ import annotations
 
+import fcntl
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +25,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path("/sys/fs/cgroup")
+#: Held by a test whose hosts must run at a known ratio of speeds (see :func:`quotas_alone`);
+#: one path for every pytest process on this machine, xdist's workers included.
+QUOTA_LOCK = Path(tempfile.gettempdir()) / "meshtrain-test-cpu-quotas.lock"
 PERIOD_US = 10_000  # 10 ms: a short period spreads the quota evenly over a training step
 WEIGHT_V2 = 10_000  # cpu.weight's highest (default 100)
 SHARES_V1 = 262_144  # cpu.shares' highest (default 1024)
@@ -97,3 +102,15 @@ def held_back(pid: int, cores: float, name: str) -> Iterator[None]:
         yield
     finally:
         group.delete()
+
+
+@contextmanager
+def quotas_alone() -> Iterator[None]:
+    """While the block runs, no other test's hosts hold a speed ratio's quotas: a test whose
+    hosts must run at a known ratio (one core against half of one) takes this first. Two such
+    tests at once asked for 3 cores of quota at the highest weight on a 2-core machine, each
+    group then got about half a core, and the "one core" host measured no faster than the
+    half-core one (a full suite: the balance test beside the async-diloco one)."""
+    with open(QUOTA_LOCK, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cpu_limits import CpuGroup, cpu_cgroups
+from cpu_limits import CpuGroup, cpu_cgroups, quotas_alone
 from in_process import meshtrain_here
 from ssh_fixtures import free_port, meshtrain
 
@@ -75,16 +75,17 @@ def test_a_host_capped_at_half_a_core_runs_fewer_inner_steps(world, tmp_path: Pa
         pytest.skip("needs 2 cores: one host gets a whole core, the other half of one")
     ssh, _ = world
     root, version = cpu_cgroups()
-    fast, slow = CpuGroup(root, version, "fast", 1.0), CpuGroup(root, version, "slow", 0.5)
     H, steps, batch = 10, 30, 256
-    try:
-        fast.add(ssh.servers[0].pid)  # every rank box0's sshd starts gets at most one core
-        slow.add(ssh.servers[1].pid)  # and box1's half a core
-        done = _launch(ssh, tmp_path, "capped", "--steps", str(steps), "--set", f"H={H}",
-                       "--set", "task_options.arch=cnn", "--batch-size", str(batch))
-    finally:
-        fast.delete()
-        slow.delete()
+    with quotas_alone():
+        fast, slow = CpuGroup(root, version, "fast", 1.0), CpuGroup(root, version, "slow", 0.5)
+        try:
+            fast.add(ssh.servers[0].pid)  # every rank box0's sshd starts gets at most one core
+            slow.add(ssh.servers[1].pid)  # and box1's half a core
+            done = _launch(ssh, tmp_path, "capped", "--steps", str(steps), "--set", f"H={H}",
+                           "--set", "task_options.arch=cnn", "--batch-size", str(batch))
+        finally:
+            fast.delete()
+            slow.delete()
     said = re.search(r"measured speeds 1\.00, ([0-9.]+) .*inner steps per round 10, (\d+)",
                      done.stdout + done.stderr)
     assert said, (done.stdout + done.stderr)[-3000:]

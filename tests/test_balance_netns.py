@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 
 import pytest
-from cpu_limits import CpuGroup, cpu_cgroups
+from cpu_limits import CpuGroup, cpu_cgroups, quotas_alone
 from ssh_fixtures import free_port, meshtrain
 
 pytestmark = pytest.mark.slow
@@ -54,15 +54,16 @@ def test_balance_ends_the_wait_for_a_host_capped_at_half_a_core(world, tmp_path:
         pytest.skip("needs 2 cores: one host gets a whole core, the other half of one")
     ssh, _ = world
     root, version = cpu_cgroups()
-    fast, slow = CpuGroup(root, version, "fast", 1.0), CpuGroup(root, version, "slow", 0.5)
-    try:
-        fast.add(ssh.servers[0].pid)  # every rank box0's sshd starts gets at most one core
-        slow.add(ssh.servers[1].pid)  # and box1's half a core
-        runs = {balance: _launch(ssh, tmp_path, f"balance-{balance}", *(["--balance"] if balance else []))
-                for balance in (False, True)}
-    finally:
-        fast.delete()
-        slow.delete()
+    with quotas_alone():
+        fast, slow = CpuGroup(root, version, "fast", 1.0), CpuGroup(root, version, "slow", 0.5)
+        try:
+            fast.add(ssh.servers[0].pid)  # every rank box0's sshd starts gets at most one core
+            slow.add(ssh.servers[1].pid)  # and box1's half a core
+            runs = {balance: _launch(ssh, tmp_path, f"balance-{balance}", *(["--balance"] if balance else []))
+                    for balance in (False, True)}
+        finally:
+            fast.delete()
+            slow.delete()
     # Share of each rank's loop inside the all-reduce: the unbalanced run's whole loop, the
     # balanced run's steps after its warm-up. The slow host arrives last and waits for no
     # one: its share is the collective's own cost. The fast host's share beyond it is the
