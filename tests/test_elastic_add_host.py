@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from elastic_threads import loopback_fixture, on_threads  # noqa: F401 (the fixture)
 
 from meshtrain.comm import rendezvous
 from meshtrain.comm.elastic import ElasticCommunicator, start_pulse
 from meshtrain.comm.membership import Growth, MembershipError, Table, request_slot
-from meshtrain.comm.torch_dist import loopback_interface
 from meshtrain.data import SharedBatches
 from meshtrain.hosts.inventory import InventoryError, load_inventory
 from meshtrain.launch.adding import AddHostError, RunControl, entry_from_words
@@ -119,52 +119,27 @@ class _Node:
                               snapshot=lambda: self.value.clone(), restore=restore, admit=admit, step=step)
 
 
-def _on_threads(*work: Any) -> None:
-    errors: list[BaseException] = []
-
-    def run(w: Any) -> None:
-        try:
-            w()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(w,)) for w in work]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-
-
-@pytest.fixture
-def loopback(monkeypatch: pytest.MonkeyPatch) -> None:
-    iface = loopback_interface()
-    if iface is None:
-        pytest.skip("no loopback interface for gloo")
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", iface)
-
-
 def test_a_run_of_two_grows_to_three_and_the_new_slot_joins_with_a_peers_state(loopback: None) -> None:
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=60))
     nodes = [_Node(store, s, 2) for s in range(2)]
-    _on_threads(*(n.comm.start for n in nodes))
+    on_threads(*(n.comm.start for n in nodes))
     # A joiner for slot 2 before the launcher asked: not a slot of the run, never admitted.
     assert nodes[0].comm.table.joiners([0, 1]) == {}
     # The launcher asks (through the store); rank 0 takes it at its next meeting.
-    _on_threads(lambda: request_slot(store, Growth(2, "box2", ("127.0.0.1",)), 60.0),
+    on_threads(lambda: request_slot(store, Growth(2, "box2", ("127.0.0.1",)), 60.0),
                 *(lambda n=n: n.average(0) for n in nodes))
     assert nodes[0].comm.table.slots == 3
     newcomer = _Node(store, 2, 3, joining=True)
     newcomer.value = torch.full((5,), -100.0)  # whatever it held is replaced
-    _on_threads(lambda: newcomer.comm.join(60.0), *(lambda n=n: n.average(1, admit=True) for n in nodes))
+    on_threads(lambda: newcomer.comm.join(60.0), *(lambda n=n: n.average(1, admit=True) for n in nodes))
     assert newcomer.comm.alive == [0, 1, 2] and torch.equal(newcomer.value, nodes[0].value)
     # Every member counts the new slot (the old ones were started with WORLD_SIZE=2).
     assert [n.comm.world_size for n in [*nodes, newcomer]] == [3, 3, 3]
     event = nodes[0].comm.events[-1]
     assert event["joined"] == [2] and event["members"] == [0, 1, 2] and event["heal_bytes"] > 0
     newcomer.value += 3.0  # 1.5 + 3 beside 1.5, 1.5: the mean of three is 2.5
-    _on_threads(*(lambda n=n: n.average(2) for n in [*nodes, newcomer]))
+    on_threads(*(lambda n=n: n.average(2) for n in [*nodes, newcomer]))
     for n in [*nodes, newcomer]:
         assert torch.equal(n.value, torch.full((5,), 2.5))
     for n in [*nodes, newcomer]:

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from elastic_threads import loopback_fixture, on_threads  # noqa: F401 (the fixture)
 
 from meshtrain.comm.elastic import ElasticCommunicator, start_pulse
 from meshtrain.comm.membership import Decision, MembershipError, Table, decide
 from meshtrain.comm.state_transfer import StateTransferError, decode, encode
-from meshtrain.comm.torch_dist import loopback_interface
 from meshtrain.data import SharedBatches
 
 
@@ -114,43 +114,18 @@ class _Node:
                               step=step)
 
 
-def _on_threads(*work: Any) -> None:
-    errors: list[BaseException] = []
-
-    def run(w: Any) -> None:
-        try:
-            w()
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(w,)) for w in work]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert not errors, errors
-
-
-@pytest.fixture
-def loopback(monkeypatch: pytest.MonkeyPatch) -> None:
-    iface = loopback_interface()
-    if iface is None:
-        pytest.skip("no loopback interface for gloo")
-    monkeypatch.setenv("GLOO_SOCKET_IFNAME", iface)
-
-
 def test_a_member_lost_mid_collective_is_dropped_then_rejoins_with_a_peers_state(loopback: None) -> None:
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=60))
     nodes = [_Node(store, s, 3) for s in range(3)]
-    _on_threads(*(n.comm.start for n in nodes))
-    _on_threads(*(lambda n=n: n.average(0) for n in nodes))
+    on_threads(*(n.comm.start for n in nodes))
+    on_threads(*(lambda n=n: n.average(0) for n in nodes))
     assert all(torch.equal(n.value, torch.full((5,), 2.0)) for n in nodes)
 
     # Slot 2 goes silent: no pulse, never comes to the next collective.
     nodes[2].stop.set()
     nodes[0].value += 1.0  # 3.0 and 2.0 now: the survivors' mean is 2.5
-    _on_threads(*(lambda n=n: n.average(1) for n in nodes[:2]))
+    on_threads(*(lambda n=n: n.average(1) for n in nodes[:2]))
     for n in nodes[:2]:
         assert n.comm.alive == [0, 1] and torch.equal(n.value, torch.full((5,), 2.5))
     assert nodes[0].comm.events[-1]["lost"] == [2]
@@ -159,14 +134,14 @@ def test_a_member_lost_mid_collective_is_dropped_then_rejoins_with_a_peers_state
     joiner = _Node(store, 2, 3, joining=True)
     joiner.value = torch.full((5,), -100.0)  # whatever it held is replaced
     survivors = nodes[:2]
-    _on_threads(lambda: joiner.comm.join(60.0), *(lambda n=n: n.average(2, admit=True) for n in survivors))
+    on_threads(lambda: joiner.comm.join(60.0), *(lambda n=n: n.average(2, admit=True) for n in survivors))
     assert joiner.comm.alive == [0, 1, 2] and torch.equal(joiner.value, nodes[0].value)
     event = nodes[0].comm.events[-1]
     assert event["joined"] == [2] and event["heal_bytes"] > 5 * 4
 
     # And the three average together again.
     joiner.value += 3.0
-    _on_threads(*(lambda n=n: n.average(3) for n in [*survivors, joiner]))
+    on_threads(*(lambda n=n: n.average(3) for n in [*survivors, joiner]))
     for n in [*survivors, joiner]:
         assert torch.equal(n.value, torch.full((5,), 3.5))
 
@@ -179,19 +154,19 @@ def test_a_joiner_of_a_lost_members_slot_does_not_keep_the_lost_member_alive(loo
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=60))
     nodes = [_Node(store, s, 3) for s in range(3)]
-    _on_threads(*(n.comm.start for n in nodes))
+    on_threads(*(n.comm.start for n in nodes))
     nodes[1].stop.set()
     joiner = _Node(store, 1, 3, joining=True)
     survivors = [nodes[0], nodes[2]]
     done = threading.Event()
 
     def survive() -> None:
-        _on_threads(*(lambda n=n: n.average(0) for n in survivors))
+        on_threads(*(lambda n=n: n.average(0) for n in survivors))
         done.set()
-        _on_threads(*(lambda n=n: n.average(1, admit=True) for n in survivors))
+        on_threads(*(lambda n=n: n.average(1, admit=True) for n in survivors))
 
     # The joiner waits far longer than the pulse timeout: the survivors must not wait for it.
-    _on_threads(lambda: joiner.comm.join(20.0), survive)
+    on_threads(lambda: joiner.comm.join(20.0), survive)
     assert done.is_set() and nodes[0].comm.events[1]["lost"] == [1]
     assert joiner.comm.alive == [0, 1, 2] and torch.equal(joiner.value, nodes[0].value)
     joiner.stop.set()
@@ -362,7 +337,7 @@ def _elastic_run(strategy: Any, steps: int, dies_at: int,
         results["joiner"] = train_node(job, joiner, join_timeout=60.0)
 
     died = threading.Event()
-    _on_threads(*(lambda s=s: first(s) for s in slots), rejoin)
+    on_threads(*(lambda s=s: first(s) for s in slots), rejoin)
     for s in (*slots, joiner):
         s.stop.set()
     assert results["lost"] == 2
