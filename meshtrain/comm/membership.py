@@ -75,6 +75,19 @@ class MembershipError(RunFailure):
     """The store answered with something that is not a decision of this protocol."""
 
 
+def _store_record(text: bytes | str, max_bytes: int, what: str, fields: set[str]) -> dict[str, Any]:
+    """A JSON object read from the store with exactly ``fields``, else one line naming ``what``."""
+    if len(text) > max_bytes:
+        raise MembershipError(f"{what} in the store is too large")
+    try:
+        raw = json.loads(text)
+    except (ValueError, UnicodeDecodeError):
+        raise MembershipError(f"{what} in the store is not JSON") from None
+    if not isinstance(raw, dict) or set(raw) != fields:
+        raise MembershipError(f"{what} in the store has unknown fields")
+    return raw
+
+
 @dataclass(frozen=True)
 class Decision:
     """The coordinator's word at one meeting."""
@@ -94,14 +107,7 @@ class Decision:
     @classmethod
     def from_json(cls, text: bytes | str) -> Decision:
         """A decision from the store, checked field by field."""
-        if len(text) > MAX_DECISION_BYTES:
-            raise MembershipError("a membership decision in the store is too large")
-        try:
-            raw = json.loads(text)
-        except (ValueError, UnicodeDecodeError):
-            raise MembershipError("a membership decision in the store is not JSON") from None
-        if not isinstance(raw, dict) or set(raw) != {f for f in cls.__dataclass_fields__}:
-            raise MembershipError("a membership decision in the store has unknown fields")
+        raw = _store_record(text, MAX_DECISION_BYTES, "a membership decision", set(cls.__dataclass_fields__))
 
         def number(key: str) -> int:
             value = raw[key]
@@ -137,14 +143,7 @@ class Growth:
     @classmethod
     def from_json(cls, text: bytes | str) -> Growth:
         """A request from the store, checked field by field."""
-        if len(text) > MAX_GROWTH_BYTES:
-            raise MembershipError("a request to add a host in the store is too large")
-        try:
-            raw = json.loads(text)
-        except (ValueError, UnicodeDecodeError):
-            raise MembershipError("a request to add a host in the store is not JSON") from None
-        if not isinstance(raw, dict) or set(raw) != {"slot", "name", "addresses"}:
-            raise MembershipError("a request to add a host in the store has unknown fields")
+        raw = _store_record(text, MAX_GROWTH_BYTES, "a request to add a host", {"slot", "name", "addresses"})
         slot, name, addresses = raw["slot"], raw["name"], raw["addresses"]
         if not isinstance(slot, int) or isinstance(slot, bool) or slot < 1:
             raise MembershipError("a request to add a host names no rank")
