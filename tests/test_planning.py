@@ -355,11 +355,14 @@ def test_the_probe_repeats_and_says_when_it_is_noisy() -> None:
 
     from meshtrain.planning import probe_compute
 
-    steady = _ThreadsSeen(lambda call: 0.02)
+    # Steady steps of 100 ms: a sleep overshoots by a few ms on a loaded machine (steps of
+    # 20 ms once measured 21.5/21.5/27.9 ms in a full suite: a 29% spread from the scheduler
+    # alone), a small share of 100 ms.
+    steady = _ThreadsSeen(lambda call: 0.1)
     calm = probe_compute(steady, regression_data(64), 8, threads=1, seconds=0.1)
     assert set(steady.threads) == {1} and len(calm.round_seconds) == PROBE_ROUNDS
     assert not calm.noisy and calm.warning() is None, calm
-    assert calm.seconds == pytest.approx(0.02, rel=0.5)
+    assert calm.seconds == pytest.approx(0.1, rel=0.5)
     busy = probe_compute(_ThreadsSeen(lambda call: 0.005 if call <= 8 else 0.04), regression_data(64), 8,
                          threads=1, seconds=0.1)
     assert busy.noisy and busy.spread > NOISY_SPREAD, busy
